@@ -1,0 +1,257 @@
+//! One bootstrap: run the stage graph, decide, remove the taint (unless dry-run), report.
+//! The decision is a pure function of the records ([`decide`]); the taint is never removed
+//! while any required, enabled stage lacks evidence, and never in dry-run.
+
+use crate::graph::{HARDWARE_STAGES, run_graph};
+use crate::node_api::NodeApi;
+use crate::report::{ConditionValue, node_event, set_condition, write_annotation};
+use crate::stages::Context;
+use crate::timeline::{Outcome, StageRecord, Timeline, Verdict};
+use crate::untaint::remove_startup_taint;
+use jiff::Timestamp;
+use std::sync::Arc;
+use std::time::Instant;
+use taintgate_validators::gpu::decide::XidClass;
+
+/// Process exit codes.
+pub mod exit {
+    /// Released (or would release in dry-run).
+    pub const RELEASED: i32 = 0;
+    /// Held: a required stage lacks evidence; the reason is in the report.
+    pub const HELD: i32 = 1;
+    /// Bad input: config or profile rejected.
+    pub const BAD_INPUT: i32 = 2;
+}
+
+/// The first blocking failure among the records, if any: a required, enabled stage that
+/// did not pass. Disabled-for-no-cluster stages block only outside dry-run.
+pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(String, String, String)> {
+    let blocking = |r: &&StageRecord| {
+        r.required
+            && match r.outcome {
+                Outcome::Passed => false,
+                Outcome::Disabled => r.reason.as_deref() == Some("NoCluster") && !dry_run,
+                _ => true,
+            }
+    };
+    // Report a root cause before the stages it caused to be skipped.
+    records
+        .iter()
+        .filter(blocking)
+        .min_by_key(|r| (r.outcome == Outcome::Skipped, r.start_ms + r.duration_ms))
+        .map(|r| {
+            (
+                r.stage.clone(),
+                r.reason.clone().unwrap_or_else(|| "Unknown".into()),
+                r.message.clone().unwrap_or_default(),
+            )
+        })
+}
+
+/// Result of one bootstrap.
+pub struct BootstrapResult {
+    /// The timeline with its verdict.
+    pub timeline: Timeline,
+    /// Process exit code.
+    pub exit_code: i32,
+}
+
+/// Run a whole bootstrap.
+pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> BootstrapResult {
+    let clock = ctx.clock;
+    let mut records = run_graph(ctx.clone()).await;
+
+    // An XID that arrived during validation holds the node even if every stage passed.
+    if let Some(rec) = xid_gate(&ctx) {
+        records.push(rec);
+    }
+    let mut timeline = Timeline {
+        node: node_name.to_string(),
+        agent_start: clock.origin(),
+        gpu_backend: ctx.gpu.backend().into(),
+        stages: records,
+        verdict: None,
+    };
+    timeline.sort();
+
+    let blocked = decide(&timeline.stages, dry_run);
+    let cfg = &ctx.config;
+    let (released, reason, message) = match (&blocked, dry_run) {
+        (Some((stage, reason, msg)), _) => (false, reason.clone(), format!("stage {stage}: {msg}")),
+        (None, true) => (
+            true,
+            "WouldRelease".to_string(),
+            "every required stage has evidence; dry-run: taint left in place".to_string(),
+        ),
+        (None, false) => match &ctx.api {
+            None => (
+                false,
+                "NoCluster".into(),
+                "no Kubernetes API to remove the taint through".into(),
+            ),
+            Some(api) => {
+                let t0 = Instant::now();
+                match remove_startup_taint(
+                    api.as_ref(),
+                    &cfg.taint,
+                    cfg.api.untaint_deadline,
+                    cfg.api.backoff_min,
+                    cfg.api.backoff_max,
+                )
+                .await
+                {
+                    Ok(o) => {
+                        let msg = if o.removed {
+                            format!(
+                                "every required stage has evidence; removed taint {}:{} ({} attempts, {} retried)",
+                                cfg.taint.key,
+                                cfg.taint.effect.as_str(),
+                                o.attempts,
+                                o.retries
+                            )
+                        } else {
+                            format!(
+                                "every required stage has evidence; taint {}:{} was already absent",
+                                cfg.taint.key,
+                                cfg.taint.effect.as_str()
+                            )
+                        };
+                        timeline.stages.push(StageRecord {
+                            stage: "untaint".into(),
+                            start: clock.wall(t0),
+                            start_ms: clock.offset(t0).as_millis() as u64,
+                            duration_ms: t0.elapsed().as_millis() as u64,
+                            outcome: Outcome::Passed,
+                            required: true,
+                            attempts: o.attempts,
+                            reason: None,
+                            message: None,
+                            summary: if o.removed {
+                                "taint removed".into()
+                            } else {
+                                "taint already absent".into()
+                            },
+                            evidence: serde_json::Value::Null,
+                        });
+                        (true, "Released".into(), msg)
+                    }
+                    Err(e) => (false, "UntaintFailed".into(), e.to_string()),
+                }
+            }
+        },
+    };
+    let now = Instant::now();
+    timeline.verdict = Some(Verdict {
+        released,
+        dry_run,
+        reason: reason.clone(),
+        message: message.clone(),
+        at_ms: clock.offset(now).as_millis() as u64,
+        at: clock.wall(now),
+    });
+    if released {
+        tracing::info!(reason = %reason, message = %message, "verdict: released");
+    } else {
+        tracing::warn!(reason = %reason, message = %message, "verdict: held");
+    }
+
+    if !dry_run {
+        if let Some(api) = &ctx.api {
+            report(api.as_ref(), &ctx, &timeline, blocked.as_ref().map(|b| b.0.as_str())).await;
+        }
+    }
+    let exit_code = if released { exit::RELEASED } else { exit::HELD };
+    BootstrapResult { timeline, exit_code }
+}
+
+fn xid_gate(ctx: &Context) -> Option<StageRecord> {
+    let t0 = Instant::now();
+    let xids = match ctx.gpu.drain_xids() {
+        Ok(x) => x,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read XID events");
+            return None;
+        }
+    };
+    let policy = &ctx.config.gpu.expect.xid;
+    let fatal: Vec<String> = xids
+        .iter()
+        .filter(|(_, x)| policy.classify(*x) == XidClass::Fatal)
+        .map(|(g, x)| format!("GPU {g}: XID {x}"))
+        .collect();
+    let clock = ctx.clock;
+    (!xids.is_empty()).then(|| StageRecord {
+        stage: "xid-watch".into(),
+        start: clock.wall(t0),
+        start_ms: clock.offset(t0).as_millis() as u64,
+        duration_ms: 0,
+        outcome: if fatal.is_empty() {
+            Outcome::Passed
+        } else {
+            Outcome::Failed
+        },
+        required: true,
+        attempts: 1,
+        reason: (!fatal.is_empty()).then(|| "XidFatal".into()),
+        message: (!fatal.is_empty()).then(|| format!("fatal XID during validation: {}", fatal.join(", "))),
+        summary: format!("{} XID events during validation", xids.len()),
+        evidence: serde_json::Value::Null,
+    })
+}
+
+/// Write annotation, conditions and an Event. Reporting failures are logged, never fatal:
+/// the taint decision is already made and must not be undone by a report write
+/// (node-readiness-controller #207 re-applied a taint after a failed annotation write).
+async fn report(api: &dyn NodeApi, ctx: &Context, t: &Timeline, failed_stage: Option<&str>) {
+    let cfg = &ctx.config.reporting;
+    let Some(v) = &t.verdict else { return };
+    if let Err(e) = write_annotation(api, cfg, t).await {
+        tracing::warn!(error = %e, "writing the timeline annotation failed");
+    }
+    let cond = ConditionValue {
+        type_: cfg.condition_type.clone(),
+        status: v.released,
+        reason: v.reason.clone(),
+        message: v.message.clone(),
+    };
+    if let Err(e) = set_condition(api, &cond).await {
+        tracing::warn!(error = %e, "writing the node condition failed");
+    }
+    if !cfg.hardware_condition_type.is_empty() {
+        let hw_failed = failed_stage.is_some_and(|s| HARDWARE_STAGES.contains(&s) || s == "xid-watch");
+        let hw_passed = HARDWARE_STAGES.iter().all(|s| {
+            t.stage(s)
+                .is_some_and(|r| r.outcome == Outcome::Passed || r.outcome == Outcome::Disabled)
+        });
+        if hw_failed || hw_passed {
+            let c = ConditionValue {
+                type_: cfg.hardware_condition_type.clone(),
+                status: !hw_failed,
+                reason: if hw_failed {
+                    v.reason.clone()
+                } else {
+                    "HardwareVerified".into()
+                },
+                message: if hw_failed {
+                    v.message.clone()
+                } else {
+                    "driver, smoke and peer-bandwidth evidence complete".into()
+                },
+            };
+            if let Err(e) = set_condition(api, &c).await {
+                tracing::warn!(error = %e, "writing the hardware condition failed");
+            }
+        }
+    }
+    if cfg.events {
+        match api.get().await {
+            Ok(node) => {
+                let ev = node_event(&node, cfg, !v.released, &v.reason, &v.message, Timestamp::now());
+                if let Err(e) = api.create_event(&ev).await {
+                    tracing::warn!(error = %e, "writing the event failed");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reading the node for the event failed"),
+        }
+    }
+}

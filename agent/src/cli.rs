@@ -1,0 +1,272 @@
+//! Command-line interface: `run`, `check`, `config validate|example`. Exit codes: 0
+//! released (or would release in dry-run), 1 held with a reason, 2 bad input.
+
+use crate::bootstrap::{BootstrapResult, bootstrap, exit};
+use crate::config::Config;
+use crate::node_api::{NodeApi, ReadOnly, SimNodeApi};
+use crate::stages::Context;
+use crate::timeline::Clock;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+use taintgate_validators::gpu::Gpu;
+use taintgate_validators::gpu::sim::SimGpu;
+use taintgate_validators::profile::NodeProfile;
+use tokio_util::sync::CancellationToken;
+
+/// taintgate: remove a GPU node's startup taint only when the node is proven to serve.
+#[derive(Debug, Parser)]
+#[command(name = "taintgate", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent: gather evidence, remove the startup taint, report.
+    Run(RunArgs),
+    /// Dry-run every check and print a human-readable report; changes nothing anywhere.
+    Check(RunArgs),
+    /// Configuration helpers.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+/// `config` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate a config file; exit 2 with file, line and key on error.
+    Validate {
+        /// Config file.
+        file: PathBuf,
+    },
+    /// Print a complete, commented example config (the defaults).
+    Example,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Report output format for `check`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// Table.
+    Table,
+    /// The timeline as JSON.
+    Json,
+}
+
+/// Flags shared by `run` and `check`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Config file (YAML). Without it the defaults apply.
+    #[arg(long, env = "TAINTGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// This node's name (the DaemonSet sets NODE_NAME from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Run every check but change nothing in the cluster.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Use a simulated node profile instead of NVML/CUDA (`builtin` or a YAML path).
+    #[arg(long, value_name = "PROFILE")]
+    pub simulate: Option<String>,
+    /// Kubeconfig to use (default: in-cluster service account, then $KUBECONFIG).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, value_enum, default_value = "text", env = "TAINTGATE_LOG_FORMAT")]
+    pub log_format: LogFormat,
+    /// Exit after the first verdict instead of staying resident (systemd, tests).
+    #[arg(long)]
+    pub once: bool,
+    /// Report format (check).
+    #[arg(long, value_enum, default_value = "table")]
+    pub output: OutputFormat,
+}
+
+fn init_logging(format: LogFormat, default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => b.try_init(),
+        LogFormat::Json => b.json().flatten_event(true).with_current_span(true).try_init(),
+    };
+}
+
+/// Entry point; returns the process exit code.
+pub async fn main_with(cli: Cli) -> i32 {
+    match cli.command {
+        Command::Config(ConfigCommand::Example) => {
+            print!("{}", crate::example::EXAMPLE_CONFIG);
+            exit::RELEASED
+        }
+        Command::Config(ConfigCommand::Validate { file }) => match Config::load(&file) {
+            Ok(_) => {
+                println!("{}: valid", file.display());
+                exit::RELEASED
+            }
+            Err(e) => {
+                eprintln!("error: invalid config: {e}");
+                exit::BAD_INPUT
+            }
+        },
+        Command::Check(args) => {
+            init_logging(args.log_format, "warn");
+            run(args, true).await
+        }
+        Command::Run(args) => {
+            init_logging(args.log_format, "info");
+            let dry = args.dry_run;
+            run(args, dry).await
+        }
+    }
+}
+
+/// Bad input, reported as exit 2.
+fn bad_input(msg: impl std::fmt::Display) -> i32 {
+    eprintln!("error: {msg}");
+    exit::BAD_INPUT
+}
+
+async fn run(args: RunArgs, dry_run: bool) -> i32 {
+    let config = match &args.config {
+        Some(p) => match Config::load(p) {
+            Ok(c) => c,
+            Err(e) => return bad_input(format!("invalid config: {e}")),
+        },
+        None => Config::default(),
+    };
+    let profile = match &args.simulate {
+        Some(spec) => match NodeProfile::load(spec) {
+            Ok(p) => Some(p),
+            Err(e) => return bad_input(format!("invalid node profile: {e}")),
+        },
+        None => None,
+    };
+    let node_name = match (&args.node_name, &profile) {
+        (Some(n), _) => n.clone(),
+        (None, Some(p)) => p.node.name.clone(),
+        (None, None) => match hostname() {
+            Some(h) if dry_run => h,
+            _ => return bad_input("--node-name (or NODE_NAME) is required"),
+        },
+    };
+    let gpu: Arc<dyn Gpu> = match &profile {
+        Some(p) => Arc::new(SimGpu::new(p.clone())),
+        None => crate::gpu_backend::open(&config),
+    };
+    let cluster_wanted = args.kubeconfig.is_some() || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    let api: Option<Arc<dyn NodeApi>> = if cluster_wanted {
+        match crate::kube_api::KubeNodeApi::connect(
+            &node_name,
+            args.kubeconfig.as_deref(),
+            &config.reporting.event_namespace,
+        )
+        .await
+        {
+            Ok(a) => Some(Arc::new(a)),
+            Err(e) => return bad_input(format!("cannot use the Kubernetes API: {e}")),
+        }
+    } else if let Some(p) = &profile {
+        Some(SimNodeApi::new(p))
+    } else {
+        None
+    };
+    if api.is_none() && !dry_run {
+        return bad_input(
+            "`run` needs a Kubernetes API (--kubeconfig, in-cluster, or --simulate); use `check` or --dry-run otherwise",
+        );
+    }
+    let api: Option<Arc<dyn NodeApi>> = match api {
+        Some(a) if dry_run => Some(Arc::new(ReadOnly(a))),
+        other => other,
+    };
+
+    let cancel = CancellationToken::new();
+    spawn_signal_handler(cancel.clone());
+    let mut held_backoff = Duration::from_secs(15);
+    loop {
+        let ctx = Arc::new(Context {
+            config: config.clone(),
+            gpu: gpu.clone(),
+            api: api.clone(),
+            profile: profile.clone(),
+            inventory: OnceLock::new(),
+            clock: Clock::start(),
+            cancel: cancel.clone(),
+        });
+        let BootstrapResult { timeline, exit_code } = bootstrap(ctx, dry_run, &node_name).await;
+        match args.output {
+            OutputFormat::Table => {
+                print!("{}", timeline.render_table());
+                println!();
+                for s in &timeline.stages {
+                    if !s.summary.is_empty() {
+                        println!("  {:<14} {}", s.stage, s.summary);
+                    }
+                    if let Some(m) = &s.message {
+                        println!("  {:<14} {}", s.stage, m);
+                    }
+                }
+            }
+            OutputFormat::Json => match serde_json::to_string_pretty(&timeline) {
+                Ok(j) => println!("{j}"),
+                Err(e) => eprintln!("error: cannot encode timeline: {e}"),
+            },
+        }
+        if args.once || dry_run || cancel.is_cancelled() {
+            return exit_code;
+        }
+        if exit_code == exit::RELEASED {
+            // Resident after release: stay cheap until told to stop.
+            cancel.cancelled().await;
+            return exit_code;
+        }
+        // Held: re-evaluate on a capped backoff; a transient cause can clear.
+        tracing::info!(retry_in_s = held_backoff.as_secs(), "node held; re-evaluating later");
+        tokio::select! {
+            _ = tokio::time::sleep(held_backoff) => {}
+            _ = cancel.cancelled() => return exit_code,
+        }
+        held_backoff = (held_backoff * 2).min(Duration::from_secs(600));
+    }
+}
+
+fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+fn spawn_signal_handler(cancel: CancellationToken) {
+    tokio::spawn(async move {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = term => tracing::warn!("SIGTERM: stopping"),
+            _ = tokio::signal::ctrl_c() => tracing::warn!("SIGINT: stopping"),
+        }
+        cancel.cancel();
+    });
+}

@@ -1,0 +1,460 @@
+//! The agent's configuration: one YAML file, `deny_unknown_fields` everywhere, validated
+//! once at start with errors that name the file, line and key. Environment and CLI flags
+//! override the node name, dry-run and log format.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use taintgate_validators::gpu::decide::DriverExpectations;
+use taintgate_validators::input::{InputError, parse_yaml, read_bounded};
+
+/// The complete configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The startup taint this agent removes.
+    pub taint: TaintConfig,
+    /// How results are reported on the Node.
+    pub reporting: ReportingConfig,
+    /// Per-stage policy.
+    pub stages: StagesConfig,
+    /// GPU expectations and measurement settings.
+    pub gpu: GpuConfig,
+    /// Retry policy for Kubernetes API writes (taint removal, report).
+    pub api: ApiConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            taint: TaintConfig::default(),
+            reporting: ReportingConfig::default(),
+            stages: StagesConfig::default(),
+            gpu: GpuConfig::default(),
+            api: ApiConfig::default(),
+        }
+    }
+}
+
+/// The startup taint (key + effect identify the one entry removed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TaintConfig {
+    /// Taint key. On GKE/AKS managed autoscalers use the
+    /// `startup-taint.cluster-autoscaler.kubernetes.io/` prefix.
+    pub key: String,
+    /// Taint effect.
+    pub effect: TaintEffect,
+}
+
+/// Default startup taint key.
+pub const DEFAULT_TAINT_KEY: &str = "taintgate.io/unverified";
+
+impl Default for TaintConfig {
+    fn default() -> Self {
+        Self {
+            key: DEFAULT_TAINT_KEY.into(),
+            effect: TaintEffect::NoSchedule,
+        }
+    }
+}
+
+/// Kubernetes taint effects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaintEffect {
+    /// `NoSchedule`
+    NoSchedule,
+    /// `PreferNoSchedule`
+    PreferNoSchedule,
+    /// `NoExecute`
+    NoExecute,
+}
+
+impl TaintEffect {
+    /// The API spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::PreferNoSchedule => "PreferNoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+        }
+    }
+}
+
+/// Reporting on the Node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReportingConfig {
+    /// Prefix of the agent's annotations (`<prefix>/timeline`).
+    pub annotation_prefix: String,
+    /// Condition type the agent owns on the Node.
+    pub condition_type: String,
+    /// Also set this condition False on hardware failures (driver, smoke, peer-bw), so
+    /// Karpenter node repair can replace the node. Empty disables it.
+    pub hardware_condition_type: String,
+    /// Emit Events.
+    pub events: bool,
+    /// Namespace Events are written to.
+    pub event_namespace: String,
+    /// Largest timeline annotation written, in bytes (entries are compacted to fit).
+    pub annotation_max_bytes: usize,
+}
+
+impl Default for ReportingConfig {
+    fn default() -> Self {
+        Self {
+            annotation_prefix: "taintgate.io".into(),
+            condition_type: "TaintgateVerified".into(),
+            hardware_condition_type: "AcceleratedHardwareReady".into(),
+            events: true,
+            event_namespace: "default".into(),
+            annotation_max_bytes: 16 * 1024,
+        }
+    }
+}
+
+/// Policy for one stage.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StageSettings {
+    /// Run the stage at all.
+    pub enabled: bool,
+    /// The taint is removed only when every required, enabled stage has evidence. A
+    /// non-required stage's failure is reported but does not hold the node.
+    pub required: bool,
+    /// Longest the stage may take, including its waits and retries.
+    #[serde(with = "humantime_serde")]
+    pub deadline: Duration,
+    /// Attempts after the first for failures the stage calls transient.
+    pub retries: u32,
+}
+
+impl StageSettings {
+    fn with_deadline(secs: u64) -> Self {
+        Self {
+            enabled: true,
+            required: true,
+            deadline: Duration::from_secs(secs),
+            retries: 3,
+        }
+    }
+}
+
+impl Default for StageSettings {
+    fn default() -> Self {
+        Self::with_deadline(300)
+    }
+}
+
+/// Per-stage settings, by stage name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct StagesConfig {
+    /// Karpenter registration.
+    pub register: StageSettings,
+    /// NVML inventory and health.
+    pub driver: StageSettings,
+    /// CUDA kernel on every GPU.
+    pub smoke: StageSettings,
+    /// Peer-domain bandwidth.
+    pub peer_bw: StageSettings,
+    /// Node allocatable equals the expected count.
+    pub allocatable: StageSettings,
+    /// Device plugin and kubelet agree with NVML.
+    pub device_plugin: StageSettings,
+    /// CDI specs name every device.
+    pub runtime: StageSettings,
+    /// Serving groups fit.
+    pub fit: StageSettings,
+    /// Model bundles prefetched and verified.
+    pub models: StageSettings,
+    /// Images present in the container runtime.
+    pub images: StageSettings,
+}
+
+impl Default for StagesConfig {
+    fn default() -> Self {
+        Self {
+            register: StageSettings::with_deadline(900),
+            driver: StageSettings::with_deadline(120),
+            smoke: StageSettings::with_deadline(300),
+            peer_bw: StageSettings::with_deadline(600),
+            allocatable: StageSettings::with_deadline(600),
+            device_plugin: StageSettings::with_deadline(300),
+            runtime: StageSettings::with_deadline(120),
+            fit: StageSettings::with_deadline(120),
+            models: StageSettings::with_deadline(3600),
+            images: StageSettings::with_deadline(1800),
+        }
+    }
+}
+
+impl StagesConfig {
+    /// Settings by stage name.
+    pub fn get(&self, stage: &str) -> Option<&StageSettings> {
+        Some(match stage {
+            "register" => &self.register,
+            "driver" => &self.driver,
+            "smoke" => &self.smoke,
+            "peer-bw" => &self.peer_bw,
+            "allocatable" => &self.allocatable,
+            "device-plugin" => &self.device_plugin,
+            "runtime" => &self.runtime,
+            "fit" => &self.fit,
+            "models" => &self.models,
+            "images" => &self.images,
+            _ => return None,
+        })
+    }
+
+    /// Mutable settings by stage name.
+    pub fn get_mut(&mut self, stage: &str) -> Option<&mut StageSettings> {
+        Some(match stage {
+            "register" => &mut self.register,
+            "driver" => &mut self.driver,
+            "smoke" => &mut self.smoke,
+            "peer-bw" => &mut self.peer_bw,
+            "allocatable" => &mut self.allocatable,
+            "device-plugin" => &mut self.device_plugin,
+            "runtime" => &mut self.runtime,
+            "fit" => &mut self.fit,
+            "models" => &mut self.models,
+            "images" => &mut self.images,
+            _ => return None,
+        })
+    }
+}
+
+/// GPU expectations and measurement settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GpuConfig {
+    /// What the driver stage expects (count, product, links, health limits, XID policy).
+    pub expect: DriverExpectations,
+    /// Smoke-kernel buffer per GPU, in bytes.
+    pub smoke_bytes: u64,
+    /// Peer bandwidth measurement.
+    pub peer_bw: PeerBwConfig,
+    /// Path to `libnvidia-ml.so.1` (default: the loader's search path).
+    pub nvml_library: Option<PathBuf>,
+}
+
+impl Default for GpuConfig {
+    fn default() -> Self {
+        Self {
+            expect: DriverExpectations::default(),
+            smoke_bytes: 1 << 30,
+            peer_bw: PeerBwConfig::default(),
+            nvml_library: None,
+        }
+    }
+}
+
+/// Peer bandwidth settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerBwConfig {
+    /// Fraction of the theoretical link rate that must be reached.
+    pub efficiency: f64,
+    /// Explicit all-reduce bus bandwidth threshold in GB/s (overrides the derived one).
+    pub busbw_gbps: Option<f64>,
+    /// Bytes per copy / all-reduce.
+    pub bytes: u64,
+    /// Repetitions (median used).
+    pub iterations: u32,
+    /// Fail when NCCL is missing (else fall back to the copy matrix with a warning).
+    pub require_nccl: bool,
+}
+
+impl Default for PeerBwConfig {
+    fn default() -> Self {
+        Self {
+            efficiency: 0.75,
+            busbw_gbps: None,
+            bytes: 1 << 28,
+            iterations: 5,
+            require_nccl: false,
+        }
+    }
+}
+
+/// Kubernetes API write policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiConfig {
+    /// How long the taint removal keeps retrying conflicts and server errors. It never
+    /// gives up earlier while evidence is complete.
+    #[serde(with = "humantime_serde")]
+    pub untaint_deadline: Duration,
+    /// First backoff delay.
+    #[serde(with = "humantime_serde")]
+    pub backoff_min: Duration,
+    /// Largest backoff delay.
+    #[serde(with = "humantime_serde")]
+    pub backoff_max: Duration,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            untaint_deadline: Duration::from_secs(600),
+            backoff_min: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Config {
+    /// Parse and validate a config document.
+    pub fn parse(file: &Path, text: &str) -> Result<Self, InputError> {
+        let cfg: Config = parse_yaml(file, text)?;
+        cfg.validate(file)?;
+        Ok(cfg)
+    }
+
+    /// Read, parse and validate a config file.
+    pub fn load(file: &Path) -> Result<Self, InputError> {
+        Self::parse(file, &read_bounded(file)?)
+    }
+
+    /// Checks serde cannot express. Errors name the key.
+    pub fn validate(&self, file: &Path) -> Result<(), InputError> {
+        let err = |key: &str, msg: String| Err(InputError::new(file, Some(key), msg));
+        if !valid_qualified_name(&self.taint.key) {
+            return err(
+                "taint.key",
+                format!(
+                    "{:?} is not a valid taint key (a qualified name, optional DNS prefix)",
+                    self.taint.key
+                ),
+            );
+        }
+        if !valid_qualified_name(&self.reporting.condition_type) {
+            return err(
+                "reporting.condition_type",
+                format!("{:?} is not a valid condition type", self.reporting.condition_type),
+            );
+        }
+        if !self.reporting.hardware_condition_type.is_empty()
+            && !valid_qualified_name(&self.reporting.hardware_condition_type)
+        {
+            return err(
+                "reporting.hardware_condition_type",
+                format!(
+                    "{:?} is not a valid condition type",
+                    self.reporting.hardware_condition_type
+                ),
+            );
+        }
+        if !valid_dns_subdomain(&self.reporting.annotation_prefix) {
+            return err(
+                "reporting.annotation_prefix",
+                format!("{:?} is not a DNS subdomain", self.reporting.annotation_prefix),
+            );
+        }
+        if self.reporting.annotation_max_bytes < 512 || self.reporting.annotation_max_bytes > 256 * 1024 {
+            return err(
+                "reporting.annotation_max_bytes",
+                "must be between 512 and 262144 (annotations total at most 256 KiB)".into(),
+            );
+        }
+        let pb = &self.gpu.peer_bw;
+        if !(pb.efficiency > 0.0 && pb.efficiency <= 1.0) {
+            return err("gpu.peer_bw.efficiency", format!("{} is not in (0, 1]", pb.efficiency));
+        }
+        if pb.busbw_gbps.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
+            return err("gpu.peer_bw.busbw_gbps", "must be a positive number".into());
+        }
+        if pb.iterations == 0 {
+            return err("gpu.peer_bw.iterations", "must be at least 1".into());
+        }
+        if self.gpu.smoke_bytes < 4096 {
+            return err("gpu.smoke_bytes", "must be at least 4096".into());
+        }
+        for name in crate::graph::STAGES {
+            if let Some(s) = self.stages.get(name) {
+                if s.deadline.is_zero() {
+                    return err(&format!("stages.{name}.deadline"), "must be greater than zero".into());
+                }
+            }
+        }
+        if self.api.backoff_min.is_zero() || self.api.backoff_min > self.api.backoff_max {
+            return err("api.backoff_min", "must be > 0 and <= api.backoff_max".into());
+        }
+        Ok(())
+    }
+}
+
+/// Kubernetes qualified name: optional DNS-subdomain prefix + `/` + name of at most 63
+/// characters, alphanumeric at both ends, `-_.` inside.
+pub fn valid_qualified_name(s: &str) -> bool {
+    let (prefix, name) = match s.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, s),
+    };
+    if let Some(p) = prefix {
+        if !valid_dns_subdomain(p) {
+            return false;
+        }
+    }
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && name.chars().last().is_some_and(|c| c.is_ascii_alphanumeric())
+}
+
+/// RFC 1123 DNS subdomain.
+pub fn valid_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn example_config_parses_and_round_trips() {
+        let text = crate::example::EXAMPLE_CONFIG;
+        let cfg = Config::parse(Path::new("example.yaml"), text).unwrap();
+        assert_eq!(cfg.taint.key, DEFAULT_TAINT_KEY);
+        assert_eq!(cfg, Config::default(), "the example must document the defaults");
+    }
+
+    #[test]
+    fn errors_name_line_and_key() {
+        let e = Config::parse(Path::new("c.yaml"), "taint:\n  key: ok.io/x\n  efect: NoSchedule\n").unwrap_err();
+        assert_eq!(e.line, Some(3));
+        assert!(e.message.contains("efect"), "{e}");
+        let e = Config::parse(Path::new("c.yaml"), "stages:\n  smoke:\n    deadline: soon\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("stages.smoke.deadline"), "{e}");
+        let e = Config::parse(Path::new("c.yaml"), "taint:\n  key: \"bad key!\"\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("taint.key"));
+        let e = Config::parse(Path::new("c.yaml"), "gpu:\n  peer_bw:\n    efficiency: 1.5\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("gpu.peer_bw.efficiency"));
+    }
+
+    #[test]
+    fn qualified_names() {
+        assert!(valid_qualified_name("taintgate.io/unverified"));
+        assert!(valid_qualified_name(
+            "startup-taint.cluster-autoscaler.kubernetes.io/gpu"
+        ));
+        assert!(valid_qualified_name("simple"));
+        assert!(!valid_qualified_name("Bad_Prefix/x"));
+        assert!(!valid_qualified_name("a/-x"));
+        assert!(!valid_qualified_name(""));
+    }
+}

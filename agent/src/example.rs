@@ -1,0 +1,66 @@
+//! The complete, commented example configuration printed by `taintgate config example`.
+//! A unit test asserts it parses to exactly `Config::default()`, so the comments document
+//! the real defaults.
+
+/// Example config (every key, at its default).
+pub const EXAMPLE_CONFIG: &str = r#"# taintgate configuration. Every key is optional; the values shown are the defaults.
+# Durations are written like 30s, 5m, 1h30m. Unknown keys are rejected.
+
+# The startup taint taintgate removes once every required stage has evidence. It must be
+# the taint listed in the NodePool's spec.template.spec.startupTaints. On GKE/AKS managed
+# autoscalers use the key prefix startup-taint.cluster-autoscaler.kubernetes.io/.
+taint:
+  key: taintgate.io/unverified
+  effect: NoSchedule          # NoSchedule | PreferNoSchedule | NoExecute
+
+reporting:
+  annotation_prefix: taintgate.io          # writes <prefix>/timeline on the Node
+  condition_type: TaintgateVerified        # the agent's own Node condition
+  # Set False on hardware failures (driver, smoke, peer-bw) so Karpenter node repair
+  # replaces the node after its toleration (10 min on AWS). "" disables it.
+  hardware_condition_type: AcceleratedHardwareReady
+  events: true
+  event_namespace: default
+  annotation_max_bytes: 16384
+
+# Per-stage policy. enabled: run it; required: the taint stays unless it has evidence;
+# deadline: longest it may take including waits; retries: attempts after the first for
+# failures the stage calls transient.
+stages:
+  register:      {enabled: true, required: true, deadline: 15m, retries: 3}
+  driver:        {enabled: true, required: true, deadline: 2m,  retries: 3}
+  smoke:         {enabled: true, required: true, deadline: 5m,  retries: 3}
+  peer-bw:       {enabled: true, required: true, deadline: 10m, retries: 3}
+  allocatable:   {enabled: true, required: true, deadline: 10m, retries: 3}
+  device-plugin: {enabled: true, required: true, deadline: 5m,  retries: 3}
+  runtime:       {enabled: true, required: true, deadline: 2m,  retries: 3}
+  fit:           {enabled: true, required: true, deadline: 2m,  retries: 3}
+  models:        {enabled: true, required: true, deadline: 1h,  retries: 3}
+  images:        {enabled: true, required: true, deadline: 30m, retries: 3}
+
+gpu:
+  expect:
+    gpu_count: null             # null: 8 for known HGX products, else what NVML reports
+    product: null               # e.g. "H100" to require that product on every GPU
+    nvlink_links: null          # null: every reported link must be active
+    pcie_degraded_fatal: false  # PCIe below max gen/width: warn (true: fail)
+    persistence_required: false
+    retired_pages_limit: 63     # DCGM diag level 1 figure
+    remap_uncorrectable_limit: 512
+    xid:
+      fatal: [48, 64, 74, 79, 95, 119, 120]
+      ignore: [13, 31, 43, 45, 63, 68, 109]
+  smoke_bytes: 1073741824       # 1 GiB per GPU
+  peer_bw:
+    efficiency: 0.75            # threshold = active links x per-link rate x efficiency
+    busbw_gbps: null            # explicit all-reduce busbw threshold, GB/s
+    bytes: 268435456
+    iterations: 5
+    require_nccl: false         # false: copy matrix only, with a warning, when NCCL is absent
+  nvml_library: null
+
+api:
+  untaint_deadline: 10m         # conflicts and 5xx are retried with backoff until then
+  backoff_min: 50ms
+  backoff_max: 5s
+"#;

@@ -1,0 +1,191 @@
+//! `NodeApi` over the real Kubernetes API with kube-rs. Waiting is a watch on the own Node
+//! only (field selector `metadata.name`), resumed from the last resourceVersion when the
+//! server closes it, re-listed after `410 Gone`, and backed off on transport errors.
+
+use crate::node_api::{ApiError, NodeApi, NodePredicate};
+use async_trait::async_trait;
+use backon::{BackoffBuilder, ExponentialBuilder};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use std::path::Path;
+use std::time::Duration;
+
+/// The real API.
+pub struct KubeNodeApi {
+    name: String,
+    nodes: Api<Node>,
+    pods: Api<Pod>,
+    client: kube::Client,
+    event_namespace: String,
+}
+
+fn to_api_error(op: &str, e: kube::Error) -> ApiError {
+    match e {
+        kube::Error::Api(status) => {
+            ApiError::from_code(op, status.code, format!("{} {}", status.reason, status.message))
+        }
+        other => ApiError::from_code(op, 0, other.to_string()),
+    }
+}
+
+impl KubeNodeApi {
+    /// Connect with an explicit kubeconfig, or the standard inference (in-cluster service
+    /// account, then `$KUBECONFIG` / `~/.kube/config`).
+    pub async fn connect(node: &str, kubeconfig: Option<&Path>, event_namespace: &str) -> Result<Self, ApiError> {
+        let op = "load kube config";
+        let config = match kubeconfig {
+            Some(p) => {
+                let kc = kube::config::Kubeconfig::read_from(p)
+                    .map_err(|e| ApiError::from_code(op, 0, format!("{}: {e}", p.display())))?;
+                kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                    .await
+                    .map_err(|e| ApiError::from_code(op, 0, format!("{}: {e}", p.display())))?
+            }
+            None => kube::Config::infer()
+                .await
+                .map_err(|e| ApiError::from_code(op, 0, e.to_string()))?,
+        };
+        let client =
+            kube::Client::try_from(config).map_err(|e| ApiError::from_code("build kube client", 0, e.to_string()))?;
+        Ok(Self::from_client(node, client, event_namespace))
+    }
+
+    /// Wrap an existing client.
+    pub fn from_client(node: &str, client: kube::Client, event_namespace: &str) -> Self {
+        Self {
+            name: node.to_string(),
+            nodes: Api::all(client.clone()),
+            pods: Api::all(client.clone()),
+            client,
+            event_namespace: event_namespace.to_string(),
+        }
+    }
+}
+
+#[async_trait]
+impl NodeApi for KubeNodeApi {
+    fn node_name(&self) -> &str {
+        &self.name
+    }
+
+    async fn get(&self) -> Result<Node, ApiError> {
+        self.nodes
+            .get(&self.name)
+            .await
+            .map_err(|e| to_api_error(&format!("get node {}", self.name), e))
+    }
+
+    async fn wait_for<'a>(&'a self, pred: &'a NodePredicate<'a>) -> Result<Node, ApiError> {
+        let op = format!("watch node {}", self.name);
+        let wp = WatchParams::default()
+            .fields(&format!("metadata.name={}", self.name))
+            .timeout(290);
+        let mut backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(10))
+            .with_jitter()
+            .without_max_times()
+            .build();
+        'relist: loop {
+            // (Re)read: the starting point of the watch, and the check for a state reached
+            // while no watch was open.
+            let node = match self.get().await {
+                Ok(n) => n,
+                Err(e) if e.retryable() || e.kind == crate::node_api::ApiErrorKind::NotFound => {
+                    tracing::warn!(error = %e, "reading node before watch failed; backing off");
+                    tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+                    continue 'relist;
+                }
+                Err(e) => return Err(e),
+            };
+            if pred(&node) {
+                return Ok(node);
+            }
+            let mut rv = node.metadata.resource_version.clone().unwrap_or_else(|| "0".into());
+            loop {
+                let stream = match self.nodes.watch(&wp, &rv).await {
+                    Ok(s) => s.boxed(),
+                    Err(e) => {
+                        let e = to_api_error(&op, e);
+                        if !e.retryable() {
+                            return Err(e);
+                        }
+                        tracing::warn!(error = %e, "watch failed to open; backing off");
+                        tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+                        continue 'relist;
+                    }
+                };
+                let mut stream = stream;
+                loop {
+                    match stream.try_next().await {
+                        Ok(Some(WatchEvent::Added(n))) | Ok(Some(WatchEvent::Modified(n))) => {
+                            if let Some(v) = &n.metadata.resource_version {
+                                rv = v.clone();
+                            }
+                            if pred(&n) {
+                                return Ok(n);
+                            }
+                        }
+                        Ok(Some(WatchEvent::Deleted(n))) => {
+                            tracing::warn!(node = %self.name, "node deleted while waiting; waiting for it to return");
+                            if let Some(v) = &n.metadata.resource_version {
+                                rv = v.clone();
+                            }
+                        }
+                        Ok(Some(WatchEvent::Bookmark(b))) => rv = b.metadata.resource_version,
+                        Ok(Some(WatchEvent::Error(status))) => {
+                            // 410 Gone: our resourceVersion is too old; re-list.
+                            tracing::debug!(code = status.code, message = %status.message, "watch error event; re-listing");
+                            continue 'relist;
+                        }
+                        Ok(None) => break, // server closed the watch (timeout): resume from rv
+                        Err(e) => {
+                            tracing::warn!(error = %e, "watch stream broke; re-listing after backoff");
+                            tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+                            continue 'relist;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn json_patch(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
+        self.nodes
+            .patch(&self.name, &PatchParams::default(), &Patch::Json::<()>(patch.clone()))
+            .await
+            .map_err(|e| to_api_error(&format!("json-patch node {}", self.name), e))
+    }
+
+    async fn json_patch_status(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
+        self.nodes
+            .patch_status(&self.name, &PatchParams::default(), &Patch::Json::<()>(patch.clone()))
+            .await
+            .map_err(|e| to_api_error(&format!("json-patch node {}/status", self.name), e))
+    }
+
+    async fn merge_patch(&self, patch: &serde_json::Value) -> Result<Node, ApiError> {
+        self.nodes
+            .patch(&self.name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map_err(|e| to_api_error(&format!("merge-patch node {}", self.name), e))
+    }
+
+    async fn create_event(&self, event: &Event) -> Result<(), ApiError> {
+        let api: Api<Event> = Api::namespaced(self.client.clone(), &self.event_namespace);
+        api.create(&PostParams::default(), event)
+            .await
+            .map(|_| ())
+            .map_err(|e| to_api_error(&format!("create event in {}", self.event_namespace), e))
+    }
+
+    async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError> {
+        let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.name));
+        self.pods
+            .list(&lp)
+            .await
+            .map(|l| l.items)
+            .map_err(|e| to_api_error(&format!("list pods on node {}", self.name), e))
+    }
+}

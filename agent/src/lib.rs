@@ -1,0 +1,16 @@
+//! taintgate: gathers evidence, boundary by boundary, that a new Kubernetes GPU node can
+//! serve, records a timestamped node-ready timeline, and only then removes the node's
+//! startup taint. See `DESIGN.md` for the stage graph and safety rules.
+
+pub mod bootstrap;
+pub mod cli;
+pub mod config;
+pub mod example;
+pub mod gpu_backend;
+pub mod graph;
+pub mod kube_api;
+pub mod node_api;
+pub mod report;
+pub mod stages;
+pub mod timeline;
+pub mod untaint;

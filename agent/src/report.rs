@@ -1,0 +1,268 @@
+//! Reporting on the Node: the timeline annotation (size-bounded), the agent's condition
+//! (and the hardware condition Karpenter's node repair reads) on the status subresource,
+//! and Events. Condition writes use a JSON Patch that `test`s the entry it replaces, so
+//! other controllers' conditions are never clobbered.
+
+use crate::config::ReportingConfig;
+use crate::node_api::NodeApi;
+use crate::timeline::{Outcome, Timeline};
+use jiff::Timestamp;
+use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOperation};
+use k8s_openapi::api::core::v1::{Event, EventSource, Node, ObjectReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use serde_json::{Value, json};
+
+/// The compact timeline written to the annotation: per stage `[name, start_ms,
+/// duration_ms, outcome, reason]`, trimmed of messages (and then of passed stages'
+/// detail) until it fits `max_bytes`.
+pub fn compact_timeline(t: &Timeline, max_bytes: usize) -> String {
+    let stages: Vec<Value> = t
+        .stages
+        .iter()
+        .map(|s| {
+            json!([
+                s.stage,
+                s.start_ms,
+                s.duration_ms,
+                s.outcome.as_str(),
+                s.reason.as_deref().unwrap_or("")
+            ])
+        })
+        .collect();
+    let verdict = t.verdict.as_ref().map(|v| json!({"released": v.released, "dryRun": v.dry_run, "reason": v.reason, "atMs": v.at_ms, "at": v.at.to_string(), "message": v.message}));
+    let mut doc =
+        json!({"v": 1, "start": t.agent_start.to_string(), "gpu": t.gpu_backend, "stages": stages, "verdict": verdict});
+    let mut s = doc.to_string();
+    if s.len() > max_bytes {
+        if let Some(v) = doc.get_mut("verdict").and_then(|v| v.as_object_mut()) {
+            v.remove("message");
+        }
+        s = doc.to_string();
+    }
+    if s.len() > max_bytes {
+        // Keep only the failed stages' entries: those say why a node is held.
+        if let Some(arr) = doc.get_mut("stages").and_then(|v| v.as_array_mut()) {
+            arr.retain(|e| e.get(3).and_then(Value::as_str) != Some(Outcome::Passed.as_str()));
+        }
+        s = doc.to_string();
+    }
+    if s.len() > max_bytes {
+        s = json!({"v": 1, "truncated": true, "start": t.agent_start.to_string()}).to_string();
+    }
+    s
+}
+
+/// A Node condition value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConditionValue {
+    /// Condition type.
+    pub type_: String,
+    /// "True" / "False".
+    pub status: bool,
+    /// Reason code.
+    pub reason: String,
+    /// Message.
+    pub message: String,
+}
+
+/// JSON Patch setting one condition on `node`: replaces the entry of that type (tested at
+/// its index), or appends it. `lastTransitionTime` changes only when the status changes.
+pub fn condition_patch(node: &Node, c: &ConditionValue, now: Timestamp) -> Patch {
+    let conditions = node.status.as_ref().and_then(|s| s.conditions.as_ref());
+    let status = if c.status { "True" } else { "False" };
+    let existing = conditions.and_then(|cs| cs.iter().position(|x| x.type_ == c.type_).map(|i| (i, &cs[i])));
+    let transition = match existing {
+        Some((_, old)) if old.status == status => old
+            .last_transition_time
+            .as_ref()
+            .map(|t| t.0.to_string())
+            .unwrap_or_else(|| now.to_string()),
+        _ => now.to_string(),
+    };
+    let value = json!({
+        "type": c.type_,
+        "status": status,
+        "reason": c.reason,
+        "message": truncate(&c.message, 1024),
+        "lastHeartbeatTime": now.to_string(),
+        "lastTransitionTime": transition,
+    });
+    let p = |s: &str| s.parse().unwrap_or_default();
+    let ops = match (conditions, existing) {
+        (_, Some((i, _))) => vec![
+            PatchOperation::Test(TestOperation {
+                path: p(&format!("/status/conditions/{i}/type")),
+                value: json!(c.type_),
+            }),
+            PatchOperation::Replace(ReplaceOperation {
+                path: p(&format!("/status/conditions/{i}")),
+                value,
+            }),
+        ],
+        (Some(_), None) => vec![PatchOperation::Add(AddOperation {
+            path: p("/status/conditions/-"),
+            value,
+        })],
+        (None, None) => vec![PatchOperation::Add(AddOperation {
+            path: p("/status/conditions"),
+            value: json!([value]),
+        })],
+    };
+    Patch(ops)
+}
+
+/// Cut `s` to at most `max` bytes on a char boundary.
+pub fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max.saturating_sub(3);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+/// A core/v1 Event about the Node.
+pub fn node_event(
+    node: &Node,
+    cfg: &ReportingConfig,
+    warning: bool,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) -> Event {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    Event {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{name}.taintgate.")),
+            namespace: Some(cfg.event_namespace.clone()),
+            ..Default::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(name.clone()),
+            uid: node.metadata.uid.clone(),
+            ..Default::default()
+        },
+        reason: Some(reason.to_string()),
+        message: Some(truncate(message, 1024)),
+        type_: Some(if warning { "Warning" } else { "Normal" }.into()),
+        source: Some(EventSource {
+            component: Some("taintgate".into()),
+            host: Some(name.clone()),
+        }),
+        reporting_component: Some("taintgate".into()),
+        reporting_instance: Some(name),
+        first_timestamp: Some(Time(now)),
+        last_timestamp: Some(Time(now)),
+        count: Some(1),
+        ..Default::default()
+    }
+}
+
+/// Write a condition with re-read-and-retry on 409/422 (bounded attempts; reporting must
+/// not block the verdict forever, but a lost condition is retried on the next pass).
+pub async fn set_condition(api: &dyn NodeApi, c: &ConditionValue) -> Result<(), crate::node_api::ApiError> {
+    let mut last = None;
+    for _ in 0..5 {
+        let node = api.get().await?;
+        match api
+            .json_patch_status(&condition_patch(&node, c, Timestamp::now()))
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(e) if e.retryable() => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| crate::node_api::ApiError::from_code("set condition", 0, "no attempt made")))
+}
+
+/// Write the timeline annotation with a merge patch touching only our key.
+pub async fn write_annotation(
+    api: &dyn NodeApi,
+    cfg: &ReportingConfig,
+    t: &Timeline,
+) -> Result<(), crate::node_api::ApiError> {
+    let key = format!("{}/timeline", cfg.annotation_prefix);
+    let patch = json!({"metadata": {"annotations": {key: compact_timeline(t, cfg.annotation_max_bytes)}}});
+    api.merge_patch(&patch).await.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn condition_patch_replaces_only_our_type() {
+        let node: Node = serde_json::from_value(json!({"status": {"conditions": [
+            {"type": "Ready", "status": "True"},
+            {"type": "TaintgateVerified", "status": "False", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        ]}}))
+        .unwrap();
+        let c = ConditionValue {
+            type_: "TaintgateVerified".into(),
+            status: false,
+            reason: "GpuLost".into(),
+            message: "m".into(),
+        };
+        let now: Timestamp = "2026-02-02T00:00:00Z".parse().unwrap();
+        let p = serde_json::to_value(condition_patch(&node, &c, now)).unwrap();
+        assert_eq!(
+            p[0],
+            json!({"op": "test", "path": "/status/conditions/1/type", "value": "TaintgateVerified"})
+        );
+        assert_eq!(
+            p[1]["value"]["lastTransitionTime"], "2026-01-01T00:00:00Z",
+            "same status keeps the transition time"
+        );
+        let c2 = ConditionValue { status: true, ..c };
+        let p = serde_json::to_value(condition_patch(&node, &c2, now)).unwrap();
+        assert_eq!(p[1]["value"]["lastTransitionTime"], "2026-02-02T00:00:00Z");
+        let empty: Node = serde_json::from_value(json!({})).unwrap();
+        let p = serde_json::to_value(condition_patch(&empty, &c2, now)).unwrap();
+        assert_eq!(p[0]["path"], "/status/conditions");
+    }
+
+    #[test]
+    fn compact_timeline_respects_the_bound() {
+        use crate::timeline::StageRecord;
+        let rec = |n: &str, o: Outcome| StageRecord {
+            stage: n.into(),
+            start: Timestamp::UNIX_EPOCH,
+            start_ms: 1,
+            duration_ms: 2,
+            outcome: o,
+            required: true,
+            attempts: 1,
+            reason: None,
+            message: Some("x".repeat(300)),
+            summary: String::new(),
+            evidence: Value::Null,
+        };
+        let t = Timeline {
+            node: "n".into(),
+            agent_start: Timestamp::UNIX_EPOCH,
+            gpu_backend: "simulated".into(),
+            stages: (0..40)
+                .map(|i| {
+                    rec(
+                        &format!("stage-{i}"),
+                        if i == 7 { Outcome::Failed } else { Outcome::Passed },
+                    )
+                })
+                .collect(),
+            verdict: None,
+        };
+        let full = compact_timeline(&t, 16 * 1024);
+        assert!(full.contains("stage-39"));
+        let small = compact_timeline(&t, 600);
+        assert!(small.len() <= 600, "{}", small.len());
+        assert!(small.contains("stage-7") && !small.contains("stage-8"), "{small}");
+        assert!(compact_timeline(&t, 10).contains("truncated"));
+        assert_eq!(truncate("héllo", 4), "h...");
+    }
+}

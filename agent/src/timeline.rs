@@ -1,0 +1,283 @@
+//! The node-ready timeline: one record per stage with wall-clock and monotonic times,
+//! outcome, reason and evidence. Records are produced by the same code path that opens
+//! the stage's tracing span (see [`crate::graph`]), so spans and timeline never disagree.
+//! Renders as a table for people and as JSON for the Node annotation and tools.
+
+use jiff::Timestamp;
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Converts monotonic instants to wall-clock timestamps from one fixed origin, so every
+/// timestamp in a timeline is consistent with every offset.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    start_wall: SystemTime,
+    start_mono: Instant,
+}
+
+impl Clock {
+    /// A clock whose origin is now.
+    pub fn start() -> Self {
+        Self {
+            start_wall: SystemTime::now(),
+            start_mono: Instant::now(),
+        }
+    }
+
+    /// Offset of `t` from the origin.
+    pub fn offset(&self, t: Instant) -> Duration {
+        t.saturating_duration_since(self.start_mono)
+    }
+
+    /// Wall-clock time of `t`.
+    pub fn wall(&self, t: Instant) -> Timestamp {
+        let sys = self.start_wall + self.offset(t);
+        Timestamp::try_from(sys).unwrap_or(Timestamp::UNIX_EPOCH)
+    }
+
+    /// Wall-clock time of the origin.
+    pub fn origin(&self) -> Timestamp {
+        Timestamp::try_from(self.start_wall).unwrap_or(Timestamp::UNIX_EPOCH)
+    }
+}
+
+/// How a stage ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// Evidence produced.
+    Passed,
+    /// A failure with a reason code.
+    Failed,
+    /// Not run because a stage it depends on failed.
+    Skipped,
+    /// Turned off in the config.
+    Disabled,
+    /// Stopped by SIGTERM/SIGINT.
+    Cancelled,
+}
+
+impl Outcome {
+    /// Lowercase name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Passed => "passed",
+            Outcome::Failed => "failed",
+            Outcome::Skipped => "skipped",
+            Outcome::Disabled => "disabled",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// One stage's entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageRecord {
+    /// Stage name.
+    pub stage: String,
+    /// Wall-clock start.
+    pub start: Timestamp,
+    /// Milliseconds from agent start (monotonic).
+    pub start_ms: u64,
+    /// Duration in milliseconds (monotonic).
+    pub duration_ms: u64,
+    /// Outcome.
+    pub outcome: Outcome,
+    /// Whether the stage holds the taint.
+    pub required: bool,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Reason code on failure/skip.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Human message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// One-line evidence summary.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub summary: String,
+    /// Structured evidence (not written to the Node annotation).
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub evidence: serde_json::Value,
+}
+
+impl StageRecord {
+    /// End offset in milliseconds.
+    pub fn end_ms(&self) -> u64 {
+        self.start_ms + self.duration_ms
+    }
+}
+
+/// The final verdict.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// The taint was removed (or, in dry-run, would be).
+    pub released: bool,
+    /// Dry-run: nothing was changed.
+    pub dry_run: bool,
+    /// Reason code: `Released`, `WouldRelease`, or the first blocking failure's code.
+    pub reason: String,
+    /// Human message.
+    pub message: String,
+    /// Milliseconds from agent start when the verdict was reached.
+    pub at_ms: u64,
+    /// Wall-clock time of the verdict.
+    pub at: Timestamp,
+}
+
+/// A bootstrap's whole timeline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Timeline {
+    /// Node name.
+    pub node: String,
+    /// Agent start (origin of all offsets).
+    pub agent_start: Timestamp,
+    /// GPU backend used (`nvml`, `simulated`).
+    pub gpu_backend: String,
+    /// Stage records, ordered by start.
+    pub stages: Vec<StageRecord>,
+    /// Verdict, once reached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<Verdict>,
+}
+
+impl Timeline {
+    /// Sort stages by start offset, then name (stable order for reports).
+    pub fn sort(&mut self) {
+        self.stages
+            .sort_by(|a, b| a.start_ms.cmp(&b.start_ms).then_with(|| a.stage.cmp(&b.stage)));
+    }
+
+    /// Record for a stage.
+    pub fn stage(&self, name: &str) -> Option<&StageRecord> {
+        self.stages.iter().find(|s| s.stage == name)
+    }
+
+    /// The stage whose evidence arrived last among passed stages: the critical path's end.
+    pub fn last_evidence(&self) -> Option<&StageRecord> {
+        self.stages
+            .iter()
+            .filter(|s| s.outcome == Outcome::Passed)
+            .max_by_key(|s| s.end_ms())
+    }
+
+    /// Human table: stage, start offset, duration, result, reason, and a bar.
+    pub fn render_table(&self) -> String {
+        let total = self
+            .verdict
+            .as_ref()
+            .map(|v| v.at_ms)
+            .unwrap_or(0)
+            .max(self.stages.iter().map(StageRecord::end_ms).max().unwrap_or(0))
+            .max(1);
+        let width = 32u64;
+        let mut out = String::new();
+        out.push_str(&format!(
+            "node {}  (gpu backend: {}, agent start {})\n",
+            self.node, self.gpu_backend, self.agent_start
+        ));
+        out.push_str(&format!(
+            "{:<14} {:>9} {:>9}  {:<9} {:<26} {}\n",
+            "STAGE", "START", "DURATION", "RESULT", "REASON", "TIMELINE"
+        ));
+        for s in &self.stages {
+            let a = (s.start_ms * width / total) as usize;
+            let b = ((s.end_ms() * width).div_ceil(total) as usize)
+                .max(a + 1)
+                .min(width as usize);
+            let bar: String = (0..width as usize)
+                .map(|i| if i >= a && i < b { '#' } else { '.' })
+                .collect();
+            out.push_str(&format!(
+                "{:<14} {:>9} {:>9}  {:<9} {:<26} {}\n",
+                s.stage,
+                fmt_ms(s.start_ms),
+                fmt_ms(s.duration_ms),
+                s.outcome.as_str(),
+                s.reason.as_deref().unwrap_or("-"),
+                bar
+            ));
+        }
+        if let Some(v) = &self.verdict {
+            let verb = match (v.released, v.dry_run) {
+                (true, false) => "RELEASED",
+                (true, true) => "WOULD RELEASE (dry-run)",
+                (false, _) => "HELD",
+            };
+            out.push_str(&format!(
+                "{:<14} {:>9} {:>9}  {verb}: {} — {}\n",
+                "verdict",
+                fmt_ms(v.at_ms),
+                "",
+                v.reason,
+                v.message
+            ));
+        }
+        out
+    }
+}
+
+/// `1.234s` / `56ms` formatting.
+pub fn fmt_ms(ms: u64) -> String {
+    if ms >= 1000 {
+        format!("{}.{:03}s", ms / 1000, ms % 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn rec(stage: &str, start: u64, dur: u64, outcome: Outcome) -> StageRecord {
+        StageRecord {
+            stage: stage.into(),
+            start: Timestamp::UNIX_EPOCH,
+            start_ms: start,
+            duration_ms: dur,
+            outcome,
+            required: true,
+            attempts: 1,
+            reason: None,
+            message: None,
+            summary: String::new(),
+            evidence: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn table_lists_every_stage_and_last_evidence() {
+        let mut t = Timeline {
+            node: "n".into(),
+            agent_start: Timestamp::UNIX_EPOCH,
+            gpu_backend: "simulated".into(),
+            stages: vec![
+                rec("smoke", 400, 900, Outcome::Passed),
+                rec("driver", 0, 400, Outcome::Passed),
+                rec("models", 0, 2200, Outcome::Passed),
+            ],
+            verdict: None,
+        };
+        t.sort();
+        assert_eq!(
+            t.stages.iter().map(|s| s.stage.as_str()).collect::<Vec<_>>(),
+            ["driver", "models", "smoke"]
+        );
+        assert_eq!(t.last_evidence().unwrap().stage, "models");
+        let table = t.render_table();
+        assert!(table.contains("driver") && table.contains("2.200s"), "{table}");
+        let json = serde_json::to_string(&t).unwrap();
+        let back: Timeline = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, t);
+    }
+
+    #[test]
+    fn clock_offsets_are_consistent() {
+        let c = Clock::start();
+        let t = c.start_mono + Duration::from_millis(1500);
+        assert_eq!(c.offset(t), Duration::from_millis(1500));
+        assert_eq!(c.wall(t).as_millisecond() - c.origin().as_millisecond(), 1500);
+    }
+}

@@ -1,0 +1,9 @@
+//! Test harness for taintgate: a Kubernetes API emulator served on loopback HTTP, and
+//! launchers for the real programs the end-to-end tests use (containerd, docker-registry,
+//! skopeo, nginx, moto), plus helpers to run the `taintgate` binary itself.
+//!
+//! The harness deliberately does not link the agent library: end-to-end tests drive the
+//! real binary, so what they prove is what ships.
+
+pub mod emulator;
+pub mod services;

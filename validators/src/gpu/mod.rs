@@ -1,0 +1,357 @@
+//! The `Gpu` boundary: a narrow trait over NVML (inventory, health, topology) and CUDA
+//! (smoke kernel, peer bandwidth), the plain data it returns, and its errors.
+//!
+//! Two implementations exist: the real one over `nvml-wrapper` / `cudarc` and
+//! [`sim::SimGpu`], driven by a node profile, so the whole agent runs without a GPU.
+//! Decisions over this data live in [`decide`] as pure functions.
+
+pub mod decide;
+pub mod sim;
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// One physical GPU as the driver reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuInfo {
+    /// NVML index (0-based).
+    pub index: u32,
+    /// `GPU-...` UUID; the identity the device plugin advertises.
+    pub uuid: String,
+    /// PCI bus id, `0000:18:00.0` form.
+    pub pci_bus_id: String,
+    /// NUMA node nearest the GPU, when the platform reports one.
+    #[serde(default)]
+    pub numa_node: Option<u32>,
+    /// Marketing name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub product: String,
+    /// Framebuffer size in bytes.
+    pub memory_bytes: u64,
+    /// Kernel driver version, e.g. `550.90.07`.
+    #[serde(default)]
+    pub driver_version: String,
+    /// CUDA driver API version, e.g. `12.4`.
+    #[serde(default)]
+    pub cuda_version: String,
+    /// VBIOS version.
+    #[serde(default)]
+    pub vbios_version: String,
+    /// Persistence mode enabled.
+    #[serde(default = "yes")]
+    pub persistence_mode: bool,
+    /// MIG mode currently enabled.
+    #[serde(default)]
+    pub mig_enabled: bool,
+    /// MIG devices (GPU instances) when MIG is enabled.
+    #[serde(default)]
+    pub mig_devices: Vec<MigDevice>,
+    /// PCIe link state.
+    #[serde(default)]
+    pub pcie: PcieLink,
+    /// NVLink links of this GPU (empty on PCIe-only parts).
+    #[serde(default)]
+    pub nvlinks: Vec<NvLinkState>,
+    /// Health counters and events.
+    #[serde(default)]
+    pub health: GpuHealth,
+    /// NVSwitch fabric state (None where the system has no fabric).
+    #[serde(default)]
+    pub fabric: Option<FabricState>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A MIG device (GPU instance) carved from a GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigDevice {
+    /// `MIG-...` UUID.
+    pub uuid: String,
+    /// Profile name as the device plugin names resources, e.g. `1g.10gb`.
+    pub profile: String,
+}
+
+/// PCIe link generation and width, current and maximum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PcieLink {
+    /// Current link generation.
+    pub current_gen: u32,
+    /// Maximum generation the GPU and slot support.
+    pub max_gen: u32,
+    /// Current lane count.
+    pub current_width: u32,
+    /// Maximum lane count.
+    pub max_width: u32,
+}
+
+impl Default for PcieLink {
+    fn default() -> Self {
+        Self {
+            current_gen: 5,
+            max_gen: 5,
+            current_width: 16,
+            max_width: 16,
+        }
+    }
+}
+
+/// One NVLink link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvLinkState {
+    /// Link number on the GPU.
+    pub link: u32,
+    /// Link is up.
+    pub active: bool,
+    /// NVLink generation (3 = A100, 4 = H100/H200, 5 = B200).
+    #[serde(default)]
+    pub version: Option<u32>,
+    /// PCI bus id of the far end (a GPU or an NVSwitch).
+    #[serde(default)]
+    pub remote_pci_bus_id: Option<String>,
+}
+
+/// Health counters and events for one GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuHealth {
+    /// The GPU fell off the bus (NVML_ERROR_GPU_IS_LOST).
+    #[serde(default)]
+    pub lost: bool,
+    /// Volatile uncorrectable ECC errors.
+    #[serde(default)]
+    pub ecc_uncorrectable: u64,
+    /// A row remap is pending (needs a GPU reset).
+    #[serde(default)]
+    pub remap_pending: bool,
+    /// A row remap failed.
+    #[serde(default)]
+    pub remap_failure: bool,
+    /// Rows remapped for uncorrectable errors.
+    #[serde(default)]
+    pub remap_uncorrectable_rows: u64,
+    /// Pages retired (pre-Ampere page retirement).
+    #[serde(default)]
+    pub retired_pages: u64,
+    /// Page retirement pending.
+    #[serde(default)]
+    pub pages_pending_retirement: bool,
+    /// XID errors seen since boot (kernel log) or since the agent started (NVML events).
+    #[serde(default)]
+    pub xids: Vec<u32>,
+}
+
+/// NVSwitch fabric registration state (fabric manager / NVLink5 fabric).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FabricState {
+    /// The GPU is not part of a fabric.
+    NotSupported,
+    /// Fabric registration has not started.
+    NotStarted,
+    /// Registration in progress.
+    InProgress,
+    /// Registration completed successfully.
+    Completed,
+    /// Registration completed with an error.
+    Failed,
+}
+
+/// A network interface near some GPUs (for the startup record).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Nic {
+    /// Device name, e.g. `mlx5_0`.
+    pub name: String,
+    /// NUMA node of the NIC.
+    #[serde(default)]
+    pub numa_node: Option<u32>,
+}
+
+/// How GPUs of a peer domain talk to each other.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Interconnect {
+    /// NVLink with `links` active links per GPU of generation `version`.
+    Nvlink {
+        /// NVLink generation.
+        version: u32,
+        /// Active links per GPU.
+        links: u32,
+    },
+    /// PCIe peer-to-peer (or through host) of generation `gen` and `width` lanes.
+    Pcie {
+        /// PCIe generation.
+        generation: u32,
+        /// Lane count.
+        width: u32,
+    },
+}
+
+/// A set of GPUs that exchange data over one fast fabric; a serving group should sit in one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerDomain {
+    /// Domain number (0-based, stable for a node).
+    pub id: u32,
+    /// GPU indexes in the domain.
+    pub gpus: Vec<u32>,
+    /// The interconnect between them.
+    pub interconnect: Interconnect,
+}
+
+/// Everything the driver stage learns about the node's GPUs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Inventory {
+    /// GPUs by index.
+    pub gpus: Vec<GpuInfo>,
+    /// Peer domains derived from topology.
+    pub domains: Vec<PeerDomain>,
+    /// NICs with their NUMA nodes.
+    #[serde(default)]
+    pub nics: Vec<Nic>,
+}
+
+/// Result of running the smoke kernel on one GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SmokeResult {
+    /// GPU index.
+    pub index: u32,
+    /// GPU UUID.
+    pub uuid: String,
+    /// Buffer size processed.
+    pub bytes: u64,
+    /// Wall time for load + fill + transform + verify.
+    pub duration: Duration,
+}
+
+/// Measured bandwidth of one GPU pair (copy engine, one direction).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairBandwidth {
+    /// Source GPU index.
+    pub src: u32,
+    /// Destination GPU index.
+    pub dst: u32,
+    /// Median GB/s (1e9 bytes per second).
+    pub gbps: f64,
+}
+
+/// Measured bandwidth of one peer domain.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DomainBandwidth {
+    /// Domain id.
+    pub domain: u32,
+    /// Copy-engine peer copy matrix.
+    pub pairs: Vec<PairBandwidth>,
+    /// All-reduce bus bandwidth (nccl-tests formula), when NCCL ran.
+    pub allreduce_busbw_gbps: Option<f64>,
+    /// Why the all-reduce did not run, when it did not (NCCL missing, single GPU).
+    pub allreduce_skipped: Option<String>,
+}
+
+/// Options for the peer bandwidth measurement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerBwOptions {
+    /// Bytes per copy / all-reduce message.
+    pub bytes: u64,
+    /// Repetitions; the median is used.
+    pub iterations: u32,
+    /// Require NCCL; when false a missing NCCL falls back to the copy matrix with a warning.
+    pub require_nccl: bool,
+}
+
+/// Failures at the GPU boundary itself (as opposed to a decision over healthy data).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GpuError {
+    /// NVML could not load or initialise: no driver on this machine.
+    #[error("NVIDIA driver not loaded: {0}")]
+    DriverNotLoaded(String),
+    /// A GPU fell off the bus.
+    #[error("GPU {uuid} is lost (fell off the bus): {detail}")]
+    GpuLost {
+        /// UUID or index of the GPU.
+        uuid: String,
+        /// What reported it.
+        detail: String,
+    },
+    /// An NVML call failed.
+    #[error("NVML call {call} failed{}: {message}", gpu.as_ref().map(|g| format!(" on GPU {g}")).unwrap_or_default())]
+    Nvml {
+        /// NVML function.
+        call: String,
+        /// GPU UUID or index, when the call was per GPU.
+        gpu: Option<String>,
+        /// NVML's message.
+        message: String,
+    },
+    /// A CUDA call failed.
+    #[error("CUDA call {call} failed on GPU {gpu}: {message}")]
+    Cuda {
+        /// CUDA function.
+        call: String,
+        /// GPU UUID.
+        gpu: String,
+        /// Driver's message.
+        message: String,
+    },
+    /// The smoke kernel ran but its result did not verify.
+    #[error("smoke kernel on GPU {gpu} produced a wrong result: {detail}")]
+    SmokeMismatch {
+        /// GPU UUID.
+        gpu: String,
+        /// First mismatch.
+        detail: String,
+    },
+    /// NCCL is required but could not be loaded.
+    #[error("NCCL not available: {0}")]
+    NcclMissing(String),
+    /// An NCCL call failed or its result did not verify.
+    #[error("NCCL all-reduce on domain {domain} failed: {message}")]
+    Nccl {
+        /// Domain id.
+        domain: u32,
+        /// What failed.
+        message: String,
+    },
+}
+
+impl GpuError {
+    /// Stable reason code.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            GpuError::DriverNotLoaded(_) => "DriverNotLoaded",
+            GpuError::GpuLost { .. } => "GpuLost",
+            GpuError::Nvml { .. } => "NvmlError",
+            GpuError::Cuda { .. } => "SmokeFailed",
+            GpuError::SmokeMismatch { .. } => "SmokeFailed",
+            GpuError::NcclMissing(_) => "NcclMissing",
+            GpuError::Nccl { .. } => "PeerBandwidthFailed",
+        }
+    }
+}
+
+/// The GPU boundary. Calls are blocking (NVML and CUDA are synchronous C APIs); the agent
+/// runs them on blocking threads.
+pub trait Gpu: Send + Sync {
+    /// Short name of the implementation (`nvml`, `simulated`), for the report.
+    fn backend(&self) -> &'static str;
+    /// Read inventory, health and topology (the driver stage's raw data).
+    fn inventory(&self) -> Result<Inventory, GpuError>;
+    /// XIDs observed since the last call (event subscription held open by the backend).
+    /// Used to catch an XID that happens during validation.
+    fn drain_xids(&self) -> Result<Vec<(u32, u32)>, GpuError>;
+    /// Run the smoke kernel on one GPU over a buffer of `bytes`.
+    fn smoke(&self, gpu: &GpuInfo, bytes: u64) -> Result<SmokeResult, GpuError>;
+    /// Measure one peer domain.
+    fn peer_bandwidth(
+        &self,
+        inventory: &Inventory,
+        domain: &PeerDomain,
+        opts: &PeerBwOptions,
+    ) -> Result<DomainBandwidth, GpuError>;
+}

@@ -1,0 +1,6 @@
+//! taintgate's validators: pure decision functions over plain data, and narrow traits over
+//! the boundaries they read (NVML/CUDA, kubelet gRPC, CDI files, the Kubernetes objects).
+
+pub mod gpu;
+pub mod input;
+pub mod profile;

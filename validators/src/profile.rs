@@ -1,0 +1,285 @@
+//! Simulated node profile: a YAML description of a GPU node (its GPUs, topology, link
+//! states, bandwidths, Node object, kubelet-side state) plus injected faults and per-stage
+//! latencies. It drives [`crate::gpu::sim::SimGpu`] and the agent's simulated Node, so the
+//! whole evidence chain runs on a machine without a GPU or a cluster.
+
+use crate::gpu::{GpuInfo, Nic, PeerDomain};
+use crate::input::{InputError, parse_yaml, read_bounded};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The reference node (8 GPUs in two NVLink domains), embedded so the agent has a default.
+pub const BUILTIN_8GPU: &str = include_str!("../../examples/profiles/8gpu-two-domains.yaml");
+
+/// A simulated node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeProfile {
+    /// What this profile represents.
+    #[serde(default)]
+    pub description: String,
+    /// The Kubernetes Node as the API would serve it.
+    pub node: SimNode,
+    /// GPUs as NVML would report them (health faults live in each GPU's `health`).
+    pub gpus: Vec<GpuInfo>,
+    /// Peer domains.
+    pub domains: Vec<PeerDomain>,
+    /// NICs.
+    #[serde(default)]
+    pub nics: Vec<Nic>,
+    /// Bandwidths the simulated measurements return.
+    #[serde(default)]
+    pub bandwidth: SimBandwidth,
+    /// Kubelet-side state (device plugin, pod-resources, CDI).
+    #[serde(default)]
+    pub kubelet: SimKubelet,
+    /// Faults that happen while the agent runs.
+    #[serde(default)]
+    pub faults: SimFaults,
+    /// Simulated time each stage's work takes, in milliseconds, by stage name.
+    #[serde(default)]
+    pub latencies_ms: BTreeMap<String, u64>,
+}
+
+/// The simulated Node object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimNode {
+    /// Node name.
+    pub name: String,
+    /// Labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Taints.
+    #[serde(default)]
+    pub taints: Vec<SimTaint>,
+    /// `status.allocatable`.
+    #[serde(default)]
+    pub allocatable: BTreeMap<String, String>,
+    /// `status.capacity` (defaults to allocatable).
+    #[serde(default)]
+    pub capacity: BTreeMap<String, String>,
+    /// Milliseconds after start at which Karpenter's registration completes (label
+    /// `karpenter.sh/registered=true` appears); 0 = already registered.
+    #[serde(default)]
+    pub registered_after_ms: u64,
+    /// Milliseconds after start at which the device plugin publishes allocatable GPUs;
+    /// before that the GPU resource reads 0.
+    #[serde(default)]
+    pub allocatable_after_ms: u64,
+    /// Pods already bound to the node (DaemonSets), as resource requests.
+    #[serde(default)]
+    pub pods: Vec<SimPod>,
+}
+
+/// A taint on the simulated Node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimTaint {
+    /// Key.
+    pub key: String,
+    /// Value.
+    #[serde(default)]
+    pub value: Option<String>,
+    /// Effect.
+    pub effect: String,
+}
+
+/// A pod bound to the node, by its requests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimPod {
+    /// Pod name.
+    pub name: String,
+    /// Resource requests (quantities).
+    #[serde(default)]
+    pub requests: BTreeMap<String, String>,
+}
+
+/// Simulated bandwidth figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimBandwidth {
+    /// Copy-engine per-pair GB/s.
+    pub pair_gbps: f64,
+    /// All-reduce bus bandwidth GB/s.
+    pub allreduce_busbw_gbps: f64,
+    /// Pairs that are slower than `pair_gbps`.
+    pub slow_pairs: Vec<SlowPair>,
+    /// NCCL can be loaded.
+    pub nccl_available: bool,
+}
+
+impl Default for SimBandwidth {
+    fn default() -> Self {
+        Self {
+            pair_gbps: 390.0,
+            allreduce_busbw_gbps: 370.0,
+            slow_pairs: Vec::new(),
+            nccl_available: true,
+        }
+    }
+}
+
+/// One slow pair.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlowPair {
+    /// Source GPU index.
+    pub src: u32,
+    /// Destination GPU index.
+    pub dst: u32,
+    /// GB/s.
+    pub gbps: f64,
+}
+
+/// Simulated kubelet-side state.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimKubelet {
+    /// The device plugin's socket is absent.
+    pub plugin_socket_missing: bool,
+    /// Device IDs the plugin reports Unhealthy.
+    pub unhealthy_devices: BTreeSet<String>,
+    /// Device IDs missing from the plugin's list.
+    pub missing_devices: BTreeSet<String>,
+    /// Extra device IDs the plugin lists.
+    pub extra_devices: BTreeSet<String>,
+    /// Device IDs absent from the kubelet's pod-resources view.
+    pub kubelet_missing_devices: BTreeSet<String>,
+    /// Device IDs without a CDI spec entry.
+    pub cdi_missing_devices: BTreeSet<String>,
+}
+
+/// Faults injected while the agent runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimFaults {
+    /// NVML cannot initialise (no driver).
+    pub driver_not_loaded: bool,
+    /// GPU indexes whose smoke kernel returns a wrong result.
+    pub smoke_wrong_result: BTreeSet<u32>,
+    /// GPU indexes that fall off the bus during the smoke kernel.
+    pub lost_during_smoke: BTreeSet<u32>,
+    /// (gpu index, xid) pairs delivered by the event subscription during validation.
+    pub xid_during_validation: Vec<(u32, u32)>,
+}
+
+impl NodeProfile {
+    /// Load a profile: `builtin` or `builtin:8gpu-two-domains` selects the embedded one,
+    /// anything else is a path. A profile may say `extends: OTHER` (a path relative to it,
+    /// or `builtin`): its other keys are merged over the base as a JSON merge patch
+    /// (RFC 7386), then its `patch:` list of JSON Patch operations (RFC 6902) is applied.
+    pub fn load(spec: &str) -> Result<Self, InputError> {
+        let p: NodeProfile = Self::load_inner(spec, 0)?;
+        p.validate(Path::new(spec))?;
+        Ok(p)
+    }
+
+    fn load_inner(spec: &str, depth: u32) -> Result<Self, InputError> {
+        let (file, text) = match spec {
+            "builtin" | "default" | "builtin:8gpu-two-domains" => {
+                (PathBuf::from("<builtin:8gpu-two-domains>"), BUILTIN_8GPU.to_string())
+            }
+            path => (PathBuf::from(path), read_bounded(Path::new(path))?),
+        };
+        let raw: serde_json::Value = parse_yaml(&file, &text)?;
+        let Some(base_spec) = raw.get("extends").cloned() else {
+            return parse_yaml(&file, &text);
+        };
+        if depth > 8 {
+            return Err(InputError::new(
+                &file,
+                Some("extends"),
+                "profiles extend each other more than 8 deep (a cycle?)",
+            ));
+        }
+        let base_spec = base_spec
+            .as_str()
+            .ok_or_else(|| InputError::new(&file, Some("extends"), "must be a string (a path or `builtin`)"))?
+            .to_string();
+        let base_path = if base_spec.starts_with("builtin") {
+            base_spec
+        } else {
+            file.parent()
+                .unwrap_or(Path::new("."))
+                .join(&base_spec)
+                .to_string_lossy()
+                .into_owned()
+        };
+        let base = Self::load_inner(&base_path, depth + 1)?;
+        let mut merged = serde_json::to_value(&base).map_err(|e| {
+            InputError::new(
+                &file,
+                Some("extends"),
+                format!("base profile cannot be re-encoded: {e}"),
+            )
+        })?;
+        let mut overlay = raw;
+        let ops = overlay.as_object_mut().and_then(|o| {
+            o.remove("extends");
+            o.remove("patch")
+        });
+        json_patch::merge(&mut merged, &overlay);
+        if let Some(ops) = ops {
+            let ops: json_patch::Patch = serde_json::from_value(ops)
+                .map_err(|e| InputError::new(&file, Some("patch"), format!("not a JSON Patch operation list: {e}")))?;
+            json_patch::patch(&mut merged, &ops)
+                .map_err(|e| InputError::new(&file, Some("patch"), format!("cannot apply to the base profile: {e}")))?;
+        }
+        serde_path_to_error::deserialize(merged).map_err(|e| {
+            let key = e.path().to_string();
+            InputError::new(&file, Some(&key), e.into_inner().to_string())
+        })
+    }
+
+    /// Cross-field checks serde cannot express; errors name the key.
+    pub fn validate(&self, file: &Path) -> Result<(), InputError> {
+        let mut seen_idx = BTreeSet::new();
+        let mut seen_uuid = BTreeSet::new();
+        for (i, g) in self.gpus.iter().enumerate() {
+            if !seen_idx.insert(g.index) {
+                return Err(InputError::new(
+                    file,
+                    Some(&format!("gpus[{i}].index")),
+                    format!("duplicate GPU index {}", g.index),
+                ));
+            }
+            if g.uuid.is_empty() || !seen_uuid.insert(g.uuid.clone()) {
+                return Err(InputError::new(
+                    file,
+                    Some(&format!("gpus[{i}].uuid")),
+                    format!("empty or duplicate GPU UUID {:?}", g.uuid),
+                ));
+            }
+        }
+        for (i, d) in self.domains.iter().enumerate() {
+            if let Some(bad) = d.gpus.iter().find(|g| !seen_idx.contains(g)) {
+                return Err(InputError::new(
+                    file,
+                    Some(&format!("domains[{i}].gpus")),
+                    format!("GPU index {bad} is not in `gpus`"),
+                ));
+            }
+        }
+        for (i, (g, _)) in self.faults.xid_during_validation.iter().enumerate() {
+            if !seen_idx.contains(g) {
+                return Err(InputError::new(
+                    file,
+                    Some(&format!("faults.xid_during_validation[{i}]")),
+                    format!("GPU index {g} is not in `gpus`"),
+                ));
+            }
+        }
+        if self.node.name.is_empty() {
+            return Err(InputError::new(file, Some("node.name"), "must not be empty"));
+        }
+        Ok(())
+    }
+
+    /// Simulated latency of a stage.
+    pub fn latency(&self, stage: &str) -> std::time::Duration {
+        std::time::Duration::from_millis(self.latencies_ms.get(stage).copied().unwrap_or(0))
+    }
+}
