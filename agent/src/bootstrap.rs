@@ -59,7 +59,46 @@ pub struct BootstrapResult {
 /// Run a whole bootstrap.
 pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> BootstrapResult {
     let clock = ctx.clock;
+    let mut pre = Vec::new();
+    if ctx.config.regate_on_boot
+        && !dry_run
+        && let Some(api) = &ctx.api
+    {
+        {
+            let t0 = Instant::now();
+            let r = crate::regate::regate(api.as_ref(), &ctx.config.taint, &ctx.config.reporting).await;
+            let (outcome, reason, message, summary) = match r {
+                Ok(true) => (
+                    Outcome::Passed,
+                    None,
+                    None,
+                    "released under another boot: startup taint re-added".to_string(),
+                ),
+                Ok(false) => (Outcome::Passed, None, None, "no re-gate needed".to_string()),
+                Err(e) => (
+                    Outcome::Failed,
+                    Some("RegateFailed".to_string()),
+                    Some(e.to_string()),
+                    String::new(),
+                ),
+            };
+            pre.push(StageRecord {
+                stage: "regate".into(),
+                start: clock.wall(t0),
+                start_ms: clock.offset(t0).as_millis() as u64,
+                duration_ms: t0.elapsed().as_millis() as u64,
+                outcome,
+                required: true,
+                attempts: 1,
+                reason,
+                message,
+                summary,
+                evidence: serde_json::Value::Null,
+            });
+        }
+    }
     let mut records = run_graph(ctx.clone()).await;
+    records.extend(pre);
 
     // An XID that arrived during validation holds the node even if every stage passed.
     if let Some(rec) = xid_gate(&ctx) {
@@ -151,14 +190,14 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
     });
     if released {
         tracing::info!(reason = %reason, message = %message, "verdict: released");
+        crate::systemd::ready(&format!("released: {message}"));
     } else {
         tracing::warn!(reason = %reason, message = %message, "verdict: held");
+        crate::systemd::status(&format!("held: {reason}: {message}"));
     }
 
-    if !dry_run {
-        if let Some(api) = &ctx.api {
-            report(api.as_ref(), &ctx, &timeline, blocked.as_ref().map(|b| b.0.as_str())).await;
-        }
+    if !dry_run && let Some(api) = &ctx.api {
+        report(api.as_ref(), &ctx, &timeline, blocked.as_ref().map(|b| b.0.as_str())).await;
     }
     let exit_code = if released { exit::RELEASED } else { exit::HELD };
     BootstrapResult { timeline, exit_code }
@@ -205,7 +244,12 @@ fn xid_gate(ctx: &Context) -> Option<StageRecord> {
 async fn report(api: &dyn NodeApi, ctx: &Context, t: &Timeline, failed_stage: Option<&str>) {
     let cfg = &ctx.config.reporting;
     let Some(v) = &t.verdict else { return };
-    if let Err(e) = write_annotation(api, cfg, t).await {
+    let boot = if v.released {
+        api.get().await.ok().and_then(|n| crate::regate::current_boot_id(&n))
+    } else {
+        None
+    };
+    if let Err(e) = write_annotation(api, cfg, t, boot.as_deref()).await {
         tracing::warn!(error = %e, "writing the timeline annotation failed");
     }
     let cond = ConditionValue {

@@ -93,6 +93,10 @@ pub struct RunArgs {
     /// Report format (check).
     #[arg(long, value_enum, default_value = "table")]
     pub output: OutputFormat,
+    /// Run only these stages (comma-separated, e.g. `driver,smoke,peer-bw`); the others are
+    /// disabled for this run.
+    #[arg(long, value_delimiter = ',')]
+    pub stages: Vec<String>,
 }
 
 fn init_logging(format: LogFormat, default_level: &str) {
@@ -150,6 +154,21 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         },
         None => Config::default(),
     };
+    let mut config = config;
+    if !args.stages.is_empty() {
+        if let Some(bad) = args.stages.iter().find(|s| !crate::graph::STAGES.contains(&s.as_str())) {
+            return bad_input(format!(
+                "--stages: unknown stage {bad:?} (known: {})",
+                crate::graph::STAGES.join(", ")
+            ));
+        }
+        for name in crate::graph::STAGES {
+            if let Some(s) = config.stages.get_mut(name) {
+                s.enabled = args.stages.iter().any(|x| x == name);
+            }
+        }
+    }
+    let config = config;
     let profile = match &args.simulate {
         Some(spec) => match NodeProfile::load(spec) {
             Ok(p) => Some(p),

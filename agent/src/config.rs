@@ -9,7 +9,7 @@ use taintgate_validators::gpu::decide::DriverExpectations;
 use taintgate_validators::input::{InputError, parse_yaml, read_bounded};
 
 /// The complete configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// The startup taint this agent removes.
@@ -22,18 +22,10 @@ pub struct Config {
     pub gpu: GpuConfig,
     /// Retry policy for Kubernetes API writes (taint removal, report).
     pub api: ApiConfig,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            taint: TaintConfig::default(),
-            reporting: ReportingConfig::default(),
-            stages: StagesConfig::default(),
-            gpu: GpuConfig::default(),
-            api: ApiConfig::default(),
-        }
-    }
+    /// After a reboot of a node released under another boot, put the startup taint back
+    /// before validating (systemd deployments; the kubelet only registers taints at Node
+    /// creation). Needs a credential allowed to add that taint.
+    pub regate_on_boot: bool,
 }
 
 /// The startup taint (key + effect identify the one entry removed).
@@ -372,10 +364,10 @@ impl Config {
             return err("gpu.smoke_bytes", "must be at least 4096".into());
         }
         for name in crate::graph::STAGES {
-            if let Some(s) = self.stages.get(name) {
-                if s.deadline.is_zero() {
-                    return err(&format!("stages.{name}.deadline"), "must be greater than zero".into());
-                }
+            if let Some(s) = self.stages.get(name)
+                && s.deadline.is_zero()
+            {
+                return err(&format!("stages.{name}.deadline"), "must be greater than zero".into());
             }
         }
         if self.api.backoff_min.is_zero() || self.api.backoff_min > self.api.backoff_max {
@@ -392,10 +384,10 @@ pub fn valid_qualified_name(s: &str) -> bool {
         Some((p, n)) => (Some(p), n),
         None => (None, s),
     };
-    if let Some(p) = prefix {
-        if !valid_dns_subdomain(p) {
-            return false;
-        }
+    if let Some(p) = prefix
+        && !valid_dns_subdomain(p)
+    {
+        return false;
     }
     !name.is_empty()
         && name.len() <= 63

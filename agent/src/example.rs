@@ -59,6 +59,11 @@ gpu:
     require_nccl: false         # false: copy matrix only, with a warning, when NCCL is absent
   nvml_library: null
 
+# After a reboot of a node released under another boot ID, put the startup taint back
+# before validating (image-baked nodes under systemd; the kubelet registers taints only
+# when the Node is created). Needs a credential allowed to add that one taint.
+regate_on_boot: false
+
 api:
   untaint_deadline: 10m         # conflicts and 5xx are retried with backoff until then
   backoff_min: 50ms

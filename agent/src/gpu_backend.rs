@@ -1,37 +1,53 @@
-//! Chooses the real GPU backend. Until the NVML/CUDA backend is linked in, this reports
-//! `DriverNotLoaded` through a backend whose every call fails that way, so the agent holds
-//! the node with a clear reason instead of crashing.
+//! Opens the real GPU backend (NVML + CUDA, loaded dynamically). When it cannot be opened
+//! (no driver on this machine), a stand-in backend reports that error from every call, so
+//! the agent holds the node with `DriverNotLoaded` instead of crashing.
 
 use crate::config::Config;
 use std::sync::Arc;
+use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::gpu::{
     DomainBandwidth, Gpu, GpuError, GpuInfo, Inventory, PeerBwOptions, PeerDomain, SmokeResult,
 };
 
 /// Open the real backend for this machine.
-pub fn open(_config: &Config) -> Arc<dyn Gpu> {
-    Arc::new(Unavailable(
-        "the NVML/CUDA backend is not available in this build".into(),
-    ))
+pub fn open(config: &Config) -> Arc<dyn Gpu> {
+    let opts = RealGpuOptions {
+        nvml_library: config.gpu.nvml_library.clone(),
+        require_nccl: config.gpu.peer_bw.require_nccl,
+        smoke_bytes: config.gpu.smoke_bytes,
+        ..RealGpuOptions::default()
+    };
+    match RealGpu::open(&opts) {
+        Ok(g) => {
+            for w in g.open_warnings() {
+                tracing::warn!(warning = %w, "GPU backend");
+            }
+            Arc::new(g)
+        }
+        Err(e) => {
+            tracing::error!(error = %e, reason = e.reason(), "cannot open the NVML backend");
+            Arc::new(Unavailable(e))
+        }
+    }
 }
 
 /// A backend that could not be opened; every call reports why.
-pub struct Unavailable(pub String);
+pub struct Unavailable(pub GpuError);
 
 impl Gpu for Unavailable {
     fn backend(&self) -> &'static str {
         "nvml"
     }
     fn inventory(&self) -> Result<Inventory, GpuError> {
-        Err(GpuError::DriverNotLoaded(self.0.clone()))
+        Err(self.0.clone())
     }
     fn drain_xids(&self) -> Result<Vec<(u32, u32)>, GpuError> {
         Ok(Vec::new())
     }
     fn smoke(&self, _: &GpuInfo, _: u64) -> Result<SmokeResult, GpuError> {
-        Err(GpuError::DriverNotLoaded(self.0.clone()))
+        Err(self.0.clone())
     }
     fn peer_bandwidth(&self, _: &Inventory, _: &PeerDomain, _: &PeerBwOptions) -> Result<DomainBandwidth, GpuError> {
-        Err(GpuError::DriverNotLoaded(self.0.clone()))
+        Err(self.0.clone())
     }
 }

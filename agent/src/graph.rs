@@ -216,6 +216,11 @@ async fn run_one(ctx: Arc<Context>, name: &'static str, blocked: Option<(&'stati
             mk(Outcome::Failed, n, Some(reason), Some(msg), None, end)
         }
     };
+    crate::systemd::status(&format!(
+        "{name}: {}{}",
+        rec.outcome.as_str(),
+        rec.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+    ));
     match rec.outcome {
         Outcome::Passed => {
             tracing::info!(parent: &span, duration_ms = rec.duration_ms, summary = %rec.summary, "stage passed")

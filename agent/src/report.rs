@@ -180,14 +180,21 @@ pub async fn set_condition(api: &dyn NodeApi, c: &ConditionValue) -> Result<(), 
     Err(last.unwrap_or_else(|| crate::node_api::ApiError::from_code("set condition", 0, "no attempt made")))
 }
 
-/// Write the timeline annotation with a merge patch touching only our key.
+/// Write the timeline annotation (and, on release, the boot ID released under) with a
+/// merge patch touching only our keys.
 pub async fn write_annotation(
     api: &dyn NodeApi,
     cfg: &ReportingConfig,
     t: &Timeline,
+    released_boot_id: Option<&str>,
 ) -> Result<(), crate::node_api::ApiError> {
     let key = format!("{}/timeline", cfg.annotation_prefix);
-    let patch = json!({"metadata": {"annotations": {key: compact_timeline(t, cfg.annotation_max_bytes)}}});
+    let mut annotations = serde_json::Map::new();
+    annotations.insert(key, json!(compact_timeline(t, cfg.annotation_max_bytes)));
+    if let Some(b) = released_boot_id {
+        annotations.insert(crate::regate::boot_annotation(cfg), json!(b));
+    }
+    let patch = json!({"metadata": {"annotations": annotations}});
     api.merge_patch(&patch).await.map(|_| ())
 }
 

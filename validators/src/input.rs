@@ -76,7 +76,7 @@ pub fn parse_yaml<T: DeserializeOwned>(file: &Path, text: &str) -> Result<T, Inp
             file: file.to_path_buf(),
             line: loc.as_ref().map(|l| l.line()),
             column: loc.as_ref().map(|l| l.column()),
-            key: (path != "." && !path.is_empty()).then_some(path),
+            key: (path != "." && path != "?" && !path.is_empty()).then_some(path),
             message,
         }
     })

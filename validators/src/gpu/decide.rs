@@ -162,13 +162,13 @@ pub fn evaluate_driver(inv: &Inventory, exp: &DriverExpectations) -> Result<Driv
         Some(_) => {}
         None => warnings.push(format!("no expected GPU count configured; accepting {n} as reported")),
     }
-    if let Some(want) = &exp.product {
-        if let Some(g) = inv.gpus.iter().find(|g| !g.product.contains(want.as_str())) {
-            return Err(fail(
-                "GpuProductMismatch",
-                format!("GPU {} ({}) is {:?}, expected {:?}", g.index, g.uuid, g.product, want),
-            ));
-        }
+    if let Some(want) = &exp.product
+        && let Some(g) = inv.gpus.iter().find(|g| !g.product.contains(want.as_str()))
+    {
+        return Err(fail(
+            "GpuProductMismatch",
+            format!("GPU {} ({}) is {:?}, expected {:?}", g.index, g.uuid, g.product, want),
+        ));
     }
 
     for g in &inv.gpus {
@@ -288,9 +288,9 @@ pub fn group_domains(indexes: &[u32], connected: impl Fn(u32, u32) -> bool) -> V
         }
     }
     let mut groups: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
-    for i in 0..indexes.len() {
+    for (i, &index) in indexes.iter().enumerate() {
         let r = find(&mut parent, i);
-        groups.entry(r).or_default().push(indexes[i]);
+        groups.entry(r).or_default().push(index);
     }
     let mut out: Vec<Vec<u32>> = groups
         .into_values()
@@ -411,21 +411,21 @@ pub fn evaluate_peer_bw(
             ),
         });
     }
-    if let Some(bus) = measured.allreduce_busbw_gbps {
-        if bus < threshold {
-            let slow = measured.pairs.iter().min_by(|a, b| a.gbps.total_cmp(&b.gbps));
-            return Err(PeerBwFailure {
-                reason: "PeerBandwidthLow",
-                message: format!(
-                    "domain {}: all-reduce busbw {:.1} GB/s below {:.1} GB/s{}",
-                    domain.id,
-                    bus,
-                    threshold,
-                    slow.map(|p| format!(" (slowest pair GPU {} -> GPU {} at {:.1} GB/s)", p.src, p.dst, p.gbps))
-                        .unwrap_or_default()
-                ),
-            });
-        }
+    if let Some(bus) = measured.allreduce_busbw_gbps
+        && bus < threshold
+    {
+        let slow = measured.pairs.iter().min_by(|a, b| a.gbps.total_cmp(&b.gbps));
+        return Err(PeerBwFailure {
+            reason: "PeerBandwidthLow",
+            message: format!(
+                "domain {}: all-reduce busbw {:.1} GB/s below {:.1} GB/s{}",
+                domain.id,
+                bus,
+                threshold,
+                slow.map(|p| format!(" (slowest pair GPU {} -> GPU {} at {:.1} GB/s)", p.src, p.dst, p.gbps))
+                    .unwrap_or_default()
+            ),
+        });
     }
     Ok(())
 }

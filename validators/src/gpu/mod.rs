@@ -6,6 +6,7 @@
 //! Decisions over this data live in [`decide`] as pure functions.
 
 pub mod decide;
+pub mod real;
 pub mod sim;
 
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,377 @@
+//! Prometheus metrics and the agent's small HTTP endpoint.
+//!
+//! Metrics (all prefixed `taintgate_`):
+//! - `taintgate_stage_duration_seconds{stage,result}`: histogram of stage durations, one
+//!   observation per stage that ran (`result` = passed / failed / cancelled);
+//! - `taintgate_failures_total{reason}`: failures by reason code (failed stages, and a
+//!   held verdict whose reason no stage carries, e.g. `UntaintFailed`);
+//! - `taintgate_prefetch_bytes_total{kind}`: bytes the prefetch stages fetched
+//!   (`kind="fetched"`) or found verified in the cache (`kind="cached"`), from the stage
+//!   evidence keys `bytesFetched` / `bytesCached`;
+//! - `taintgate_release_seconds`: agent start to taint removal of the last release;
+//! - `taintgate_released`: 1 once the taint was removed by this process, else 0;
+//! - `taintgate_bootstraps_total{verdict}`: bootstrap passes by verdict reason.
+//!
+//! Endpoints: `/metrics` (OpenMetrics text), `/healthz` (200 while the process serves),
+//! `/readyz` (200 only once the shared `ready` flag is set, i.e. after release; 503
+//! before).
+
+use crate::telemetry::otlp::stage_bytes;
+use crate::timeline::{Outcome, Timeline};
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use tokio::task::JoinHandle;
+
+/// Default listen address of the metrics endpoint.
+pub const DEFAULT_ADDR: &str = "0.0.0.0:9464";
+
+/// Content type of `/metrics`.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Labels of the stage histogram.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// Stage name.
+    pub stage: String,
+    /// Outcome.
+    pub result: String,
+}
+
+/// A reason code label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// Reason code.
+    pub reason: String,
+}
+
+/// Prefetch byte kind label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// `fetched` or `cached`.
+    pub kind: String,
+}
+
+/// Verdict label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerdictLabels {
+    /// Verdict reason code.
+    pub verdict: String,
+}
+
+/// Metrics server failures.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// The listen address could not be bound.
+    #[error("metrics endpoint: cannot listen on {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Encoding the registry failed (a formatting error; should not happen).
+    #[error("metrics encoding failed: {0}")]
+    Encode(String),
+}
+
+impl MetricsError {
+    /// Stable reason code.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            MetricsError::Bind { .. } => "MetricsBindFailed",
+            MetricsError::Encode(_) => "MetricsEncodeFailed",
+        }
+    }
+}
+
+fn duration_histogram() -> Histogram {
+    // 50 ms .. ~27 min: stage deadlines are minutes; driver checks are sub-second.
+    Histogram::new(exponential_buckets(0.05, 2.0, 16))
+}
+
+/// The agent's metrics.
+pub struct Metrics {
+    registry: Registry,
+    stage_duration: Family<StageLabels, Histogram, fn() -> Histogram>,
+    failures: Family<ReasonLabels, Counter>,
+    prefetch_bytes: Family<KindLabels, Counter>,
+    bootstraps: Family<VerdictLabels, Counter>,
+    release_seconds: Gauge<f64, AtomicU64>,
+    released: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A registry with every metric registered (all zero).
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let stage_duration = Family::<StageLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            duration_histogram as fn() -> Histogram,
+        );
+        let failures = Family::<ReasonLabels, Counter>::default();
+        let prefetch_bytes = Family::<KindLabels, Counter>::default();
+        let bootstraps = Family::<VerdictLabels, Counter>::default();
+        let release_seconds = Gauge::<f64, AtomicU64>::default();
+        let released = Gauge::default();
+        registry.register(
+            "taintgate_stage_duration_seconds",
+            "Duration of each evidence stage, by stage and result",
+            stage_duration.clone(),
+        );
+        // prometheus-client appends `_total` to counters.
+        registry.register("taintgate_failures", "Stage failures by reason code", failures.clone());
+        registry.register(
+            "taintgate_prefetch_bytes",
+            "Bytes of model bundles and images fetched or found cached",
+            prefetch_bytes.clone(),
+        );
+        registry.register(
+            "taintgate_bootstraps",
+            "Bootstrap passes by verdict reason",
+            bootstraps.clone(),
+        );
+        registry.register(
+            "taintgate_release_seconds",
+            "Seconds from agent start to startup-taint removal (last release)",
+            release_seconds.clone(),
+        );
+        registry.register(
+            "taintgate_released",
+            "1 once this process removed (or found removed) the startup taint",
+            released.clone(),
+        );
+        for kind in ["fetched", "cached"] {
+            // Present from the start, so a dashboard sees 0 rather than no series.
+            let _series = prefetch_bytes.get_or_create(&KindLabels { kind: kind.into() });
+        }
+        Self {
+            registry,
+            stage_duration,
+            failures,
+            prefetch_bytes,
+            bootstraps,
+            release_seconds,
+            released,
+        }
+    }
+
+    /// Record one finished bootstrap pass (call once per pass, after the verdict).
+    pub fn observe_timeline(&self, t: &Timeline) {
+        let mut failure_reasons = Vec::new();
+        for r in &t.stages {
+            if matches!(r.outcome, Outcome::Passed | Outcome::Failed | Outcome::Cancelled) {
+                self.stage_duration
+                    .get_or_create(&StageLabels {
+                        stage: r.stage.clone(),
+                        result: r.outcome.as_str().into(),
+                    })
+                    .observe(r.duration_ms as f64 / 1000.0);
+            }
+            if r.outcome == Outcome::Failed {
+                let reason = r.reason.clone().unwrap_or_else(|| "Unknown".into());
+                self.failures
+                    .get_or_create(&ReasonLabels { reason: reason.clone() })
+                    .inc();
+                failure_reasons.push(reason);
+            }
+            let (fetched, cached) = stage_bytes(r);
+            for (kind, v) in [("fetched", fetched), ("cached", cached)] {
+                if let Some(b) = v {
+                    self.prefetch_bytes
+                        .get_or_create(&KindLabels { kind: kind.into() })
+                        .inc_by(b);
+                }
+            }
+        }
+        let Some(v) = &t.verdict else { return };
+        self.bootstraps
+            .get_or_create(&VerdictLabels {
+                verdict: v.reason.clone(),
+            })
+            .inc();
+        if !v.released && !failure_reasons.contains(&v.reason) {
+            self.failures
+                .get_or_create(&ReasonLabels {
+                    reason: v.reason.clone(),
+                })
+                .inc();
+        }
+        if v.released && !v.dry_run {
+            // The untaint stage's end is the moment the taint went; the verdict follows it.
+            let at_ms = t.stage("untaint").map(|u| u.end_ms()).unwrap_or(v.at_ms);
+            self.release_seconds.set(at_ms as f64 / 1000.0);
+            self.released.set(1);
+        }
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> Result<String, MetricsError> {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)
+            .map_err(|e| MetricsError::Encode(e.to_string()))?;
+        Ok(s)
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+}
+
+async fn metrics_handler(State(s): State<AppState>) -> axum::response::Response {
+    match s.metrics.encode() {
+        Ok(body) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], body).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn readyz(State(s): State<AppState>) -> (StatusCode, &'static str) {
+    if s.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "released\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not released\n")
+    }
+}
+
+/// The HTTP routes (`/metrics`, `/healthz`, `/readyz`).
+pub fn router(metrics: Arc<Metrics>, ready: Arc<AtomicBool>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(AppState { metrics, ready })
+}
+
+/// A running metrics endpoint.
+#[derive(Debug)]
+pub struct MetricsServer {
+    /// The bound address (the real port when asked for port 0).
+    pub addr: SocketAddr,
+    /// The server task; abort it to stop serving.
+    pub handle: JoinHandle<()>,
+}
+
+/// Bind `addr` and serve the endpoints on a background task. Binding happens before this
+/// returns, so a taken port is reported here, not lost in a task.
+pub async fn serve(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+) -> Result<MetricsServer, MetricsError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsError::Bind { addr, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| MetricsError::Bind { addr, source })?;
+    let app = router(metrics, ready);
+    let handle = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!(addr = %bound, error = %e, "metrics endpoint stopped");
+        }
+    });
+    tracing::info!(addr = %bound, "metrics endpoint listening");
+    Ok(MetricsServer { addr: bound, handle })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::timeline::{StageRecord, Verdict};
+    use jiff::Timestamp;
+    use serde_json::{Value, json};
+
+    fn rec(stage: &str, dur: u64, outcome: Outcome, reason: Option<&str>, ev: Value) -> StageRecord {
+        StageRecord {
+            stage: stage.into(),
+            start: Timestamp::UNIX_EPOCH,
+            start_ms: 100,
+            duration_ms: dur,
+            outcome,
+            required: true,
+            attempts: 1,
+            reason: reason.map(Into::into),
+            message: None,
+            summary: String::new(),
+            evidence: ev,
+        }
+    }
+
+    pub(crate) fn timeline(released: bool) -> Timeline {
+        Timeline {
+            node: "n".into(),
+            agent_start: Timestamp::UNIX_EPOCH,
+            gpu_backend: "simulated".into(),
+            stages: vec![
+                rec("driver", 300, Outcome::Passed, None, json!({"gpus": 8})),
+                rec(
+                    "models",
+                    7000,
+                    if released { Outcome::Passed } else { Outcome::Failed },
+                    (!released).then_some("DigestMismatch"),
+                    json!({"bytesFetched": 1000, "bytesCached": 24}),
+                ),
+                rec("fit", 0, Outcome::Skipped, Some("DependencyFailed"), Value::Null),
+                rec("untaint", 20, Outcome::Passed, None, Value::Null),
+            ],
+            verdict: Some(Verdict {
+                released,
+                dry_run: false,
+                reason: if released { "Released" } else { "DigestMismatch" }.into(),
+                message: String::new(),
+                at_ms: 7200,
+                at: Timestamp::UNIX_EPOCH,
+            }),
+        }
+    }
+
+    #[test]
+    fn timeline_becomes_metrics() {
+        let m = Metrics::new();
+        m.observe_timeline(&timeline(false));
+        m.observe_timeline(&timeline(true));
+        let text = m.encode().unwrap();
+        for want in [
+            r#"taintgate_stage_duration_seconds_count{stage="driver",result="passed"} 2"#,
+            r#"taintgate_stage_duration_seconds_sum{stage="models",result="failed"} 7.0"#,
+            r#"taintgate_failures_total{reason="DigestMismatch"} 1"#,
+            r#"taintgate_prefetch_bytes_total{kind="fetched"} 2000"#,
+            r#"taintgate_prefetch_bytes_total{kind="cached"} 48"#,
+            r#"taintgate_bootstraps_total{verdict="Released"} 1"#,
+            "taintgate_release_seconds 0.12",
+            "taintgate_released 1",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in\n{text}");
+        }
+        assert!(
+            !text.contains(r#"stage="fit""#),
+            "skipped stages are not timed:\n{text}"
+        );
+    }
+}

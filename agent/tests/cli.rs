@@ -1,0 +1,336 @@
+//! The real `taintgate` binary on simulated nodes, with no cluster: exit codes, reason
+//! codes for each faulty profile, and bad-input messages naming file, line and key.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_taintgate"));
+    c.env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("NODE_NAME")
+        .env_remove("TAINTGATE_CONFIG");
+    c
+}
+
+fn profile(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/profiles")
+        .join(format!("{name}.yaml"))
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn check_on_builtin_profile_prints_every_stage_and_would_release() {
+    let o = bin().args(["check", "--simulate", "builtin"]).output().unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    for stage in [
+        "register",
+        "driver",
+        "smoke",
+        "peer-bw",
+        "allocatable",
+        "device-plugin",
+        "runtime",
+        "fit",
+        "models",
+        "images",
+    ] {
+        assert!(
+            out.lines().any(|l| l.starts_with(stage)),
+            "stage {stage} missing from:\n{out}"
+        );
+    }
+    assert!(out.contains("WOULD RELEASE (dry-run)"), "{out}");
+}
+
+#[test]
+fn run_on_healthy_profile_releases() {
+    let o = bin()
+        .args([
+            "run",
+            "--simulate",
+            &profile("8gpu-two-domains"),
+            "--once",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["verdict"]["reason"], "Released");
+    assert!(t["stages"].as_array().unwrap().iter().any(|s| s["stage"] == "untaint"));
+}
+
+#[test]
+fn each_faulty_profile_is_held_with_its_reason() {
+    let cases = [
+        ("gpu-missing", "GpuCountMismatch", "driver"),
+        ("remap-pending", "RowRemapPending", "driver"),
+        ("xid-79", "XidFatal", "driver"),
+        ("nvlink-down", "NvlinkInactive", "driver"),
+        ("smoke-fail", "SmokeFailed", "smoke"),
+        ("slow-peer", "PeerBandwidthLow", "peer-bw"),
+        ("no-driver", "DriverNotLoaded", "driver"),
+        ("plugin-unhealthy", "PluginDeviceUnhealthy", "device-plugin"),
+    ];
+    for (p, reason, stage) in cases {
+        let o = bin()
+            .args(["run", "--simulate", &profile(p), "--once", "--output", "json"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{p}: {}", text(&o));
+        let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(t["verdict"]["reason"], reason, "{p}");
+        assert_eq!(t["verdict"]["released"], false, "{p}");
+        let rec = t["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["stage"] == stage)
+            .unwrap();
+        assert_eq!(rec["outcome"], "failed", "{p}");
+        assert!(
+            !t["stages"].as_array().unwrap().iter().any(|s| s["stage"] == "untaint"),
+            "{p}: must not untaint"
+        );
+    }
+}
+
+#[test]
+fn allocatable_short_is_held_at_the_deadline_with_the_last_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(&cfg, "stages:\n  allocatable: {deadline: 1s}\n").unwrap();
+    let o = bin()
+        .args([
+            "run",
+            "--simulate",
+            &profile("allocatable-short"),
+            "--once",
+            "--output",
+            "json",
+            "--config",
+        ])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["verdict"]["reason"], "AllocatableShort");
+    let msg = t["verdict"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("allocatable 7, expected 8") && msg.contains("deadline"),
+        "{msg}"
+    );
+    let fit = t["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "fit")
+        .unwrap();
+    assert_eq!(fit["outcome"], "skipped");
+}
+
+#[test]
+fn late_registration_waits_then_releases() {
+    let o = bin()
+        .args([
+            "run",
+            "--simulate",
+            &profile("late-registration"),
+            "--once",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let reg = t["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "register")
+        .unwrap();
+    assert!(
+        reg["duration_ms"].as_u64().unwrap() >= 1400,
+        "register must wait for the label: {reg}"
+    );
+    let untaint = t["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "untaint")
+        .unwrap();
+    assert!(
+        untaint["start_ms"].as_u64().unwrap()
+            >= reg["start_ms"].as_u64().unwrap() + reg["duration_ms"].as_u64().unwrap()
+    );
+}
+
+#[test]
+fn malformed_config_exits_2_naming_file_line_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.yaml");
+    std::fs::write(
+        &cfg,
+        "taint:\n  key: taintgate.io/unverified\nstages:\n  smoke:\n    deadline: soonish\n",
+    )
+    .unwrap();
+    for sub in [
+        vec!["check", "--simulate", "builtin", "--config"],
+        vec!["config", "validate"],
+    ] {
+        let o = bin().args(&sub).arg(&cfg).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("bad.yaml:5:") && err.contains("stages.smoke.deadline"),
+            "{err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    std::fs::write(&cfg, "taint: [not, a, map]\n").unwrap();
+    let o = bin().args(["config", "validate"]).arg(&cfg).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("bad.yaml:1:"));
+}
+
+#[test]
+fn malformed_profile_exits_2_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.yaml");
+    std::fs::write(
+        &p,
+        format!(
+            "extends: {}\npatch:\n  - {{op: replace, path: /gpus/0/index, value: -3}}\n",
+            profile("8gpu-two-domains")
+        ),
+    )
+    .unwrap();
+    let o = bin().args(["check", "--simulate"]).arg(&p).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("gpus[0].index"), "{err}");
+    std::fs::write(&p, "node: {name: x}\ngpus:\n  - index: 0\n    uuid: GPU-a\n    pci_bus_id: 0\n    product: p\n    memory_bytes: lots\ndomains: []\n").unwrap();
+    let o = bin().args(["check", "--simulate"]).arg(&p).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("p.yaml:7:") && err.contains("gpus[0].memory_bytes"),
+        "{err}"
+    );
+    let o = bin()
+        .args(["check", "--simulate", "/nonexistent/profile.yaml"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/profile.yaml"));
+}
+
+#[test]
+fn config_example_validates() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("example.yaml");
+    let o = bin().args(["config", "example"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    std::fs::write(&cfg, &o.stdout).unwrap();
+    let o = bin().args(["config", "validate"]).arg(&cfg).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+}
+
+#[test]
+fn run_without_a_cluster_or_simulation_is_bad_input() {
+    let o = bin().args(["run", "--node-name", "n1", "--once"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs a Kubernetes API"));
+}
+
+/// Build the fake `libnvidia-ml.so.1` (tests/fake-nvml) into `dir` with `profile` beside it.
+fn fake_nvml(dir: &std::path::Path, profile: &str) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c");
+    let lib = dir.join("libnvidia-ml.so.1");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let st = Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .unwrap();
+    assert!(st.success(), "{cc} failed on {}", src.display());
+    std::fs::write(dir.join("profile.txt"), profile).unwrap();
+    lib
+}
+
+#[test]
+fn check_without_a_driver_says_driver_not_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = bin()
+        .args(["check", "--stages", "driver,smoke"])
+        .env("TAINTGATE_NVML_LIBRARY", dir.path().join("absent/libnvidia-ml.so.1"))
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("DriverNotLoaded") && out.contains("libnvidia-ml.so.1"),
+        "{out}"
+    );
+    assert!(!out.contains("panicked"), "{out}");
+}
+
+#[test]
+fn check_drives_the_real_nvml_path_against_the_fake_library() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = fake_nvml(dir.path(), "gpus=8\np2p_nvlink=0,1,2,3;4,5,6,7\n");
+    let o = bin()
+        .args(["check", "--stages", "driver", "--output", "json"])
+        .env("TAINTGATE_NVML_LIBRARY", &lib)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["gpu_backend"], "nvml");
+    let d = t["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "driver")
+        .unwrap();
+    assert_eq!(d["outcome"], "passed", "{d}");
+    assert_eq!(d["evidence"]["startupRecord"].as_array().unwrap().len(), 8);
+
+    std::fs::write(dir.path().join("profile.txt"), "gpus=8\ngpu.5.remap=0,0,1,0\n").unwrap();
+    let o = bin()
+        .args(["check", "--stages", "driver", "--output", "json"])
+        .env("TAINTGATE_NVML_LIBRARY", &lib)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["verdict"]["reason"], "RowRemapPending");
+
+    std::fs::write(dir.path().join("profile.txt"), "init=driver_not_loaded\n").unwrap();
+    let o = bin()
+        .args(["check", "--stages", "driver", "--output", "json"])
+        .env("TAINTGATE_NVML_LIBRARY", &lib)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["verdict"]["reason"], "DriverNotLoaded");
+}

@@ -1,0 +1,540 @@
+/*
+ * A fake libnvidia-ml.so.1 for tests: implements the NVML entry points taintgate's real
+ * backend (validators/src/gpu/real/nvml.rs, through nvml-wrapper 0.13) calls, answering from
+ * a profile file instead of a driver. nvml-wrapper resolves symbols one by one and reports a
+ * missing one as an error on use, so only the functions called need to exist here.
+ *
+ * Build: cc -shared -fPIC -o libnvidia-ml.so.1 fake_nvml.c
+ *
+ * The profile is read at nvmlInit: $FAKE_NVML_PROFILE if set, else `profile.txt` in the
+ * directory this library was loaded from (so parallel tests each copy the library into their
+ * own directory with their own profile). Format: see README.md beside this file.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int nvmlReturn_t;
+enum {
+	NVML_SUCCESS = 0,
+	NVML_ERROR_UNINITIALIZED = 1,
+	NVML_ERROR_INVALID_ARGUMENT = 2,
+	NVML_ERROR_NOT_SUPPORTED = 3,
+	NVML_ERROR_NO_PERMISSION = 4,
+	NVML_ERROR_NOT_FOUND = 6,
+	NVML_ERROR_INSUFFICIENT_SIZE = 7,
+	NVML_ERROR_DRIVER_NOT_LOADED = 9,
+	NVML_ERROR_TIMEOUT = 10,
+	NVML_ERROR_GPU_IS_LOST = 15,
+	NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
+	NVML_ERROR_UNKNOWN = 999,
+};
+
+#define MAX_GPUS 16
+#define MAX_MIG 7
+#define MAX_KV 2048
+#define MAX_EVENTS 32
+
+typedef struct {
+	char busIdLegacy[16];
+	unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+	char busId[32];
+} nvmlPciInfo_t;
+
+typedef struct {
+	unsigned int version;
+	unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+
+typedef struct fake_gpu fake_gpu;
+typedef struct {
+	fake_gpu *device;
+	unsigned long long eventType, eventData;
+	unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+typedef struct {
+	unsigned char clusterUuid[16];
+	nvmlReturn_t status;
+	unsigned int cliqueId;
+	unsigned char state;
+} nvmlGpuFabricInfo_t;
+
+typedef struct {
+	fake_gpu *parent;
+	int present;
+	char uuid[96];
+	char profile[32];
+} fake_mig;
+
+struct fake_gpu {
+	unsigned int index;
+	int is_mig; /* always 0 for GPUs; fake_mig handles are cast from fake_mig* */
+	int lost;
+	fake_mig mig[MAX_MIG];
+	unsigned long long xid_events[MAX_EVENTS];
+	int n_xid_events;
+};
+
+typedef struct {
+	unsigned int registered; /* bitmask of GPU indexes */
+} fake_event_set;
+
+static char *keys[MAX_KV];
+static char *vals[MAX_KV];
+static int n_kv;
+static int initialised;
+static unsigned int gpu_count;
+static fake_gpu gpus[MAX_GPUS];
+
+static void trim(char *s) {
+	size_t n = strlen(s);
+	while (n > 0 && (s[n - 1] == '\n' || s[n - 1] == '\r' || s[n - 1] == ' ' || s[n - 1] == '\t')) s[--n] = 0;
+}
+
+static const char *get(const char *key) {
+	for (int i = n_kv - 1; i >= 0; i--)
+		if (strcmp(keys[i], key) == 0) return vals[i];
+	return NULL;
+}
+
+static const char *gget(unsigned int idx, const char *field) {
+	char k[128];
+	snprintf(k, sizeof k, "gpu.%u.%s", idx, field);
+	return get(k);
+}
+
+static unsigned long long gnum(unsigned int idx, const char *field, unsigned long long dflt) {
+	const char *v = gget(idx, field);
+	return v ? strtoull(v, NULL, 0) : dflt;
+}
+
+static int in_list(const char *list, unsigned long long x) {
+	if (!list) return 0;
+	const char *p = list;
+	while (*p) {
+		char *end;
+		unsigned long long v = strtoull(p, &end, 0);
+		if (end != p && v == x) return 1;
+		p = (*end) ? end + 1 : end;
+	}
+	return 0;
+}
+
+/* Groups "0,1,2,3;4,5,6,7" or "all": are a and b in one group? */
+static int same_group(const char *groups, unsigned int a, unsigned int b) {
+	if (!groups) return 0;
+	if (strcmp(groups, "all") == 0) return 1;
+	char buf[1024];
+	snprintf(buf, sizeof buf, "%s", groups);
+	char *save = NULL;
+	for (char *g = strtok_r(buf, ";", &save); g; g = strtok_r(NULL, ";", &save))
+		if (in_list(g, a) && in_list(g, b)) return 1;
+	return 0;
+}
+
+static const char *profile_path(char *buf, size_t len) {
+	const char *env = getenv("FAKE_NVML_PROFILE");
+	if (env && *env) return env;
+	Dl_info info;
+	if (dladdr((void *)&profile_path, &info) && info.dli_fname) {
+		snprintf(buf, len, "%s", info.dli_fname);
+		char *slash = strrchr(buf, '/');
+		if (slash) {
+			snprintf(slash + 1, len - (size_t)(slash + 1 - buf), "profile.txt");
+			return buf;
+		}
+	}
+	return "profile.txt";
+}
+
+static int load_profile(void) {
+	char pbuf[4096];
+	const char *path = profile_path(pbuf, sizeof pbuf);
+	FILE *f = fopen(path, "r");
+	if (!f) {
+		fprintf(stderr, "fake-nvml: cannot open profile %s\n", path);
+		return -1;
+	}
+	for (int i = 0; i < n_kv; i++) { free(keys[i]); free(vals[i]); }
+	n_kv = 0;
+	char line[4096];
+	while (fgets(line, sizeof line, f) && n_kv < MAX_KV) {
+		trim(line);
+		if (line[0] == '#' || line[0] == 0) continue;
+		char *eq = strchr(line, '=');
+		if (!eq) continue;
+		*eq = 0;
+		keys[n_kv] = strdup(line);
+		vals[n_kv] = strdup(eq + 1);
+		n_kv++;
+	}
+	fclose(f);
+	const char *c = get("gpus");
+	gpu_count = c ? (unsigned int)strtoul(c, NULL, 0) : 0;
+	if (gpu_count > MAX_GPUS) gpu_count = MAX_GPUS;
+	memset(gpus, 0, sizeof gpus);
+	for (unsigned int i = 0; i < gpu_count; i++) {
+		gpus[i].index = i;
+		gpus[i].lost = (int)gnum(i, "lost", 0);
+		/* gpu.N.xid_events=79,48: queued for the event set, one per wait. */
+		const char *ev = gget(i, "xid_events");
+		const char *p = ev;
+		while (p && *p && gpus[i].n_xid_events < MAX_EVENTS) {
+			char *end;
+			unsigned long long v = strtoull(p, &end, 0);
+			if (end == p) break;
+			gpus[i].xid_events[gpus[i].n_xid_events++] = v;
+			p = (*end) ? end + 1 : end;
+		}
+		/* gpu.N.mig_devices=MIG-aaaa:1g.10gb,MIG-bbbb:2g.20gb */
+		const char *md = gget(i, "mig_devices");
+		if (md) {
+			char buf[2048];
+			snprintf(buf, sizeof buf, "%s", md);
+			char *save = NULL;
+			int m = 0;
+			for (char *tok = strtok_r(buf, ",", &save); tok && m < MAX_MIG; tok = strtok_r(NULL, ",", &save), m++) {
+				char *colon = strchr(tok, ':');
+				gpus[i].mig[m].parent = &gpus[i];
+				gpus[i].mig[m].present = 1;
+				if (colon) {
+					*colon = 0;
+					snprintf(gpus[i].mig[m].profile, sizeof gpus[i].mig[m].profile, "%s", colon + 1);
+				}
+				snprintf(gpus[i].mig[m].uuid, sizeof gpus[i].mig[m].uuid, "%s", tok);
+			}
+		}
+	}
+	return 0;
+}
+
+static int is_gpu(const void *d) {
+	for (unsigned int i = 0; i < gpu_count; i++)
+		if (d == (const void *)&gpus[i]) return 1;
+	return 0;
+}
+
+static int is_mig(const void *d, fake_mig **out) {
+	for (unsigned int i = 0; i < gpu_count; i++)
+		for (int m = 0; m < MAX_MIG; m++)
+			if (d == (const void *)&gpus[i].mig[m]) { *out = &gpus[i].mig[m]; return 1; }
+	return 0;
+}
+
+/* Common guard for per-GPU queries. */
+#define GPU_GUARD(dev)                                                  \
+	do {                                                            \
+		if (!initialised) return NVML_ERROR_UNINITIALIZED;      \
+		if (!is_gpu(dev)) return NVML_ERROR_INVALID_ARGUMENT;   \
+		if ((dev)->lost) return NVML_ERROR_GPU_IS_LOST;         \
+	} while (0)
+
+static nvmlReturn_t copy_str(char *dst, unsigned int len, const char *src) {
+	if (strlen(src) + 1 > len) return NVML_ERROR_INSUFFICIENT_SIZE;
+	snprintf(dst, len, "%s", src);
+	return NVML_SUCCESS;
+}
+
+static nvmlReturn_t do_init(void) {
+	if (load_profile() != 0) return NVML_ERROR_UNKNOWN;
+	const char *mode = get("init");
+	if (mode && strcmp(mode, "driver_not_loaded") == 0) return NVML_ERROR_DRIVER_NOT_LOADED;
+	if (mode && strcmp(mode, "no_permission") == 0) return NVML_ERROR_NO_PERMISSION;
+	if (mode && strcmp(mode, "rm_version_mismatch") == 0) return NVML_ERROR_LIB_RM_VERSION_MISMATCH;
+	initialised = 1;
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return do_init(); }
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { (void)flags; return do_init(); }
+nvmlReturn_t nvmlShutdown(void) { initialised = 0; return NVML_SUCCESS; }
+
+const char *nvmlErrorString(nvmlReturn_t r) {
+	switch (r) {
+	case NVML_SUCCESS: return "Success";
+	case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+	case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+	case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+	default: return "fake NVML error";
+	}
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	const char *v = get("driver_version");
+	return copy_str(version, length, v ? v : "550.90.07");
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	const char *c = get("cuda_version");
+	*v = c ? atoi(c) : 12040;
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v) { return nvmlSystemGetCudaDriverVersion_v2(v); }
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	*count = gpu_count;
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, fake_gpu **device) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	if (index >= gpu_count) return NVML_ERROR_INVALID_ARGUMENT;
+	if (gnum(index, "handle_lost", 0)) return NVML_ERROR_GPU_IS_LOST;
+	*device = &gpus[index];
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(fake_gpu *dev, unsigned int *index) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	if (!is_gpu(dev)) return NVML_ERROR_INVALID_ARGUMENT;
+	*index = dev->index;
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(void *d, char *uuid, unsigned int length) {
+	fake_mig *m;
+	if (is_mig(d, &m)) return copy_str(uuid, length, m->uuid);
+	fake_gpu *dev = d;
+	GPU_GUARD(dev);
+	const char *v = gget(dev->index, "uuid");
+	char dflt[96];
+	snprintf(dflt, sizeof dflt, "GPU-00000000-0000-0000-0000-%012u", dev->index);
+	return copy_str(uuid, length, v ? v : dflt);
+}
+
+nvmlReturn_t nvmlDeviceGetName(void *d, char *name, unsigned int length) {
+	fake_mig *m;
+	if (is_mig(d, &m)) {
+		char buf[128];
+		snprintf(buf, sizeof buf, "NVIDIA H100 80GB HBM3 MIG %s", m->profile);
+		return copy_str(name, length, buf);
+	}
+	fake_gpu *dev = d;
+	GPU_GUARD(dev);
+	const char *v = gget(dev->index, "name");
+	if (!v) v = get("name");
+	return copy_str(name, length, v ? v : "NVIDIA H100 80GB HBM3");
+}
+
+static void pci_of(unsigned int idx, const char *field, unsigned int dflt_bus, nvmlPciInfo_t *pci) {
+	const char *v = gget(idx, field);
+	unsigned int dom = 0, bus = dflt_bus, dev = 0, fn = 0;
+	if (v) sscanf(v, "%x:%x:%x.%x", &dom, &bus, &dev, &fn);
+	memset(pci, 0, sizeof *pci);
+	pci->domain = dom;
+	pci->bus = bus;
+	pci->device = dev;
+	pci->pciDeviceId = 0x233010de;
+	snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04x:%02x:%02x.0", dom, bus, dev);
+	snprintf(pci->busId, sizeof pci->busId, "%08x:%02x:%02x.0", dom, bus, dev);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(fake_gpu *dev, nvmlPciInfo_t *pci) {
+	GPU_GUARD(dev);
+	pci_of(dev->index, "pci", 0x18 + dev->index * 0x10, pci);
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNumaNodeId(fake_gpu *dev, unsigned int *node) {
+	GPU_GUARD(dev);
+	const char *v = gget(dev->index, "numa");
+	if (!v) return NVML_ERROR_NOT_SUPPORTED;
+	*node = (unsigned int)strtoul(v, NULL, 0);
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(fake_gpu *dev, nvmlMemory_v2_t *mem) {
+	GPU_GUARD(dev);
+	mem->total = gnum(dev->index, "memory", 85899345920ULL);
+	mem->reserved = 0;
+	mem->used = 0;
+	mem->free = mem->total;
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetVbiosVersion(fake_gpu *dev, char *v, unsigned int length) {
+	GPU_GUARD(dev);
+	const char *s = gget(dev->index, "vbios");
+	return copy_str(v, length, s ? s : "96.00.89.00.01");
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(fake_gpu *dev, int *mode) {
+	GPU_GUARD(dev);
+	*mode = (int)gnum(dev->index, "persistence", 1);
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(fake_gpu *dev, unsigned int *current, unsigned int *pending) {
+	GPU_GUARD(dev);
+	*current = *pending = (unsigned int)gnum(dev->index, "mig", 0);
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(fake_gpu *dev, unsigned int *count) {
+	GPU_GUARD(dev);
+	*count = gnum(dev->index, "mig", 0) ? MAX_MIG : 0;
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(fake_gpu *dev, unsigned int index, fake_mig **out) {
+	GPU_GUARD(dev);
+	if (index >= MAX_MIG) return NVML_ERROR_INVALID_ARGUMENT;
+	if (!dev->mig[index].present) return NVML_ERROR_NOT_FOUND;
+	*out = &dev->mig[index];
+	return NVML_SUCCESS;
+}
+
+/* gpu.N.pcie=cur_gen,max_gen,cur_width,max_width */
+static void pcie_of(unsigned int idx, unsigned int out[4]) {
+	out[0] = 5; out[1] = 5; out[2] = 16; out[3] = 16;
+	const char *v = gget(idx, "pcie");
+	if (v) sscanf(v, "%u,%u,%u,%u", &out[0], &out[1], &out[2], &out[3]);
+}
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[0]; return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[1]; return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[2]; return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[3]; return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(fake_gpu *dev, int errorType, int counterType, unsigned long long *count) {
+	GPU_GUARD(dev);
+	(void)counterType;
+	/* 1 = uncorrected */
+	*count = errorType == 1 ? gnum(dev->index, "ecc_uncorrectable", 0) : 0;
+	return NVML_SUCCESS;
+}
+
+/* Retired pages: gpu.N.retired_pages counts double-bit retirements. */
+static unsigned int retired_count(unsigned int idx, int cause) {
+	return cause == 1 ? (unsigned int)gnum(idx, "retired_pages", 0) : 0;
+}
+nvmlReturn_t nvmlDeviceGetRetiredPages(fake_gpu *dev, int cause, unsigned int *count, unsigned long long *addresses) {
+	GPU_GUARD(dev);
+	unsigned int have = retired_count(dev->index, cause);
+	if (*count < have) { *count = have; return NVML_ERROR_INSUFFICIENT_SIZE; }
+	for (unsigned int i = 0; i < have; i++) addresses[i] = 0x1000ULL * (i + 1);
+	*count = have;
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetRetiredPages_v2(fake_gpu *dev, int cause, unsigned int *count, unsigned long long *addresses, unsigned long long *timestamps) {
+	GPU_GUARD(dev);
+	unsigned int have = retired_count(dev->index, cause);
+	if (*count < have) { *count = have; return NVML_ERROR_INSUFFICIENT_SIZE; }
+	for (unsigned int i = 0; i < have; i++) { addresses[i] = 0x1000ULL * (i + 1); timestamps[i] = 1700000000ULL + i; }
+	*count = have;
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(fake_gpu *dev, int *pending) {
+	GPU_GUARD(dev);
+	*pending = (int)gnum(dev->index, "pending_retirement", 0);
+	return NVML_SUCCESS;
+}
+
+/* gpu.N.remap=corr,unc,pending,failure ; gpu.N.remap=unsupported */
+nvmlReturn_t nvmlDeviceGetRemappedRows(fake_gpu *dev, unsigned int *corr, unsigned int *unc, unsigned int *pending, unsigned int *failure) {
+	GPU_GUARD(dev);
+	const char *v = gget(dev->index, "remap");
+	if (v && strcmp(v, "unsupported") == 0) return NVML_ERROR_NOT_SUPPORTED;
+	*corr = *unc = *pending = *failure = 0;
+	if (v) sscanf(v, "%u,%u,%u,%u", corr, unc, pending, failure);
+	return NVML_SUCCESS;
+}
+
+/* gpu.N.fabric=absent|not_supported|not_started|in_progress|completed|failed (default: fabric= key, else absent) */
+nvmlReturn_t nvmlDeviceGetGpuFabricInfo(fake_gpu *dev, nvmlGpuFabricInfo_t *info) {
+	GPU_GUARD(dev);
+	const char *v = gget(dev->index, "fabric");
+	if (!v) v = get("fabric");
+	if (!v || strcmp(v, "absent") == 0) return NVML_ERROR_NOT_SUPPORTED;
+	memset(info, 0, sizeof *info);
+	info->status = NVML_SUCCESS;
+	if (strcmp(v, "not_supported") == 0) info->state = 0;
+	else if (strcmp(v, "not_started") == 0) info->state = 1;
+	else if (strcmp(v, "in_progress") == 0) info->state = 2;
+	else if (strcmp(v, "completed") == 0) info->state = 3;
+	else { info->state = 3; info->status = NVML_ERROR_UNKNOWN; }
+	return NVML_SUCCESS;
+}
+
+/* NVLink: gpu.N.nvlinks (count, default nvlinks= key, else 18), gpu.N.nvlink_inactive=3,7,
+ * gpu.N.nvlink_version (default 4), gpu.N.nvlink_remote (default an NVSwitch 0000:05:00.0). */
+static unsigned int nvlink_count(unsigned int idx) {
+	const char *g = get("nvlinks");
+	return (unsigned int)gnum(idx, "nvlinks", g ? strtoull(g, NULL, 0) : 18);
+}
+nvmlReturn_t nvmlDeviceGetNvLinkState(fake_gpu *dev, unsigned int link, int *active) {
+	GPU_GUARD(dev);
+	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
+	*active = !in_list(gget(dev->index, "nvlink_inactive"), link);
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetNvLinkVersion(fake_gpu *dev, unsigned int link, unsigned int *version) {
+	GPU_GUARD(dev);
+	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
+	*version = (unsigned int)gnum(dev->index, "nvlink_version", 4);
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(fake_gpu *dev, unsigned int link, nvmlPciInfo_t *pci) {
+	GPU_GUARD(dev);
+	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
+	pci_of(dev->index, "nvlink_remote", 0x05, pci);
+	return NVML_SUCCESS;
+}
+
+/* P2P: p2p_nvlink / p2p_pcie = groups ("0,1,2,3;4,5,6,7" or "all"); index 2 = NVLink.
+ * Default p2p_nvlink: all GPUs when they have NVLinks. */
+nvmlReturn_t nvmlDeviceGetP2PStatus(fake_gpu *a, fake_gpu *b, int index, int *status) {
+	GPU_GUARD(a);
+	GPU_GUARD(b);
+	const char *nv = get("p2p_nvlink");
+	if (!nv && nvlink_count(a->index) > 0 && nvlink_count(b->index) > 0) nv = "all";
+	int ok = index == 2 ? same_group(nv, a->index, b->index)
+			    : (same_group(get("p2p_pcie"), a->index, b->index) || same_group(nv, a->index, b->index));
+	*status = ok ? 0 : 5; /* 5 = NVML_P2P_STATUS_NOT_SUPPORTED */
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(fake_gpu *a, fake_gpu *b, int *level) {
+	GPU_GUARD(a);
+	GPU_GUARD(b);
+	*level = same_group(get("pcie_switch"), a->index, b->index) ? 10 /* SINGLE */ : 50 /* SYSTEM */;
+	return NVML_SUCCESS;
+}
+
+/* Events */
+nvmlReturn_t nvmlEventSetCreate(fake_event_set **set) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	*set = calloc(1, sizeof **set);
+	return *set ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+}
+nvmlReturn_t nvmlDeviceRegisterEvents(fake_gpu *dev, unsigned long long types, fake_event_set *set) {
+	GPU_GUARD(dev);
+	if (gnum(dev->index, "events_unsupported", 0)) return NVML_ERROR_NOT_SUPPORTED;
+	if (types & 8ULL) set->registered |= 1u << dev->index;
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
+	(void)timeoutms;
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	for (unsigned int i = 0; i < gpu_count; i++) {
+		if (!(set->registered & (1u << i)) || gpus[i].n_xid_events == 0) continue;
+		memset(data, 0, sizeof *data);
+		data->device = &gpus[i];
+		data->eventType = 8ULL;
+		data->eventData = gpus[i].xid_events[0];
+		memmove(&gpus[i].xid_events[0], &gpus[i].xid_events[1], sizeof(unsigned long long) * (size_t)(gpus[i].n_xid_events - 1));
+		gpus[i].n_xid_events--;
+		return NVML_SUCCESS;
+	}
+	/* Never blocks: nothing queued is a timeout, as if timeoutms passed. */
+	return NVML_ERROR_TIMEOUT;
+}
+nvmlReturn_t nvmlEventSetFree(fake_event_set *set) {
+	free(set);
+	return NVML_SUCCESS;
+}

@@ -1,0 +1,205 @@
+//! XIDs that happened before the agent started: the NVIDIA kernel driver logs every XID
+//! as `NVRM: Xid (PCI:0000:18:00): 79, pid=..., GPU has fallen off the bus.`; the kernel
+//! ring buffer (`/dev/kmsg`) holds them since boot unless it wrapped.
+//!
+//! The reader takes what is in the log now and returns (it never waits for new records:
+//! XIDs after start arrive through the NVML event subscription instead).
+
+use std::io::Read;
+use std::path::Path;
+
+/// Upper bound on what is read from the kernel log (the ring buffer is far smaller; a
+/// regular file configured instead must not exhaust memory).
+const MAX_LOG_BYTES: usize = 64 << 20;
+
+/// One XID record found in the kernel log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KmsgXid {
+    /// PCI address as the driver logs it, lower case, `0000:18:00` (domain:bus:device).
+    pub pci: String,
+    /// XID number.
+    pub xid: u32,
+}
+
+/// Failure to read the kernel log.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read kernel log {path}: {source}")]
+pub struct KmsgError {
+    /// Path that was read.
+    pub path: String,
+    /// Underlying error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl KmsgError {
+    /// Stable reason code.
+    pub fn reason(&self) -> &'static str {
+        "KernelLogUnreadable"
+    }
+}
+
+/// Parse one kernel log line (a `/dev/kmsg` record `6,123,456,-;NVRM: ...`, a `dmesg`
+/// line, or a bare message). Returns `None` for anything that is not an XID record.
+pub fn parse_xid_line(line: &str) -> Option<KmsgXid> {
+    const MARK: &str = "NVRM: Xid (PCI:";
+    let start = line.find(MARK)? + MARK.len();
+    let rest = &line[start..];
+    let close = rest.find(')')?;
+    let pci = rest[..close].trim().to_ascii_lowercase();
+    let after = rest[close + 1..].trim_start().strip_prefix(':')?.trim_start();
+    let digits: String = after.chars().take_while(|c| c.is_ascii_digit()).collect();
+    let xid = digits.parse().ok()?;
+    if pci.is_empty() {
+        return None;
+    }
+    Some(KmsgXid { pci, xid })
+}
+
+/// Parse every XID record in a log text.
+pub fn parse_xids(text: &str) -> Vec<KmsgXid> {
+    text.lines().filter_map(parse_xid_line).collect()
+}
+
+/// Does a driver-logged PCI address (`0000:18:00`, sometimes without the domain) name the
+/// GPU at `bus_id` (`0000:18:00.0`)?
+pub fn pci_matches(logged: &str, bus_id: &str) -> bool {
+    let bus = bus_id.to_ascii_lowercase();
+    let bus = bus.split('.').next().unwrap_or_default();
+    let logged = logged.split('.').next().unwrap_or_default();
+    if logged.matches(':').count() >= 2 {
+        // Normalise the domain width (NVML may print 8 digits, the driver 4).
+        strip_domain_zeros(logged) == strip_domain_zeros(bus)
+    } else {
+        bus.ends_with(&format!(":{logged}")) || bus == logged
+    }
+}
+
+fn strip_domain_zeros(addr: &str) -> String {
+    match addr.split_once(':') {
+        Some((domain, rest)) => {
+            let d = domain.trim_start_matches('0');
+            format!("{}:{rest}", if d.is_empty() { "0" } else { d })
+        }
+        None => addr.to_string(),
+    }
+}
+
+/// Read what the kernel log holds now, without waiting. `/dev/kmsg` is opened non-blocking
+/// and read record by record until it reports that no more records are queued; a regular
+/// file (a test fixture or a saved `dmesg`) is read to its end.
+pub fn read_log(path: &Path) -> Result<String, KmsgError> {
+    let err = |source| KmsgError {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags_nonblock()
+        .open(path)
+        .map_err(err)?;
+    let mut file = file;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                out.extend_from_slice(&buf[..n]);
+                if out.len() >= MAX_LOG_BYTES {
+                    break;
+                }
+                // /dev/kmsg returns one record per read; keep records on their own lines.
+                if out.last() != Some(&b'\n') && is_char_device(path) {
+                    out.push(b'\n');
+                }
+            }
+            // /dev/kmsg: nothing more queued right now.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            // /dev/kmsg: records were overwritten while reading; the next read continues.
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::PIPE.raw_os_error()) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+fn is_char_device(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path)
+        .map(|m| m.file_type().is_char_device())
+        .unwrap_or(false)
+}
+
+/// `OpenOptions` with `O_NONBLOCK`, so reading `/dev/kmsg` never waits for new records.
+trait NonBlock {
+    fn custom_flags_nonblock(&mut self) -> &mut Self;
+}
+
+impl NonBlock for std::fs::OpenOptions {
+    fn custom_flags_nonblock(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn parses_driver_xid_lines() {
+        let kmsg =
+            "4,1234,5678901,-;NVRM: Xid (PCI:0000:18:00): 79, pid=1234, name=python, GPU has fallen off the bus.";
+        assert_eq!(
+            parse_xid_line(kmsg),
+            Some(KmsgXid {
+                pci: "0000:18:00".into(),
+                xid: 79
+            })
+        );
+        let dmesg = "[  123.456] NVRM: Xid (PCI:0000:3B:00): 13, pid='<unknown>', name=<unknown>, Graphics Exception";
+        assert_eq!(
+            parse_xid_line(dmesg),
+            Some(KmsgXid {
+                pci: "0000:3b:00".into(),
+                xid: 13
+            })
+        );
+        assert_eq!(
+            parse_xid_line("NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07"),
+            None
+        );
+        assert_eq!(parse_xid_line("NVRM: Xid (PCI:0000:18:00): , pid=1"), None);
+        let text = format!("{kmsg}\nunrelated\n{dmesg}\n");
+        assert_eq!(parse_xids(&text).len(), 2);
+    }
+
+    #[test]
+    fn pci_addresses_match_across_domain_widths() {
+        assert!(pci_matches("0000:18:00", "0000:18:00.0"));
+        assert!(pci_matches("0000:18:00", "00000000:18:00.0"));
+        assert!(!pci_matches("0000:19:00", "0000:18:00.0"));
+        assert!(pci_matches("18:00", "0000:18:00.0"));
+        assert!(!pci_matches("8:00", "0000:18:00.0"));
+    }
+
+    #[test]
+    fn reads_a_regular_file_to_its_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("kmsg");
+        std::fs::write(&p, "6,1,1,-;NVRM: Xid (PCI:0000:18:00): 48, pid=1, DBE\n").unwrap();
+        let text = read_log(&p).unwrap();
+        assert_eq!(
+            parse_xids(&text),
+            vec![KmsgXid {
+                pci: "0000:18:00".into(),
+                xid: 48
+            }]
+        );
+        let missing = read_log(&dir.path().join("absent")).unwrap_err();
+        assert!(missing.to_string().contains("absent"), "{missing}");
+    }
+}

@@ -1,0 +1,628 @@
+//! The driver stage over NVML (`nvml-wrapper`, library loaded at run time): inventory,
+//! health, topology and the XID event subscription.
+//!
+//! NVML is opened once; one event set per GPU (a GPU that cannot register does not cost
+//! the others their subscription) is created at open and held until the backend drops.
+//! Both live in one self-referential cell because `nvml-wrapper` ties `EventSet` to the
+//! `Nvml` it came from by lifetime.
+
+use super::kmsg::{self, KmsgXid};
+use super::sysfs;
+use crate::gpu::decide::group_domains;
+use crate::gpu::{
+    FabricState, GpuError, GpuHealth, GpuInfo, Interconnect, Inventory, MigDevice, NvLinkState, PcieLink, PeerDomain,
+};
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::{
+    EccCounter, MemoryError, P2pCapabilitiesIndex, P2pStatus, RetirementCause, TopologyLevel,
+};
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::{NvmlError, nvml_try};
+use nvml_wrapper::{Device, EventSet, Nvml};
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Highest NVLink link count NVML reports (`NVML_NVLINK_MAX_LINKS`).
+const MAX_NVLINKS: u32 = 18;
+
+/// Event sets, one per GPU that accepted the XID subscription.
+type EventSets<'a> = Mutex<Vec<(u32, EventSet<'a>)>>;
+
+self_cell::self_cell!(
+    /// NVML plus the event sets borrowed from it.
+    struct NvmlCell {
+        owner: Nvml,
+        #[not_covariant]
+        dependent: EventSets,
+    }
+);
+
+/// XIDs received from the event subscription.
+#[derive(Default)]
+struct EventLog {
+    /// Every (GPU index, XID) seen since open; reported in the inventory.
+    seen: Vec<(u32, u32)>,
+    /// Not yet returned by `drain_xids`.
+    undrained: Vec<(u32, u32)>,
+}
+
+/// The NVML half of the real backend.
+pub(crate) struct NvmlBackend {
+    cell: NvmlCell,
+    lib_path: PathBuf,
+    sysfs_root: PathBuf,
+    kmsg_xids: Vec<KmsgXid>,
+    events: Mutex<EventLog>,
+    warnings: Vec<String>,
+}
+
+/// Map an `nvmlInit` failure to the boundary error: a missing library or kernel driver is
+/// `DriverNotLoaded`; anything else names the call.
+fn init_error(lib: &Path, e: NvmlError) -> GpuError {
+    match e {
+        NvmlError::LibloadingError(le) => GpuError::DriverNotLoaded(format!("cannot load {}: {le}", lib.display())),
+        NvmlError::FailedToLoadSymbol(s) => {
+            GpuError::DriverNotLoaded(format!("{} is not a usable NVML library: {s}", lib.display()))
+        }
+        NvmlError::DriverNotLoaded => GpuError::DriverNotLoaded(format!(
+            "nvmlInit_v2 ({}): the NVIDIA kernel driver is not loaded",
+            lib.display()
+        )),
+        NvmlError::LibraryNotFound => {
+            GpuError::DriverNotLoaded(format!("nvmlInit_v2 ({}): library not found", lib.display()))
+        }
+        other => GpuError::Nvml {
+            call: "nvmlInit_v2".into(),
+            gpu: None,
+            message: other.to_string(),
+        },
+    }
+}
+
+fn nvml_err(call: &str, gpu: Option<String>, e: NvmlError) -> GpuError {
+    GpuError::Nvml {
+        call: call.into(),
+        gpu,
+        message: e.to_string(),
+    }
+}
+
+impl NvmlBackend {
+    /// Load and initialise NVML, subscribe to XID events on every GPU, and read the kernel
+    /// log for XIDs logged before now.
+    pub(crate) fn open(lib: &Path, kmsg_path: Option<&Path>, sysfs_root: &Path) -> Result<Self, GpuError> {
+        let nvml = Nvml::builder()
+            .lib_path(OsStr::new(lib.as_os_str()))
+            .init()
+            .map_err(|e| init_error(lib, e))?;
+        let mut warnings = Vec::new();
+        let count = nvml
+            .device_count()
+            .map_err(|e| nvml_err("nvmlDeviceGetCount_v2", None, e))?;
+        let cell = NvmlCell::new(nvml, |nvml| {
+            let mut sets = Vec::new();
+            for i in 0..count {
+                match subscribe(nvml, i) {
+                    Ok(set) => sets.push((i, set)),
+                    Err(msg) => warnings.push(msg),
+                }
+            }
+            Mutex::new(sets)
+        });
+        // Subscribe first, read the log second: an XID in between shows up twice rather than
+        // not at all.
+        let kmsg_xids = match kmsg_path {
+            None => Vec::new(),
+            Some(p) => match kmsg::read_log(p) {
+                Ok(text) => kmsg::parse_xids(&text),
+                Err(e) => {
+                    warnings.push(format!("{e}; XIDs logged before the agent started are not checked"));
+                    Vec::new()
+                }
+            },
+        };
+        for w in &warnings {
+            tracing::warn!(warning = %w, "nvml");
+        }
+        Ok(Self {
+            cell,
+            lib_path: lib.to_path_buf(),
+            sysfs_root: sysfs_root.to_path_buf(),
+            kmsg_xids,
+            events: Mutex::new(EventLog::default()),
+            warnings,
+        })
+    }
+
+    /// Findings at open that did not fail it (GPUs without event support, unreadable log).
+    pub(crate) fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Path of the NVML library in use.
+    pub(crate) fn lib_path(&self) -> &Path {
+        &self.lib_path
+    }
+
+    /// Collect pending XID events from every event set without waiting.
+    fn poll_events(&self) -> Result<(), GpuError> {
+        let mut fresh = Vec::new();
+        self.cell.with_dependent(|_nvml, sets| -> Result<(), GpuError> {
+            let sets = sets.lock().map_err(|_| poisoned())?;
+            for (index, set) in sets.iter() {
+                // Bounded: a storm of events cannot keep this loop busy forever.
+                for _ in 0..1024 {
+                    match set.wait(0) {
+                        Ok(ev) => {
+                            let gpu = ev.device.index().unwrap_or(*index);
+                            match ev.event_data {
+                                Some(XidError::Value(x)) => fresh.push((gpu, u32::try_from(x).unwrap_or(u32::MAX))),
+                                Some(XidError::Unknown) => fresh.push((gpu, 999)),
+                                None => {}
+                            }
+                        }
+                        Err(NvmlError::Timeout) => break,
+                        Err(NvmlError::GpuLost) => {
+                            // The GPU is gone; the inventory reports it as lost.
+                            break;
+                        }
+                        Err(e) => {
+                            return Err(nvml_err("nvmlEventSetWait_v2", Some(index.to_string()), e));
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        if !fresh.is_empty() {
+            let mut log = self.events.lock().map_err(|_| poisoned())?;
+            log.seen.extend_from_slice(&fresh);
+            log.undrained.extend_from_slice(&fresh);
+        }
+        Ok(())
+    }
+
+    /// XIDs received since the last call.
+    pub(crate) fn drain_xids(&self) -> Result<Vec<(u32, u32)>, GpuError> {
+        self.poll_events()?;
+        let mut log = self.events.lock().map_err(|_| poisoned())?;
+        Ok(std::mem::take(&mut log.undrained))
+    }
+
+    /// Inventory, health and topology of every GPU.
+    pub(crate) fn inventory(&self) -> Result<Inventory, GpuError> {
+        self.poll_events()?;
+        let event_xids = self.events.lock().map_err(|_| poisoned())?.seen.clone();
+        let nvml = self.cell.borrow_owner();
+        let driver_version = nvml
+            .sys_driver_version()
+            .map_err(|e| nvml_err("nvmlSystemGetDriverVersion", None, e))?;
+        let cuda_version = match nvml.sys_cuda_driver_version() {
+            Ok(v) => format!("{}.{}", v / 1000, (v % 1000) / 10),
+            Err(_) => String::new(),
+        };
+        let count = nvml
+            .device_count()
+            .map_err(|e| nvml_err("nvmlDeviceGetCount_v2", None, e))?;
+        let mut gpus = Vec::new();
+        let mut devices = Vec::new();
+        for i in 0..count {
+            let (mut info, dev) = read_gpu(nvml, i, &self.sysfs_root)?;
+            info.driver_version = driver_version.clone();
+            info.cuda_version = cuda_version.clone();
+            for k in &self.kmsg_xids {
+                if !info.pci_bus_id.is_empty() && kmsg::pci_matches(&k.pci, &info.pci_bus_id) {
+                    info.health.xids.push(k.xid);
+                }
+            }
+            info.health
+                .xids
+                .extend(event_xids.iter().filter(|(g, _)| *g == i).map(|(_, x)| *x));
+            gpus.push(info);
+            devices.push(dev);
+        }
+        let domains = peer_domains(nvml, &gpus, &devices);
+        Ok(Inventory {
+            gpus,
+            domains,
+            nics: sysfs::discover_nics(&self.sysfs_root),
+        })
+    }
+}
+
+fn poisoned() -> GpuError {
+    GpuError::Nvml {
+        call: "event set".into(),
+        gpu: None,
+        message: "event state lock poisoned".into(),
+    }
+}
+
+/// Open an event set for one GPU and register it for critical XID events.
+fn subscribe(nvml: &Nvml, index: u32) -> Result<EventSet<'_>, String> {
+    let dev = nvml
+        .device_by_index(index)
+        .map_err(|e| format!("GPU {index}: no XID subscription: {e}"))?;
+    let set = nvml
+        .create_event_set()
+        .map_err(|e| format!("GPU {index}: nvmlEventSetCreate: {e}"))?;
+    dev.register_events(EventTypes::CRITICAL_XID_ERROR, set).map_err(|e| {
+        format!("GPU {index}: nvmlDeviceRegisterEvents (XID): {e}; XIDs after start are seen only in the kernel log")
+    })
+}
+
+/// Per-GPU query helper: unsupported features read as absent, a lost GPU is recorded (and
+/// the rest of its queries skipped by the caller), anything else is an error naming the GPU.
+struct Query {
+    label: String,
+    lost: bool,
+}
+
+impl Query {
+    fn get<T>(&mut self, call: &str, r: Result<T, NvmlError>) -> Result<Option<T>, GpuError> {
+        match r {
+            Ok(v) => Ok(Some(v)),
+            Err(NvmlError::GpuLost) => {
+                self.lost = true;
+                Ok(None)
+            }
+            Err(
+                NvmlError::NotSupported
+                | NvmlError::NotFound
+                | NvmlError::NoData
+                | NvmlError::FunctionNotFound
+                | NvmlError::FailedToLoadSymbol(_),
+            ) => Ok(None),
+            Err(e) => Err(nvml_err(call, Some(self.label.clone()), e)),
+        }
+    }
+}
+
+/// NVML bus ids carry an 8-digit domain (`00000000:18:00.0`); the rest of taintgate uses
+/// the 4-digit sysfs form.
+fn bus_id(pci: &nvml_wrapper::struct_wrappers::device::PciInfo) -> String {
+    format!("{:04x}:{:02x}:{:02x}.0", pci.domain, pci.bus, pci.device)
+}
+
+fn lost_gpu(index: u32, detail: &str) -> GpuInfo {
+    GpuInfo {
+        index,
+        uuid: format!("unknown-gpu-{index}"),
+        pci_bus_id: String::new(),
+        numa_node: None,
+        // Where the GPU could not be read at all, say why in the product field of the record.
+        product: detail.to_string(),
+        memory_bytes: 0,
+        driver_version: String::new(),
+        cuda_version: String::new(),
+        vbios_version: String::new(),
+        persistence_mode: true,
+        mig_enabled: false,
+        mig_devices: Vec::new(),
+        pcie: PcieLink::default(),
+        nvlinks: Vec::new(),
+        health: GpuHealth {
+            lost: true,
+            ..Default::default()
+        },
+        fabric: None,
+    }
+}
+
+/// Read one GPU. Returns the device handle too (None when lost) for topology queries.
+fn read_gpu<'n>(nvml: &'n Nvml, index: u32, sysfs_root: &Path) -> Result<(GpuInfo, Option<Device<'n>>), GpuError> {
+    let dev = match nvml.device_by_index(index) {
+        Ok(d) => d,
+        Err(NvmlError::GpuLost) => {
+            return Ok((lost_gpu(index, "lost before its handle could be read"), None));
+        }
+        Err(e) => {
+            return Err(nvml_err("nvmlDeviceGetHandleByIndex_v2", Some(index.to_string()), e));
+        }
+    };
+    let mut q = Query {
+        label: index.to_string(),
+        lost: false,
+    };
+    let uuid = q.get("nvmlDeviceGetUUID", dev.uuid())?;
+    if let Some(u) = &uuid {
+        q.label = format!("{index} ({u})");
+    }
+    let pci = q.get("nvmlDeviceGetPciInfo_v3", dev.pci_info())?.map(|p| bus_id(&p));
+    if q.lost {
+        let mut g = lost_gpu(index, "");
+        if let Some(u) = uuid {
+            g.uuid = u;
+        }
+        g.pci_bus_id = pci.unwrap_or_default();
+        return Ok((g, None));
+    }
+    let (Some(uuid), Some(pci_bus_id)) = (uuid, pci) else {
+        return Err(nvml_err(
+            "nvmlDeviceGetUUID/nvmlDeviceGetPciInfo_v3",
+            Some(q.label.clone()),
+            NvmlError::NotSupported,
+        ));
+    };
+    let numa_node = q
+        .get("nvmlDeviceGetNumaNodeId", dev.numa_node_id())?
+        .or_else(|| sysfs::pci_numa_node(sysfs_root, &pci_bus_id));
+    let product = q.get("nvmlDeviceGetName", dev.name())?.unwrap_or_default();
+    let memory_bytes = q
+        .get("nvmlDeviceGetMemoryInfo_v2", dev.memory_info())?
+        .map(|m| m.total)
+        .unwrap_or(0);
+    let vbios_version = q
+        .get("nvmlDeviceGetVbiosVersion", dev.vbios_version())?
+        .unwrap_or_default();
+    let persistence_mode = q
+        .get("nvmlDeviceGetPersistenceMode", dev.is_in_persistent_mode())?
+        .unwrap_or(false);
+    let mig_enabled = q
+        .get("nvmlDeviceGetMigMode", dev.mig_mode())?
+        .map(|m| m.current == 1)
+        .unwrap_or(false);
+    let mut mig_devices = Vec::new();
+    if mig_enabled {
+        let max = q
+            .get("nvmlDeviceGetMaxMigDeviceCount", dev.mig_device_count())?
+            .unwrap_or(0);
+        for m in 0..max {
+            // Empty slots answer NotFound.
+            let Some(mdev) = q.get("nvmlDeviceGetMigDeviceHandleByIndex", dev.mig_device_by_index(m))? else {
+                continue;
+            };
+            let Some(muuid) = q.get("nvmlDeviceGetUUID (MIG)", mdev.uuid())? else {
+                continue;
+            };
+            let name = q.get("nvmlDeviceGetName (MIG)", mdev.name())?.unwrap_or_default();
+            mig_devices.push(MigDevice {
+                uuid: muuid,
+                profile: mig_profile(&name),
+            });
+        }
+    }
+    let pcie = {
+        let cg = q.get("nvmlDeviceGetCurrPcieLinkGeneration", dev.current_pcie_link_gen())?;
+        let mg = q.get("nvmlDeviceGetMaxPcieLinkGeneration", dev.max_pcie_link_gen())?;
+        let cw = q.get("nvmlDeviceGetCurrPcieLinkWidth", dev.current_pcie_link_width())?;
+        let mw = q.get("nvmlDeviceGetMaxPcieLinkWidth", dev.max_pcie_link_width())?;
+        match (cg, mg, cw, mw) {
+            (Some(cg), Some(mg), Some(cw), Some(mw)) => PcieLink {
+                current_gen: cg,
+                max_gen: mg,
+                current_width: cw,
+                max_width: mw,
+            },
+            // Unknown link state is not evidence of a degraded link.
+            _ => PcieLink::default(),
+        }
+    };
+    let ecc_uncorrectable = q
+        .get(
+            "nvmlDeviceGetTotalEccErrors",
+            dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile),
+        )?
+        .unwrap_or(0);
+    let mut health = GpuHealth {
+        ecc_uncorrectable,
+        ..Default::default()
+    };
+    if let Some((_corr, unc, pending, failure)) = q.get("nvmlDeviceGetRemappedRows", remapped_rows(nvml, &dev))? {
+        health.remap_uncorrectable_rows = u64::from(unc);
+        health.remap_pending = pending;
+        health.remap_failure = failure;
+    }
+    let mut retired = 0u64;
+    for cause in [
+        RetirementCause::MultipleSingleBitEccErrors,
+        RetirementCause::DoubleBitEccError,
+    ] {
+        retired += q
+            .get("nvmlDeviceGetRetiredPages_v2", dev.retired_pages(cause))?
+            .map(|v| v.len() as u64)
+            .unwrap_or(0);
+    }
+    health.retired_pages = retired;
+    health.pages_pending_retirement = q
+        .get(
+            "nvmlDeviceGetRetiredPagesPendingStatus",
+            dev.are_pages_pending_retired(),
+        )?
+        .unwrap_or(false);
+    let fabric = q.get("nvmlDeviceGetGpuFabricInfo", fabric_state(nvml, &dev))?;
+    let mut nvlinks = Vec::new();
+    for l in 0..MAX_NVLINKS {
+        let link = dev.link_wrapper_for(l);
+        let active = match link.is_active() {
+            Ok(a) => a,
+            // Links past the GPU's count, or no NVLink at all.
+            Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::FailedToLoadSymbol(_)) => continue,
+            Err(NvmlError::GpuLost) => {
+                q.lost = true;
+                break;
+            }
+            Err(e) => {
+                return Err(nvml_err(
+                    "nvmlDeviceGetNvLinkState",
+                    Some(format!("{} link {l}", q.label)),
+                    e,
+                ));
+            }
+        };
+        let (version, remote) = if active {
+            (link.version().ok(), link.remote_pci_info().ok().map(|p| bus_id(&p)))
+        } else {
+            (None, None)
+        };
+        nvlinks.push(NvLinkState {
+            link: l,
+            active,
+            version,
+            remote_pci_bus_id: remote,
+        });
+    }
+    health.lost = q.lost;
+    let info = GpuInfo {
+        index,
+        uuid,
+        pci_bus_id,
+        numa_node,
+        product,
+        memory_bytes,
+        driver_version: String::new(),
+        cuda_version: String::new(),
+        vbios_version,
+        persistence_mode,
+        mig_enabled,
+        mig_devices,
+        pcie,
+        nvlinks,
+        health,
+        fabric,
+    };
+    Ok((info, if q.lost { None } else { Some(dev) }))
+}
+
+/// MIG device names end with the profile: `NVIDIA H100 80GB HBM3 MIG 1g.10gb`.
+pub(crate) fn mig_profile(name: &str) -> String {
+    match name.rfind("MIG ") {
+        Some(i) => name[i + 4..].trim().to_string(),
+        None => name.trim().to_string(),
+    }
+}
+
+/// Row remapper counters: (correctable rows, uncorrectable rows, pending, failure).
+/// `nvml-wrapper` 0.13 has no safe wrapper, so the symbol is called from the loaded library.
+#[allow(unsafe_code)]
+fn remapped_rows(nvml: &Nvml, dev: &Device<'_>) -> Result<(u32, u32, bool, bool), NvmlError> {
+    let f = nvml
+        .lib()
+        .nvmlDeviceGetRemappedRows
+        .as_ref()
+        .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+    let (mut corr, mut unc, mut pending, mut failure) = (0u32, 0u32, 0u32, 0u32);
+    // SAFETY: `f` was resolved from the initialised NVML library by its exact C name, with the
+    // signature `nvmlReturn_t (nvmlDevice_t, unsigned*, unsigned*, unsigned*, unsigned*)` from
+    // nvml.h; the device handle comes from that library and outlives the call; the four
+    // out-pointers are valid, aligned locals.
+    let code = unsafe { f(dev.handle(), &mut corr, &mut unc, &mut pending, &mut failure) };
+    nvml_try(code)?;
+    Ok((corr, unc, pending != 0, failure != 0))
+}
+
+/// NVSwitch / NVLink fabric registration state (`nvmlDeviceGetGpuFabricInfo`, no safe
+/// wrapper in `nvml-wrapper` 0.13). A completed registration whose status is an error is
+/// `Failed`.
+#[allow(unsafe_code)]
+fn fabric_state(nvml: &Nvml, dev: &Device<'_>) -> Result<FabricState, NvmlError> {
+    use nvml_wrapper_sys::bindings as b;
+    let f = nvml
+        .lib()
+        .nvmlDeviceGetGpuFabricInfo
+        .as_ref()
+        .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+    let mut info = b::nvmlGpuFabricInfo_t {
+        clusterUuid: [0; 16],
+        status: 0,
+        cliqueId: 0,
+        state: 0,
+    };
+    // SAFETY: `f` is the library's `nvmlDeviceGetGpuFabricInfo(nvmlDevice_t,
+    // nvmlGpuFabricInfo_t*)`, resolved by name with the binding's signature; `info` is a
+    // valid, initialised struct of the layout the binding declares and lives across the call.
+    let code = unsafe { f(dev.handle(), &mut info) };
+    nvml_try(code)?;
+    Ok(match u32::from(info.state) {
+        b::NVML_GPU_FABRIC_STATE_NOT_SUPPORTED => FabricState::NotSupported,
+        b::NVML_GPU_FABRIC_STATE_NOT_STARTED => FabricState::NotStarted,
+        b::NVML_GPU_FABRIC_STATE_IN_PROGRESS => FabricState::InProgress,
+        b::NVML_GPU_FABRIC_STATE_COMPLETED if info.status == b::nvmlReturn_enum_NVML_SUCCESS => FabricState::Completed,
+        _ => FabricState::Failed,
+    })
+}
+
+/// Group GPUs into peer domains: an NVLink P2P path, a supported PCIe P2P read, or a common
+/// PCIe switch connects two GPUs. Lost GPUs form no domain.
+fn peer_domains(nvml: &Nvml, gpus: &[GpuInfo], devices: &[Option<Device<'_>>]) -> Vec<PeerDomain> {
+    let live: Vec<u32> = gpus.iter().filter(|g| !g.health.lost).map(|g| g.index).collect();
+    let dev = |i: u32| devices.get(i as usize).and_then(Option::as_ref);
+    let nvlink_ok = |a: u32, b: u32| match (dev(a), dev(b)) {
+        (Some(x), Some(y)) => matches!(x.p2p_status(y, P2pCapabilitiesIndex::NvLink), Ok(P2pStatus::Ok)),
+        _ => false,
+    };
+    let connected = |a: u32, b: u32| {
+        let (Some(x), Some(y)) = (dev(a), dev(b)) else {
+            return false;
+        };
+        nvlink_ok(a, b)
+            || matches!(x.p2p_status(y, P2pCapabilitiesIndex::Read), Ok(P2pStatus::Ok))
+            || matches!(
+                // The call takes the peer by value; a fresh handle for the same index.
+                nvml.device_by_index(b).and_then(|y2| x.topology_common_ancestor(y2)),
+                Ok(TopologyLevel::Internal | TopologyLevel::Single | TopologyLevel::Multiple)
+            )
+    };
+    let groups = group_domains(&live, connected);
+    groups
+        .into_iter()
+        .enumerate()
+        .map(|(id, members)| {
+            let infos: Vec<&GpuInfo> = members
+                .iter()
+                .filter_map(|i| gpus.iter().find(|g| g.index == *i))
+                .collect();
+            let all_nvlink = members.len() > 1
+                && members.windows(2).all(|w| nvlink_ok(w[0], w[1]))
+                && infos.iter().all(|g| g.nvlinks.iter().any(|l| l.active));
+            let interconnect =
+                if all_nvlink || (members.len() == 1 && infos.iter().all(|g| g.nvlinks.iter().any(|l| l.active))) {
+                    let links = infos
+                        .iter()
+                        .map(|g| g.nvlinks.iter().filter(|l| l.active).count() as u32)
+                        .min()
+                        .unwrap_or(0);
+                    let version = infos
+                        .iter()
+                        .flat_map(|g| g.nvlinks.iter().filter(|l| l.active).filter_map(|l| l.version))
+                        .min()
+                        .unwrap_or(0);
+                    Interconnect::Nvlink { version, links }
+                } else {
+                    // The slot's capability, not the current state: a degraded link must show
+                    // up as low bandwidth against the full-link threshold.
+                    let generation = infos.iter().map(|g| g.pcie.max_gen).min().unwrap_or(0);
+                    let width = infos.iter().map(|g| g.pcie.max_width).min().unwrap_or(0);
+                    Interconnect::Pcie { generation, width }
+                };
+            PeerDomain {
+                id: id as u32,
+                gpus: members,
+                interconnect,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn mig_profile_from_device_name() {
+        assert_eq!(mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), "1g.10gb");
+        assert_eq!(mig_profile("NVIDIA A100-SXM4-40GB MIG 3g.20gb "), "3g.20gb");
+        assert_eq!(mig_profile("2g.20gb"), "2g.20gb");
+    }
+
+    #[test]
+    fn missing_library_is_driver_not_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("libnvidia-ml.so.1");
+        let err = NvmlBackend::open(&lib, None, dir.path()).err().unwrap();
+        assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+        assert!(err.to_string().contains("libnvidia-ml.so.1"), "{err}");
+    }
+}

@@ -1,0 +1,128 @@
+//! Hardware tests of the real backend: need an NVIDIA GPU and driver, so they are ignored by
+//! default. Run with `cargo test -p taintgate-validators --test gpu_hw -- --ignored
+//! --nocapture` (or `scripts/gpu-check.sh`); each prints one `GPUCHECK` line per figure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use taintgate_validators::gpu::decide::{DriverExpectations, evaluate_driver, evaluate_peer_bw};
+use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
+use taintgate_validators::gpu::{Gpu, PeerBwOptions};
+
+fn open() -> RealGpu {
+    // The hardware tests read the real kernel log only when allowed to; otherwise skip it.
+    let kmsg = std::path::PathBuf::from("/dev/kmsg");
+    let kmsg_path = std::fs::File::open(&kmsg).ok().map(|_| kmsg);
+    RealGpu::open(&RealGpuOptions {
+        kmsg_path,
+        ..Default::default()
+    })
+    .expect("NVML must open on a GPU machine")
+}
+
+fn smoke_bytes() -> u64 {
+    std::env::var("TAINTGATE_SMOKE_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1 << 30)
+}
+
+#[test]
+#[ignore = "needs NVIDIA GPU"]
+fn hw_inventory_is_healthy() {
+    let gpu = open();
+    let inv = gpu.inventory().unwrap();
+    assert!(!inv.gpus.is_empty());
+    for g in &inv.gpus {
+        println!(
+            "GPUCHECK gpu index={} uuid={} pci={} numa={:?} product={:?} mem={} driver={} cuda={} nvlinks_active={} pcie=gen{}x{}",
+            g.index,
+            g.uuid,
+            g.pci_bus_id,
+            g.numa_node,
+            g.product,
+            g.memory_bytes,
+            g.driver_version,
+            g.cuda_version,
+            g.nvlinks.iter().filter(|l| l.active).count(),
+            g.pcie.current_gen,
+            g.pcie.current_width
+        );
+    }
+    for d in &inv.domains {
+        println!(
+            "GPUCHECK domain id={} gpus={:?} interconnect={:?}",
+            d.id, d.gpus, d.interconnect
+        );
+    }
+    // Accept what NVML reports as the count (a dev machine is no HGX node).
+    let exp = DriverExpectations {
+        gpu_count: Some(inv.gpus.len() as u32),
+        ..Default::default()
+    };
+    let ev = evaluate_driver(&inv, &exp).unwrap();
+    for w in ev.warnings {
+        println!("GPUCHECK warning {w}");
+    }
+}
+
+#[test]
+#[ignore = "needs NVIDIA GPU"]
+fn hw_smoke_every_gpu() {
+    let gpu = open();
+    let inv = gpu.inventory().unwrap();
+    for g in &inv.gpus {
+        let r = gpu.smoke(g, smoke_bytes()).unwrap();
+        assert_eq!(r.uuid, g.uuid);
+        println!(
+            "GPUCHECK smoke index={} uuid={} bytes={} ms={:.1}",
+            r.index,
+            r.uuid,
+            r.bytes,
+            r.duration.as_secs_f64() * 1e3
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs NVIDIA GPU"]
+fn hw_peer_bandwidth_per_domain() {
+    let gpu = open();
+    let inv = gpu.inventory().unwrap();
+    let opts = PeerBwOptions {
+        bytes: 256 << 20,
+        iterations: 5,
+        require_nccl: false,
+    };
+    for d in &inv.domains {
+        let bw = gpu.peer_bandwidth(&inv, d, &opts).unwrap();
+        for p in &bw.pairs {
+            println!(
+                "GPUCHECK pair domain={} src={} dst={} gbps={:.1}",
+                d.id, p.src, p.dst, p.gbps
+            );
+        }
+        println!(
+            "GPUCHECK busbw domain={} gpus={} gbps={} skipped={:?}",
+            d.id,
+            d.gpus.len(),
+            bw.allreduce_busbw_gbps
+                .map(|b| format!("{b:.1}"))
+                .unwrap_or_else(|| "-".into()),
+            bw.allreduce_skipped
+        );
+        if let Err(f) = evaluate_peer_bw(d, &bw, 0.75, None) {
+            println!(
+                "GPUCHECK verdict domain={} {}: {}",
+                d.id, f.reason, f.message
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs NVIDIA GPU"]
+fn hw_no_xids_during_the_run() {
+    let gpu = open();
+    let inv = gpu.inventory().unwrap();
+    let _ = gpu.smoke(&inv.gpus[0], 64 << 20).unwrap();
+    assert!(gpu.drain_xids().unwrap().is_empty());
+}

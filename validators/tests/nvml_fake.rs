@@ -1,0 +1,447 @@
+//! The real NVML backend (`RealGpu`) against the fake `libnvidia-ml.so.1` in
+//! `tests/fake-nvml/`: a healthy node passes the driver decision, each injected fault
+//! yields its reason code, and a missing driver is `DriverNotLoaded` without a panic.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use taintgate_validators::gpu::decide::{DriverExpectations, evaluate_driver, startup_record};
+use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
+use taintgate_validators::gpu::{Gpu, GpuError, Interconnect, Inventory};
+
+/// Compile the fake once per test process.
+fn fake_library() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c");
+        let dir = tempfile::tempdir().unwrap().keep();
+        let out = dir.join("libfake-nvml.so");
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let status = Command::new(&cc)
+            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {cc} to build the fake NVML: {e}"));
+        assert!(status.success(), "{cc} failed on {}", src.display());
+        out
+    })
+}
+
+/// One fake node: its own copy of the library (so each test has its own NVML state) and
+/// its profile beside it.
+struct Node {
+    dir: tempfile::TempDir,
+}
+
+impl Node {
+    fn new(profile: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(fake_library(), dir.path().join("libnvidia-ml.so.1")).unwrap();
+        std::fs::write(dir.path().join("profile.txt"), profile).unwrap();
+        std::fs::create_dir_all(dir.path().join("sys")).unwrap();
+        Node { dir }
+    }
+
+    fn opts(&self) -> RealGpuOptions {
+        RealGpuOptions {
+            nvml_library: Some(self.dir.path().join("libnvidia-ml.so.1")),
+            kmsg_path: None,
+            sysfs_root: self.dir.path().join("sys"),
+            ..Default::default()
+        }
+    }
+
+    fn open(&self) -> Result<RealGpu, GpuError> {
+        RealGpu::open(&self.opts())
+    }
+
+    fn inventory(&self) -> Inventory {
+        self.open().unwrap().inventory().unwrap()
+    }
+}
+
+const H100_8: &str = "gpus=8\nfabric=completed\n";
+
+fn reason(inv: &Inventory) -> &'static str {
+    match evaluate_driver(inv, &DriverExpectations::default()) {
+        Ok(_) => "Ok",
+        Err(f) => f.reason,
+    }
+}
+
+#[test]
+fn healthy_hgx_node_passes_the_driver_stage() {
+    let node = Node::new(&format!(
+        "{H100_8}gpu.0.numa=0\ngpu.4.numa=1\ngpu.0.uuid=GPU-11111111-2222-3333-4444-555555555555\n"
+    ));
+    let gpu = node.open().unwrap();
+    assert_eq!(gpu.backend(), "nvml");
+    let inv = gpu.inventory().unwrap();
+    assert_eq!(inv.gpus.len(), 8);
+    let g0 = &inv.gpus[0];
+    assert_eq!(g0.uuid, "GPU-11111111-2222-3333-4444-555555555555");
+    assert_eq!(g0.pci_bus_id, "0000:18:00.0");
+    assert_eq!(inv.gpus[1].pci_bus_id, "0000:28:00.0");
+    assert_eq!(g0.numa_node, Some(0));
+    assert_eq!(inv.gpus[4].numa_node, Some(1));
+    assert_eq!(g0.product, "NVIDIA H100 80GB HBM3");
+    assert_eq!(g0.memory_bytes, 85_899_345_920);
+    assert_eq!(g0.driver_version, "550.90.07");
+    assert_eq!(g0.cuda_version, "12.4");
+    assert_eq!(g0.vbios_version, "96.00.89.00.01");
+    assert!(g0.persistence_mode);
+    assert_eq!(g0.nvlinks.len(), 18);
+    assert!(g0.nvlinks.iter().all(|l| l.active && l.version == Some(4)));
+    assert_eq!(
+        g0.nvlinks[0].remote_pci_bus_id.as_deref(),
+        Some("0000:05:00.0")
+    );
+    assert_eq!(
+        g0.fabric,
+        Some(taintgate_validators::gpu::FabricState::Completed)
+    );
+    // All eight behind NVSwitch: one domain at NVLink4 x 18.
+    assert_eq!(inv.domains.len(), 1);
+    assert_eq!(inv.domains[0].gpus, (0..8).collect::<Vec<u32>>());
+    assert_eq!(
+        inv.domains[0].interconnect,
+        Interconnect::Nvlink {
+            version: 4,
+            links: 18
+        }
+    );
+    let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
+    assert_eq!(ev.gpu_count, 8);
+    assert!(ev.warnings.is_empty(), "{:?}", ev.warnings);
+    assert!(gpu.drain_xids().unwrap().is_empty());
+    assert!(gpu.open_warnings().is_empty(), "{:?}", gpu.open_warnings());
+}
+
+#[test]
+fn missing_gpu_is_a_count_mismatch() {
+    let inv = Node::new("gpus=7\n").inventory();
+    assert_eq!(reason(&inv), "GpuCountMismatch");
+    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    assert!(f.message.contains("expected 8"), "{}", f.message);
+}
+
+#[test]
+fn lost_gpu_is_reported_as_lost() {
+    let inv = Node::new(&format!("{H100_8}gpu.3.lost=1\n")).inventory();
+    assert!(inv.gpus[3].health.lost);
+    assert!(!inv.gpus[2].health.lost);
+    // The lost GPU is left out of the peer domains.
+    assert!(inv.domains.iter().all(|d| !d.gpus.contains(&3)));
+    assert_eq!(reason(&inv), "GpuLost");
+    // Even when the handle itself cannot be had.
+    let inv = Node::new(&format!("{H100_8}gpu.5.handle_lost=1\n")).inventory();
+    assert!(inv.gpus[5].health.lost);
+    assert_eq!(reason(&inv), "GpuLost");
+}
+
+#[test]
+fn row_remap_faults() {
+    let inv = Node::new(&format!("{H100_8}gpu.2.remap=0,0,1,0\n")).inventory();
+    assert!(inv.gpus[2].health.remap_pending);
+    assert_eq!(reason(&inv), "RowRemapPending");
+    assert_eq!(
+        reason(&Node::new(&format!("{H100_8}gpu.2.remap=0,0,0,1\n")).inventory()),
+        "RowRemapFailed"
+    );
+    assert_eq!(
+        reason(&Node::new(&format!("{H100_8}gpu.2.remap=3,512,0,0\n")).inventory()),
+        "RowRemapFailed"
+    );
+    // Unsupported (pre-Ampere) is not a fault.
+    assert_eq!(
+        reason(&Node::new(&format!("{H100_8}gpu.2.remap=unsupported\n")).inventory()),
+        "Ok"
+    );
+}
+
+#[test]
+fn ecc_and_page_retirement_faults() {
+    assert_eq!(
+        reason(&Node::new(&format!("{H100_8}gpu.1.ecc_uncorrectable=2\n")).inventory()),
+        "EccUncorrectable"
+    );
+    let inv = Node::new(&format!("{H100_8}gpu.1.retired_pages=63\n")).inventory();
+    assert_eq!(inv.gpus[1].health.retired_pages, 63);
+    assert_eq!(reason(&inv), "PagesRetired");
+    assert_eq!(
+        reason(&Node::new(&format!("{H100_8}gpu.1.retired_pages=62\n")).inventory()),
+        "Ok"
+    );
+    assert_eq!(
+        reason(&Node::new(&format!("{H100_8}gpu.1.pending_retirement=1\n")).inventory()),
+        "PagesRetired"
+    );
+}
+
+#[test]
+fn inactive_nvlink_is_reported() {
+    let inv = Node::new(&format!("{H100_8}gpu.6.nvlink_inactive=3,7\n")).inventory();
+    let down: Vec<u32> = inv.gpus[6]
+        .nvlinks
+        .iter()
+        .filter(|l| !l.active)
+        .map(|l| l.link)
+        .collect();
+    assert_eq!(down, vec![3, 7]);
+    // The domain's link count is the weakest GPU's.
+    assert_eq!(
+        inv.domains[0].interconnect,
+        Interconnect::Nvlink {
+            version: 4,
+            links: 16
+        }
+    );
+    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    assert_eq!(f.reason, "NvlinkInactive");
+    assert!(
+        f.message.contains("GPU 6") && f.message.contains("[3, 7]"),
+        "{}",
+        f.message
+    );
+}
+
+#[test]
+fn xid_event_arrives_through_the_event_set() {
+    let node = Node::new(&format!("{H100_8}gpu.2.xid_events=79\n"));
+    let gpu = node.open().unwrap();
+    assert_eq!(gpu.drain_xids().unwrap(), vec![(2, 79)]);
+    assert!(
+        gpu.drain_xids().unwrap().is_empty(),
+        "an event is drained once"
+    );
+    // The inventory still reports it: the driver stage holds the node.
+    let inv = gpu.inventory().unwrap();
+    assert_eq!(inv.gpus[2].health.xids, vec![79]);
+    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    assert_eq!(f.reason, "XidFatal");
+    assert!(f.message.contains("GPU 2"), "{}", f.message);
+    // A warn-class XID does not hold the node.
+    let inv = Node::new(&format!("{H100_8}gpu.2.xid_events=92\n")).inventory();
+    let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
+    assert!(
+        ev.warnings.iter().any(|w| w.contains("XID 92")),
+        "{:?}",
+        ev.warnings
+    );
+}
+
+#[test]
+fn xids_before_start_come_from_the_kernel_log() {
+    let node = Node::new(H100_8);
+    let log = node.dir.path().join("kmsg");
+    std::fs::write(
+        &log,
+        "6,100,1000,-;NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07\n\
+         4,101,2000,-;NVRM: Xid (PCI:0000:28:00): 48, pid=77, name=python, An uncorrectable double bit error\n\
+         4,102,3000,-;NVRM: Xid (PCI:0000:38:00): 13, pid=78, name=python, Graphics Exception\n",
+    )
+    .unwrap();
+    let gpu = RealGpu::open(&RealGpuOptions {
+        kmsg_path: Some(log),
+        ..node.opts()
+    })
+    .unwrap();
+    let inv = gpu.inventory().unwrap();
+    assert_eq!(inv.gpus[1].health.xids, vec![48]);
+    assert_eq!(inv.gpus[2].health.xids, vec![13]);
+    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    assert_eq!(f.reason, "XidFatal");
+    assert!(f.message.contains("GPU 1"), "{}", f.message);
+    // An unreadable log is a warning at open, not a failure.
+    let gpu = RealGpu::open(&RealGpuOptions {
+        kmsg_path: Some(node.dir.path().join("absent")),
+        ..node.opts()
+    })
+    .unwrap();
+    assert!(
+        gpu.open_warnings().iter().any(|w| w.contains("absent")),
+        "{:?}",
+        gpu.open_warnings()
+    );
+}
+
+#[test]
+fn gpu_without_event_support_keeps_the_others_subscribed() {
+    let node = Node::new(&format!(
+        "{H100_8}gpu.0.events_unsupported=1\ngpu.1.xid_events=64\n"
+    ));
+    let gpu = node.open().unwrap();
+    assert!(
+        gpu.open_warnings().iter().any(|w| w.contains("GPU 0")),
+        "{:?}",
+        gpu.open_warnings()
+    );
+    assert_eq!(gpu.drain_xids().unwrap(), vec![(1, 64)]);
+}
+
+#[test]
+fn fabric_not_ready_on_nvswitch_systems() {
+    for state in ["in_progress", "not_started", "failed"] {
+        let inv =
+            Node::new(&format!("gpus=8\nfabric=completed\ngpu.7.fabric={state}\n")).inventory();
+        assert_eq!(reason(&inv), "FabricNotReady", "{state}");
+    }
+    // No fabric (NOT_SUPPORTED from NVML) is fine.
+    assert_eq!(reason(&Node::new("gpus=8\n").inventory()), "Ok");
+}
+
+#[test]
+fn two_nvlink_domains_and_pcie_domains() {
+    let inv = Node::new(&format!("{H100_8}p2p_nvlink=0,1,2,3;4,5,6,7\n")).inventory();
+    let groups: Vec<Vec<u32>> = inv.domains.iter().map(|d| d.gpus.clone()).collect();
+    assert_eq!(groups, vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+
+    // PCIe-only cards: two behind one switch, two alone; gen4 slots.
+    let pcie = "gpus=4\nname=NVIDIA L40S\nnvlinks=0\npcie_switch=0,1\ngpu.0.pcie=4,4,16,16\ngpu.1.pcie=4,4,16,16\n\
+                gpu.2.pcie=4,4,16,16\ngpu.3.pcie=3,4,16,16\n";
+    let inv = Node::new(pcie).inventory();
+    let groups: Vec<Vec<u32>> = inv.domains.iter().map(|d| d.gpus.clone()).collect();
+    assert_eq!(groups, vec![vec![0, 1], vec![2], vec![3]]);
+    assert_eq!(
+        inv.domains[0].interconnect,
+        Interconnect::Pcie {
+            generation: 4,
+            width: 16
+        }
+    );
+    assert!(inv.gpus[0].nvlinks.is_empty());
+    // The degraded link warns by default and fails when configured so.
+    let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
+    assert!(
+        ev.warnings
+            .iter()
+            .any(|w| w.contains("GPU 3") && w.contains("gen3")),
+        "{:?}",
+        ev.warnings
+    );
+    let strict = DriverExpectations {
+        pcie_degraded_fatal: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        evaluate_driver(&inv, &strict).unwrap_err().reason,
+        "PcieDegraded"
+    );
+}
+
+#[test]
+fn mig_devices_and_persistence() {
+    let inv = Node::new(&format!(
+        "{H100_8}gpu.0.mig=1\ngpu.0.mig_devices=MIG-aaaa:1g.10gb,MIG-bbbb:3g.40gb\ngpu.1.persistence=0\n"
+    ))
+    .inventory();
+    assert!(inv.gpus[0].mig_enabled);
+    let migs: Vec<(String, String)> = inv.gpus[0]
+        .mig_devices
+        .iter()
+        .map(|m| (m.uuid.clone(), m.profile.clone()))
+        .collect();
+    assert_eq!(
+        migs,
+        vec![
+            ("MIG-aaaa".into(), "1g.10gb".into()),
+            ("MIG-bbbb".into(), "3g.40gb".into())
+        ]
+    );
+    assert!(!inv.gpus[1].persistence_mode);
+    let strict = DriverExpectations {
+        persistence_required: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        evaluate_driver(&inv, &strict).unwrap_err().reason,
+        "PersistenceModeOff"
+    );
+}
+
+#[test]
+fn numa_and_nic_from_sysfs_go_into_the_startup_record() {
+    let node = Node::new("gpus=2\nnvlinks=0\np2p_pcie=0,1\n");
+    let sys = node.dir.path().join("sys");
+    for (bdf, numa) in [("0000:18:00.0", "0"), ("0000:28:00.0", "1")] {
+        let d = sys.join("bus/pci/devices").join(bdf);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("numa_node"), numa).unwrap();
+    }
+    for (nic, numa) in [("mlx5_0", "0"), ("mlx5_1", "1")] {
+        let d = sys.join("class/infiniband").join(nic).join("device");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("numa_node"), numa).unwrap();
+    }
+    let inv = node.inventory();
+    assert_eq!(inv.gpus[1].numa_node, Some(1));
+    assert_eq!(inv.nics.len(), 2);
+    let rec = startup_record(&inv);
+    assert_eq!(
+        rec[0],
+        "gpu=0 uuid=GPU-00000000-0000-0000-0000-000000000000 pci=0000:18:00.0 numa=0 domain=0 nic=mlx5_0"
+    );
+    assert!(rec[1].ends_with("numa=1 domain=0 nic=mlx5_1"), "{}", rec[1]);
+}
+
+#[test]
+fn no_driver_is_driver_not_loaded() {
+    let node = Node::new("init=driver_not_loaded\n");
+    let err = node.open().unwrap_err();
+    assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+    // No library at all.
+    let dir = tempfile::tempdir().unwrap();
+    let opts = RealGpuOptions {
+        nvml_library: Some(dir.path().join("libnvidia-ml.so.1")),
+        kmsg_path: None,
+        ..Default::default()
+    };
+    let err = RealGpu::open(&opts).unwrap_err();
+    assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+    assert!(err.to_string().contains("libnvidia-ml.so.1"), "{err}");
+    // A library that is not NVML.
+    let not_nvml = dir.path().join("libnot-nvml.so");
+    std::fs::copy(fake_library(), &not_nvml).unwrap();
+    // (the fake without a profile beside it: init fails, not a panic)
+    let err = RealGpu::open(&RealGpuOptions {
+        nvml_library: Some(not_nvml),
+        kmsg_path: None,
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert_eq!(err.reason(), "NvmlError", "{err}");
+    // Other init failures name the call.
+    let err = Node::new("init=no_permission\n").open().unwrap_err();
+    assert_eq!(err.reason(), "NvmlError");
+    assert!(err.to_string().contains("nvmlInit_v2"), "{err}");
+}
+
+#[test]
+fn smoke_without_cuda_is_a_typed_error_not_a_panic() {
+    let node = Node::new("gpus=1\n");
+    let gpu = node.open().unwrap();
+    let inv = gpu.inventory().unwrap();
+    let r = gpu.smoke(&inv.gpus[0], 1 << 20);
+    if Path::new("/proc/driver/nvidia").exists() {
+        // A machine with a real driver: the fake's UUID is not a CUDA device.
+        assert!(r.is_err());
+    } else {
+        let err = r.unwrap_err();
+        assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+        assert!(err.to_string().contains("libcuda"), "{err}");
+        // The outcome is kept: a second call answers the same, quickly.
+        assert_eq!(gpu.smoke(&inv.gpus[0], 1 << 20).unwrap_err(), err);
+        let bw = gpu.peer_bandwidth(
+            &inv,
+            &inv.domains[0],
+            &taintgate_validators::gpu::PeerBwOptions {
+                bytes: 1 << 20,
+                iterations: 3,
+                require_nccl: true,
+            },
+        );
+        assert_eq!(bw.unwrap_err().reason(), "DriverNotLoaded");
+    }
+}
