@@ -108,7 +108,7 @@ pub enum EmulatorError {
         /// Object name.
         name: String,
         /// The Status-shaped error.
-        error: ApiError,
+        error: Box<ApiError>,
     },
     /// `wait_for` ran out of time.
     #[error("waited {timeout:?} for {resource} {name:?} to satisfy the predicate")]
@@ -269,9 +269,7 @@ pub struct Emulator {
 
 impl std::fmt::Debug for Emulator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Emulator")
-            .field("addr", &self.addr)
-            .finish()
+        f.debug_struct("Emulator").field("addr", &self.addr).finish()
     }
 }
 
@@ -309,9 +307,7 @@ impl Emulator {
             control,
             addr,
         });
-        let app = axum::Router::new()
-            .fallback(server::handle)
-            .with_state(shared.clone());
+        let app = axum::Router::new().fallback(server::handle).with_state(shared.clone());
         let (stop, stop_rx) = oneshot::channel::<()>();
         tokio::spawn(async move {
             let served = axum::serve(listener, app)
@@ -411,12 +407,9 @@ impl Emulator {
 
     /// A `kube::Client` for this emulator. Must be called inside a tokio runtime.
     pub fn client(&self) -> Result<kube::Client, EmulatorError> {
-        let uri: axum::http::Uri =
-            self.url()
-                .parse()
-                .map_err(|e| EmulatorError::InvalidObject {
-                    why: format!("emulator url {} does not parse: {e}", self.url()),
-                })?;
+        let uri: axum::http::Uri = self.url().parse().map_err(|e| EmulatorError::InvalidObject {
+            why: format!("emulator url {} does not parse: {e}", self.url()),
+        })?;
         let config = kube::Config::new(uri);
         kube::Client::try_from(config).map_err(|e| EmulatorError::Kube {
             url: self.url(),
@@ -432,10 +425,9 @@ impl Emulator {
             message: e.to_string(),
         };
         let kc = kube::config::Kubeconfig::read_from(&self.kubeconfig).map_err(|e| cfg_err(&e))?;
-        let config =
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| cfg_err(&e))?;
+        let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .map_err(|e| cfg_err(&e))?;
         kube::Client::try_from(config).map_err(|e| EmulatorError::Kube {
             url: self.url(),
             source: Box::new(e),
@@ -472,7 +464,7 @@ impl Emulator {
         EmulatorError::Api {
             resource: rk.plural.clone(),
             name: name.to_string(),
-            error,
+            error: Box::new(error),
         }
     }
 
@@ -514,9 +506,7 @@ impl Emulator {
                 s.create(&rk, &ns, obj)
             }
         });
-        stored
-            .map(|v| (*v).clone())
-            .map_err(|e| Self::api_err(&rk, &name, e))
+        stored.map(|v| (*v).clone()).map_err(|e| Self::api_err(&rk, &name, e))
     }
 
     /// The stored object (`name` is `ns/name` for namespaced kinds), if any.
@@ -529,10 +519,7 @@ impl Emulator {
     /// All stored objects of a resource (all namespaces).
     pub fn list_objects(&self, resource: &str) -> Result<Vec<Value>, EmulatorError> {
         let rk = self.kind(resource)?;
-        let (items, _, _) = self
-            .shared
-            .store()
-            .list(&rk, &Default::default(), None, None);
+        let (items, _, _) = self.shared.store().list(&rk, &Default::default(), None, None);
         Ok(items.into_iter().map(|v| (*v).clone()).collect())
     }
 
@@ -556,6 +543,7 @@ impl Emulator {
     }
 
     /// Change an object with a closure (any field, `.status` included; no preconditions).
+    /// The closure runs under the store lock and must not call back into the emulator.
     pub fn mutate_object(
         &self,
         resource: &str,
@@ -634,11 +622,7 @@ impl Emulator {
                     });
                 }
                 Ok(Ok(c)) => {
-                    if c.rid == rid
-                        && c.namespace == ns
-                        && c.name == n
-                        && c.kind != ChangeKind::Deleted
-                        && pred(&c.new)
+                    if c.rid == rid && c.namespace == ns && c.name == n && c.kind != ChangeKind::Deleted && pred(&c.new)
                     {
                         return Ok((*c.new).clone());
                     }
@@ -720,9 +704,7 @@ impl Emulator {
 
     /// Reset the peak watch counter to the current count.
     pub fn reset_peak_watches(&self) {
-        self.shared
-            .peak_watches
-            .store(self.open_watches(), Ordering::SeqCst);
+        self.shared.peak_watches.store(self.open_watches(), Ordering::SeqCst);
     }
 
     fn add_hook(
@@ -761,6 +743,9 @@ impl Emulator {
 
     /// Concurrent writer: just before the next PUT/PATCH of `resource/name` is applied,
     /// `f` changes the stored object; the write then meets the changed object.
+    ///
+    /// Hooks (like [`Emulator::mutate_object`] closures) run under the store lock: they
+    /// must not call back into the emulator.
     pub fn before_next_write(
         &self,
         resource: &str,
@@ -777,19 +762,12 @@ impl Emulator {
 
     /// The next `n` requests matching `m` answer `code` (e.g. 500, 503) with a Status.
     pub fn fail_next(&self, n: usize, code: u16, m: RequestMatch) {
-        self.shared.faults().fail.push(FailRule {
-            remaining: n,
-            code,
-            m,
-        });
+        self.shared.faults().fail.push(FailRule { remaining: n, code, m });
     }
 
     /// The next `n` PUT/PATCH requests matching `m` answer 409 Conflict, unapplied.
     pub fn conflict_next_writes(&self, n: usize, m: RequestMatch) {
-        self.shared
-            .faults()
-            .conflicts
-            .push(ConflictRule { remaining: n, m });
+        self.shared.faults().conflicts.push(ConflictRule { remaining: n, m });
     }
 
     /// Delay every request by `d` before it is handled (zero to turn off).
@@ -805,9 +783,7 @@ impl Emulator {
     /// From now on each watch (open or new) closes after sending `k` more events;
     /// `None` turns this off.
     pub fn drop_watches_after(&self, k: Option<usize>) {
-        self.shared
-            .control
-            .send_modify(|c| c.drop_after = k.map(|k| k.max(1)));
+        self.shared.control.send_modify(|c| c.drop_after = k.map(|k| k.max(1)));
     }
 
     /// Interval between BOOKMARK events for watches opened from now on that allow them.

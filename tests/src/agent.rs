@@ -1,0 +1,108 @@
+//! Helpers for end-to-end tests that run the real `taintgate` binary against the API
+//! emulator: the reference node as the emulator serves it, and a bounded agent run.
+
+use crate::emulator::NodeBuilder;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+
+/// Name of the reference node (examples/profiles/8gpu-two-domains.yaml).
+pub const NODE: &str = "gpu-node-a";
+/// The default startup taint key.
+pub const TAINT: &str = "taintgate.io/unverified";
+
+/// Path of a profile under `examples/profiles/`.
+pub fn profile(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/profiles")
+        .join(format!("{name}.yaml"))
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The reference node as Kubernetes would serve it once Karpenter registered it: startup
+/// taint, permanent GPU taint, GFD labels, allocatable from the device plugin.
+pub fn reference_node(registered: bool) -> NodeBuilder {
+    let mut b = NodeBuilder::new(NODE)
+        .label("kubernetes.io/hostname", NODE)
+        .label("karpenter.sh/nodepool", "gpu-h100")
+        .label("taintgate.io/gpu-node", "true")
+        .label("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")
+        .label("nvidia.com/gpu.count", "8")
+        .annotation("example.com/owner", "platform")
+        .taint(TAINT, "", "NoSchedule")
+        .taint("nvidia.com/gpu", "present", "NoSchedule")
+        .capacity("cpu", "96")
+        .allocatable("cpu", "90")
+        .capacity("memory", "768Gi")
+        .allocatable("memory", "744Gi")
+        .resource("ephemeral-storage", "860Gi")
+        .resource("pods", "110")
+        .resource("nvidia.com/gpu", "8")
+        .ready();
+    if registered {
+        b = b.label("karpenter.sh/registered", "true");
+    } else {
+        b = b.taint("karpenter.sh/unregistered", "", "NoExecute");
+    }
+    b
+}
+
+/// A `taintgate` command with a clean environment, bounded by coreutils `timeout` so a
+/// hung agent fails the test instead of hanging it.
+pub fn agent_cmd(timeout_secs: u32) -> anyhow::Result<Command> {
+    let bin = crate::services::taintgate_bin()?;
+    let mut c = Command::new("timeout");
+    c.arg("--signal=KILL").arg(timeout_secs.to_string()).arg(bin);
+    for v in [
+        "KUBECONFIG",
+        "KUBERNETES_SERVICE_HOST",
+        "NODE_NAME",
+        "TAINTGATE_CONFIG",
+        "NOTIFY_SOCKET",
+    ] {
+        c.env_remove(v);
+    }
+    c.env("RUST_LOG", "info");
+    Ok(c)
+}
+
+/// Run the agent to completion and return its output.
+pub fn run_agent(args: &[&str]) -> anyhow::Result<Output> {
+    Ok(agent_cmd(120)?.args(args).stdin(Stdio::null()).output()?)
+}
+
+/// Start the agent in the background.
+pub fn spawn_agent(args: &[&str]) -> anyhow::Result<Child> {
+    Ok(agent_cmd(120)?
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?)
+}
+
+/// stdout + stderr as text.
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Taint keys on a Node JSON.
+pub fn taint_keys(node: &Value) -> Vec<String> {
+    node["spec"]["taints"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|t| t["key"].as_str().map(String::from)).collect())
+        .unwrap_or_default()
+}
+
+/// A condition of the given type on a Node JSON.
+pub fn condition<'a>(node: &'a Value, type_: &str) -> Option<&'a Value> {
+    node["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+}

@@ -1,0 +1,343 @@
+//! End to end: the real `taintgate` binary, a simulated GPU node, and the Kubernetes API
+//! emulator with real API semantics. Asserts exactly what the agent wrote.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use serde_json::{Value, json};
+use std::time::Duration;
+use taintgate_tests::agent::*;
+use taintgate_tests::emulator::{Emulator, RequestMatch};
+
+fn start(registered: bool) -> Emulator {
+    let emu = Emulator::start_blocking().unwrap();
+    emu.put_object(reference_node(registered).build()).unwrap();
+    emu
+}
+
+fn node(emu: &Emulator) -> Value {
+    emu.get_object("nodes", NODE).unwrap().unwrap()
+}
+
+fn kubeconfig(emu: &Emulator) -> String {
+    emu.kubeconfig_path().to_string_lossy().into_owned()
+}
+
+/// Everything but what the agent may change: our taint, our annotations, our conditions,
+/// and the resourceVersion.
+fn without_our_changes(mut n: Value) -> Value {
+    // Server-managed fields.
+    n["metadata"].as_object_mut().unwrap().remove("resourceVersion");
+    n["metadata"].as_object_mut().unwrap().remove("generation");
+    if let Some(a) = n["metadata"]["annotations"].as_object_mut() {
+        a.retain(|k, _| !k.starts_with("taintgate.io/"));
+    }
+    if let Some(t) = n["spec"]["taints"].as_array_mut() {
+        t.retain(|t| t["key"] != TAINT);
+    }
+    if let Some(c) = n["status"]["conditions"].as_array_mut() {
+        c.retain(|c| c["type"] != "TaintgateVerified" && c["type"] != "AcceleratedHardwareReady");
+    }
+    n
+}
+
+#[test]
+fn healthy_node_is_released_and_nothing_else_changes() {
+    let emu = start(true);
+    let before = node(&emu);
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    let after = node(&emu);
+    assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
+    assert_eq!(
+        without_our_changes(after.clone()),
+        without_our_changes(before),
+        "only our taint, annotations and conditions may change"
+    );
+
+    // Timeline annotation: every stage, in start order, then untaint.
+    let ann: Value = serde_json::from_str(
+        after["metadata"]["annotations"]["taintgate.io/timeline"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let stages: Vec<&str> = ann["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s[0].as_str().unwrap())
+        .collect();
+    for s in [
+        "register",
+        "driver",
+        "smoke",
+        "peer-bw",
+        "allocatable",
+        "device-plugin",
+        "runtime",
+        "fit",
+        "models",
+        "images",
+        "untaint",
+    ] {
+        assert!(stages.contains(&s), "{s} missing from {stages:?}");
+    }
+    let starts: Vec<u64> = ann["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s[1].as_u64().unwrap())
+        .collect();
+    assert!(
+        starts.windows(2).all(|w| w[0] <= w[1]),
+        "stages ordered by start: {starts:?}"
+    );
+    assert_eq!(stages.last(), Some(&"untaint"));
+    assert_eq!(ann["verdict"]["reason"], "Released");
+
+    let c = condition(&after, "TaintgateVerified").unwrap();
+    assert_eq!(c["status"], "True");
+    assert_eq!(c["reason"], "Released");
+    assert_eq!(condition(&after, "AcceleratedHardwareReady").unwrap()["status"], "True");
+    assert_eq!(
+        condition(&after, "Ready").unwrap()["status"],
+        "True",
+        "other conditions kept"
+    );
+
+    let events = emu.list_objects("events").unwrap();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["reason"], "Released");
+    assert_eq!(events[0]["involvedObject"]["name"], NODE);
+    assert!(
+        events[0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("removed taint taintgate.io/unverified:NoSchedule")
+    );
+
+    // The taint removal is a JSON Patch that tests key and effect at the index.
+    let patches: Vec<_> = emu
+        .mutating_requests()
+        .into_iter()
+        .filter(|r| {
+            r.path == format!("/api/v1/nodes/{NODE}")
+                && r.content_type.as_deref() == Some("application/json-patch+json")
+        })
+        .collect();
+    assert_eq!(patches.len(), 1);
+    assert_eq!(
+        patches[0].body,
+        Some(json!([
+            {"op": "test", "path": "/spec/taints/0/key", "value": TAINT},
+            {"op": "test", "path": "/spec/taints/0/effect", "value": "NoSchedule"},
+            {"op": "remove", "path": "/spec/taints/0"}
+        ]))
+    );
+}
+
+#[test]
+fn faulty_nodes_stay_tainted_with_their_reason() {
+    for (p, reason, hardware) in [
+        ("gpu-missing", "GpuCountMismatch", true),
+        ("xid-79", "XidFatal", true),
+        ("smoke-fail", "SmokeFailed", true),
+        ("slow-peer", "PeerBandwidthLow", true),
+        ("plugin-unhealthy", "PluginDeviceUnhealthy", false),
+    ] {
+        let emu = start(true);
+        let o = run_agent(&[
+            "run",
+            "--simulate",
+            &profile(p),
+            "--kubeconfig",
+            &kubeconfig(&emu),
+            "--once",
+        ])
+        .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{p}: {}", output_text(&o));
+        let after = node(&emu);
+        assert!(taint_keys(&after).contains(&TAINT.to_string()), "{p}: taint must stay");
+        let c = condition(&after, "TaintgateVerified").unwrap();
+        assert_eq!(
+            (c["status"].as_str(), c["reason"].as_str()),
+            (Some("False"), Some(reason)),
+            "{p}"
+        );
+        let hw = condition(&after, "AcceleratedHardwareReady");
+        if hardware {
+            assert_eq!(
+                hw.unwrap()["status"],
+                "False",
+                "{p}: hardware failures tell node repair"
+            );
+        } else {
+            assert_eq!(hw.unwrap()["status"], "True", "{p}: hardware was verified; the hold is elsewhere");
+        }
+        let events = emu.list_objects("events").unwrap();
+        assert_eq!(events.len(), 1, "{p}");
+        assert_eq!(
+            (events[0]["type"].as_str(), events[0]["reason"].as_str()),
+            (Some("Warning"), Some(reason))
+        );
+        assert!(
+            !emu.mutating_requests()
+                .iter()
+                .any(|r| r.content_type.as_deref() == Some("application/json-patch+json")
+                    && r.path == format!("/api/v1/nodes/{NODE}")),
+            "{p}: no taint patch may be sent"
+        );
+    }
+}
+
+#[test]
+fn waits_for_karpenter_registration_before_removing_the_taint() {
+    let emu = start(false);
+    let child = spawn_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+    ])
+    .unwrap();
+    // The agent is watching its node: registration has not happened, it must not untaint.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while emu.open_watches() == 0 {
+        assert!(std::time::Instant::now() < deadline, "agent never opened a watch");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(2500)); // every other stage finishes meanwhile
+    assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+    assert!(
+        emu.mutating_requests().is_empty(),
+        "nothing written before registration"
+    );
+    // Karpenter registers the node.
+    emu.mutate_object("nodes", NODE, |n| {
+        n["metadata"]["labels"]["karpenter.sh/registered"] = json!("true");
+        n["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|t| t["key"] != "karpenter.sh/unregistered");
+    })
+    .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
+}
+
+#[test]
+fn concurrent_writer_adding_a_taint_keeps_both_correct() {
+    let emu = start(true);
+    // Another controller inserts a taint in front of ours just before our patch lands:
+    // our `test` at index 0 fails (422), we re-read and remove ours at its new index.
+    emu.before_next_write("nodes", NODE, |n| {
+        n["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .insert(0, json!({"key": "example.com/maintenance", "effect": "NoSchedule"}));
+    })
+    .unwrap();
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    let keys = taint_keys(&node(&emu));
+    assert_eq!(
+        keys,
+        vec!["example.com/maintenance".to_string(), "nvidia.com/gpu".to_string()]
+    );
+    let statuses: Vec<u16> = emu
+        .mutating_requests()
+        .iter()
+        .filter(|r| {
+            r.content_type.as_deref() == Some("application/json-patch+json")
+                && r.path == format!("/api/v1/nodes/{NODE}")
+        })
+        .map(|r| r.status)
+        .collect();
+    assert_eq!(
+        statuses,
+        vec![422, 200],
+        "first patch refused by its test, second applied"
+    );
+}
+
+#[test]
+fn conflicts_and_server_errors_are_retried_not_given_up() {
+    let emu = start(true);
+    let m = RequestMatch::any()
+        .method("PATCH")
+        .path(&format!("/api/v1/nodes/{NODE}"));
+    emu.conflict_next_writes(3, m.clone());
+    emu.fail_next(3, 503, m);
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
+}
+
+#[test]
+fn dry_run_sends_zero_mutating_requests() {
+    let emu = start(true);
+    for args in [vec!["run", "--dry-run"], vec!["check"]] {
+        emu.clear_requests();
+        let mut a = args.clone();
+        let p = profile("8gpu-two-domains");
+        let k = kubeconfig(&emu);
+        a.extend(["--simulate", &p, "--kubeconfig", &k, "--once"]);
+        let o = run_agent(&a).unwrap();
+        assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+        assert!(output_text(&o).contains("WouldRelease") || output_text(&o).contains("WOULD RELEASE"));
+        assert!(!emu.requests().is_empty(), "the dry-run did read the API");
+        assert_eq!(emu.mutating_requests().len(), 0, "{:?}", emu.mutating_requests());
+        assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+    }
+}
+
+#[test]
+fn already_untainted_node_is_idempotent() {
+    let emu = start(true);
+    emu.mutate_object("nodes", NODE, |n| {
+        n["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|t| t["key"] != TAINT);
+    })
+    .unwrap();
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    assert!(output_text(&o).contains("already absent"));
+    assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
+}
