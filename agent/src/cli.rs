@@ -251,8 +251,15 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             return exit_code;
         }
         if exit_code == exit::RELEASED {
-            // Resident after release: stay cheap until told to stop.
-            cancel.cancelled().await;
+            // Resident after release: stay cheap, and take the taint off again if someone
+            // (Karpenter re-syncing startup taints) puts it back while the node is still
+            // registered and the evidence still stands.
+            if let Some(api) = &api {
+                crate::resident::guard_release(api.as_ref(), &config, &cancel).await;
+            } else {
+                cancel.cancelled().await;
+            }
+            crate::systemd::stopping();
             return exit_code;
         }
         // Held: re-evaluate on a capped backoff; a transient cause can clear.

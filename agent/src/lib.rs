@@ -12,6 +12,7 @@ pub mod kube_api;
 pub mod node_api;
 pub mod regate;
 pub mod report;
+pub mod resident;
 pub mod stages;
 pub mod systemd;
 pub mod timeline;

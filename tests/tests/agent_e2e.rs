@@ -180,7 +180,11 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
                 "{p}: hardware failures tell node repair"
             );
         } else {
-            assert_eq!(hw.unwrap()["status"], "True", "{p}: hardware was verified; the hold is elsewhere");
+            assert_eq!(
+                hw.unwrap()["status"],
+                "True",
+                "{p}: hardware was verified; the hold is elsewhere"
+            );
         }
         let events = emu.list_objects("events").unwrap();
         assert_eq!(events.len(), 1, "{p}");
@@ -286,7 +290,8 @@ fn conflicts_and_server_errors_are_retried_not_given_up() {
         .method("PATCH")
         .path(&format!("/api/v1/nodes/{NODE}"));
     emu.conflict_next_writes(3, m.clone());
-    emu.fail_next(3, 503, m);
+    // 500 (kube-rs itself retries 503s, so those never reach the agent).
+    emu.fail_next(3, 500, m);
     let o = run_agent(&[
         "run",
         "--simulate",
@@ -340,4 +345,43 @@ fn already_untainted_node_is_idempotent() {
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     assert!(output_text(&o).contains("already absent"));
     assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
+}
+
+#[test]
+fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() {
+    let emu = start(true);
+    let child = spawn_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+    ])
+    .unwrap();
+    let gone = |n: &Value| !taint_keys(n).contains(&TAINT.to_string());
+    emu.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(60))
+        .unwrap();
+    // "Karpenter" re-syncs the startup taint after release.
+    emu.mutate_object("nodes", NODE, |n| {
+        n["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"key": TAINT, "effect": "NoSchedule"}));
+    })
+    .unwrap();
+    let back = |n: &Value| taint_keys(n).contains(&TAINT.to_string());
+    emu.wait_for_blocking("nodes", NODE, back, Duration::from_secs(5))
+        .unwrap();
+    emu.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(30))
+        .unwrap();
+    // The `timeout` wrapper forwards SIGTERM to the agent.
+    let st = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    assert!(output_text(&o).contains("removing it again"), "{}", output_text(&o));
 }

@@ -1,0 +1,356 @@
+//! One node's stamp chain: the pre-agent stamps, the agent start, each stage's start and
+//! end, and the verdict, sorted by time; the interval between adjacent stamps is named
+//! after the later stamp, which is what that interval waited on.
+
+use crate::telemetry::annotation::AnnotationDoc;
+use crate::telemetry::otlp::AGENT_START;
+use crate::telemetry::prestamps::names;
+use crate::timeline::fmt_ms;
+use jiff::Timestamp;
+use serde::Serialize;
+
+/// What kind of event a stamp marks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StampKind {
+    /// Recorded outside the agent (NodeClaim, Node).
+    Pre,
+    /// The agent started.
+    AgentStart,
+    /// A stage started.
+    StageStart,
+    /// A stage ended (evidence or failure).
+    StageEnd,
+    /// The verdict (released, held).
+    Verdict,
+}
+
+/// One stamp in a chain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChainStamp {
+    /// Name: a pre-agent name, `agent-start`, `<stage>.start`, `<stage>.end`, `released`,
+    /// `would-release` or `held`.
+    pub name: String,
+    /// Unix milliseconds.
+    pub at_ms: i64,
+    /// Kind.
+    pub kind: StampKind,
+    /// Stage outcome (stage stamps) or verdict reason.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+    /// Reason code, when the stage failed or the node was held.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Order among stamps at the same millisecond (causal order).
+    #[serde(skip)]
+    pub tie: u32,
+}
+
+/// The gap between two adjacent stamps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Interval {
+    /// Earlier stamp.
+    pub from: String,
+    /// Later stamp: the interval is named after it.
+    pub to: String,
+    /// Length in milliseconds.
+    pub ms: u64,
+}
+
+/// A node's chain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Chain {
+    /// Node name.
+    pub node: String,
+    /// Agent start.
+    pub agent_start: String,
+    /// GPU backend recorded by the agent.
+    pub gpu: String,
+    /// Stamps, sorted by time (ties in causal order).
+    pub stamps: Vec<ChainStamp>,
+    /// Stage rows for charts: `(stage, start unix ms, end unix ms, outcome, reason)`.
+    pub stages: Vec<StageSpan>,
+    /// The annotation was truncated by its writer.
+    pub truncated: bool,
+    /// The pre-agent stamps were read live from the API (the annotation had none).
+    pub pre_read_live: bool,
+}
+
+/// One stage's bar.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StageSpan {
+    /// Stage name.
+    pub stage: String,
+    /// Unix ms start.
+    pub start_ms: i64,
+    /// Unix ms end.
+    pub end_ms: i64,
+    /// Outcome.
+    pub outcome: String,
+    /// Reason code (empty if none).
+    pub reason: String,
+}
+
+fn pre_rank(name: &str) -> u32 {
+    names::ALL.iter().position(|n| *n == name).unwrap_or(names::ALL.len()) as u32
+}
+
+/// Whether a stage with this outcome took time (and so appears in the chain).
+pub fn ran(outcome: &str) -> bool {
+    matches!(outcome, "passed" | "failed" | "cancelled")
+}
+
+impl Chain {
+    /// Build a node's chain from its decoded annotation.
+    pub fn from_doc(node: &str, doc: &AnnotationDoc) -> Self {
+        let origin = doc.start.as_millisecond();
+        let mut stamps = Vec::new();
+        for s in &doc.pre {
+            stamps.push(ChainStamp {
+                name: s.name.clone(),
+                at_ms: s.at.as_millisecond(),
+                kind: StampKind::Pre,
+                outcome: None,
+                reason: None,
+                tie: pre_rank(&s.name),
+            });
+        }
+        stamps.push(ChainStamp {
+            name: AGENT_START.into(),
+            at_ms: origin,
+            kind: StampKind::AgentStart,
+            outcome: None,
+            reason: None,
+            tie: 10,
+        });
+        let mut stages = Vec::new();
+        for e in doc.stages.iter().filter(|e| ran(&e.outcome)) {
+            let start = origin.saturating_add(e.start_ms as i64);
+            let end = origin.saturating_add(e.end_ms() as i64);
+            let reason = (!e.reason.is_empty()).then(|| e.reason.clone());
+            stamps.push(ChainStamp {
+                name: format!("{}.start", e.name),
+                at_ms: start,
+                kind: StampKind::StageStart,
+                outcome: None,
+                reason: None,
+                tie: 30,
+            });
+            // At equal times an end precedes the starts it unblocks, but a zero-length
+            // stage's own end still follows its start.
+            stamps.push(ChainStamp {
+                name: format!("{}.end", e.name),
+                at_ms: end,
+                kind: StampKind::StageEnd,
+                outcome: Some(e.outcome.clone()),
+                reason,
+                tie: if e.duration_ms == 0 { 35 } else { 20 },
+            });
+            stages.push(StageSpan {
+                stage: e.name.clone(),
+                start_ms: start,
+                end_ms: end,
+                outcome: e.outcome.clone(),
+                reason: e.reason.clone(),
+            });
+        }
+        if let Some(v) = &doc.verdict {
+            let name = match (v.released, v.dry_run) {
+                (true, false) => "released",
+                (true, true) => "would-release",
+                (false, _) => "held",
+            };
+            stamps.push(ChainStamp {
+                name: name.into(),
+                at_ms: origin.saturating_add(v.at_ms as i64),
+                kind: StampKind::Verdict,
+                outcome: Some(v.reason.clone()),
+                reason: (!v.released).then(|| v.reason.clone()),
+                tie: 40,
+            });
+        }
+        // Stable sort: equal (time, tie) keep insertion order (stage report order).
+        stamps.sort_by_key(|s| (s.at_ms, s.tie));
+        stages.sort_by_key(|s| s.start_ms);
+        Chain {
+            node: node.to_string(),
+            agent_start: doc.start.to_string(),
+            gpu: doc.gpu.clone(),
+            stamps,
+            stages,
+            truncated: doc.truncated,
+            pre_read_live: false,
+        }
+    }
+
+    /// Intervals between adjacent stamps.
+    pub fn intervals(&self) -> Vec<Interval> {
+        intervals(&self.stamps)
+    }
+
+    /// The verdict stamp, if recorded.
+    pub fn verdict(&self) -> Option<&ChainStamp> {
+        self.stamps.iter().find(|s| s.kind == StampKind::Verdict)
+    }
+
+    /// The printed chain: stamp, UTC time, offset from the first stamp, the interval
+    /// before it, and what that interval waited on.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let first = self.stamps.first().map(|s| s.at_ms).unwrap_or(0);
+        let total = self.stamps.last().map(|s| s.at_ms - first).unwrap_or(0).max(0) as u64;
+        let verdict = match self.verdict() {
+            Some(v) => format!("{} ({})", v.name, v.outcome.as_deref().unwrap_or("")),
+            None => "no verdict recorded".into(),
+        };
+        out.push_str(&format!(
+            "node {}: {verdict}; chain spans {} from {}\n",
+            self.node,
+            fmt_ms(total),
+            self.stamps.first().map(|s| s.name.as_str()).unwrap_or("-")
+        ));
+        out.push_str(&format!("agent start {}, gpu backend {}\n", self.agent_start, self.gpu));
+        if self.pre_read_live {
+            out.push_str("pre-agent stamps read live from the Node/NodeClaim (the annotation has none)\n");
+        }
+        if self.truncated {
+            out.push_str("annotation was truncated by the agent: stage stamps may be missing\n");
+        }
+        let intervals = self.intervals();
+        let longest = intervals.iter().map(|i| i.ms).max().unwrap_or(0);
+        out.push_str(&format!(
+            "{:>3}  {:<24} {:<24} {:>10} {:>10}  {}\n",
+            "#", "STAMP", "TIME (UTC)", "SINCE", "INTERVAL", "WAITED ON"
+        ));
+        for (i, s) in self.stamps.iter().enumerate() {
+            let at = Timestamp::from_millisecond(s.at_ms)
+                .map(|t| format!("{t:.3}"))
+                .unwrap_or_else(|_| s.at_ms.to_string());
+            let (interval, waited) = match i.checked_sub(1).and_then(|j| intervals.get(j)) {
+                Some(iv) => {
+                    let mark = if iv.ms == longest && longest > 0 {
+                        "  <- longest"
+                    } else {
+                        ""
+                    };
+                    (fmt_ms(iv.ms), format!("{}{mark}", waited_on(s)))
+                }
+                None => ("-".into(), "-".into()),
+            };
+            out.push_str(&format!(
+                "{:>3}  {:<24} {:<24} {:>10} {:>10}  {}\n",
+                i + 1,
+                s.name,
+                at,
+                fmt_ms((s.at_ms - first).max(0) as u64),
+                interval,
+                waited
+            ));
+        }
+        out
+    }
+}
+
+/// Intervals between adjacent stamps (the stamps must be sorted).
+pub fn intervals(stamps: &[ChainStamp]) -> Vec<Interval> {
+    stamps
+        .windows(2)
+        .map(|w| Interval {
+            from: w[0].name.clone(),
+            to: w[1].name.clone(),
+            ms: (w[1].at_ms - w[0].at_ms).max(0) as u64,
+        })
+        .collect()
+}
+
+/// What the interval ending at a stamp with this name waited on (the cache or controller
+/// that owns it), for people.
+pub fn waited_on_name(name: &str) -> String {
+    let stage = |s: &str| -> &'static str {
+        match s {
+            "register" => "Karpenter registration sync (registered label, no unregistered taint)",
+            "driver" => "GPU driver: NVML init, inventory and health",
+            "smoke" => "CUDA smoke kernel on every GPU",
+            "peer-bw" => "peer copy matrix and NCCL all-reduce bandwidth",
+            "allocatable" => "device plugin publishing allocatable via kubelet",
+            "device-plugin" => "device plugin gRPC and kubelet PodResources",
+            "runtime" => "CDI spec naming every device",
+            "fit" => "serving-group fit on allocatable",
+            "models" => "model bytes downloaded and sha256-verified (model cache)",
+            "images" => "images pulled into containerd (image cache)",
+            "untaint" => "startup-taint removal (API patch)",
+            "xid-watch" => "XID check over the validation window",
+            _ => "stage evidence",
+        }
+    };
+    match name {
+        names::NODECLAIM_CREATED => "Karpenter provisioning decision (NodeClaim created)".into(),
+        names::NODECLAIM_LAUNCHED => "cloud provider instance launch".into(),
+        names::NODE_CREATED => "instance boot until kubelet registered the Node".into(),
+        names::NODECLAIM_REGISTERED => "Karpenter registration of the Node".into(),
+        names::KUBELET_READY => "kubelet Ready (container runtime, CNI)".into(),
+        names::NODECLAIM_INITIALIZED => "Karpenter initialization (after release)".into(),
+        AGENT_START => "agent pod scheduled, image pulled, process started".into(),
+        "released" | "would-release" => "verdict after the last evidence".into(),
+        "held" => "verdict: held".into(),
+        other => match other.rsplit_once('.') {
+            Some((st, "start")) => format!("{st} start (its dependencies)"),
+            Some((st, "end")) => stage(st).to_string(),
+            _ => "-".into(),
+        },
+    }
+}
+
+fn waited_on(s: &ChainStamp) -> String {
+    let base = waited_on_name(&s.name);
+    match (&s.kind, s.outcome.as_deref(), s.reason.as_deref()) {
+        (StampKind::StageEnd, Some(o), Some(r)) if o != "passed" => format!("{base} [{o}: {r}]"),
+        (StampKind::StageEnd, Some(o), None) if o != "passed" => format!("{base} [{o}]"),
+        (StampKind::Verdict, _, Some(r)) => format!("{base} ({r})"),
+        _ => base,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::telemetry::annotation::decode;
+
+    #[test]
+    fn chain_orders_stamps_and_names_intervals() {
+        let doc = decode(
+            r#"{"v":1,"start":"2026-01-01T00:02:00Z","gpu":"nvml",
+            "pre":[["kubelet-ready",1767225710000],["nodeclaim-created",1767225600000]],
+            "stages":[["driver",0,500,"passed",""],["smoke",500,0,"passed",""],
+                      ["fit",0,0,"skipped","DependencyFailed"],["models",10,9000,"failed","DigestMismatch"]],
+            "verdict":{"released":false,"dryRun":false,"reason":"DigestMismatch","atMs":9100}}"#,
+        )
+        .unwrap();
+        let c = Chain::from_doc("n1", &doc);
+        let names: Vec<&str> = c.stamps.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "nodeclaim-created",
+                "kubelet-ready",
+                "agent-start",
+                "driver.start",
+                "models.start",
+                "driver.end",
+                "smoke.start",
+                "smoke.end",
+                "models.end",
+                "held"
+            ]
+        );
+        let iv = c.intervals();
+        assert_eq!(iv[0].ms, 110_000);
+        assert_eq!((iv[1].to.as_str(), iv[1].ms), ("agent-start", 10_000));
+        assert_eq!((iv[7].to.as_str(), iv[7].ms), ("models.end", 8_510));
+        let text = c.render();
+        assert!(text.contains("1m 50") || text.contains("110.000s"), "{text}");
+        assert!(text.contains("[failed: DigestMismatch]"), "{text}");
+        assert!(text.contains("<- longest"), "{text}");
+    }
+}
