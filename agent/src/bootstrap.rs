@@ -67,6 +67,14 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
         {
             let t0 = Instant::now();
             let r = crate::regate::regate(api.as_ref(), &ctx.config.taint, &ctx.config.reporting).await;
+            crate::systemd::ready(&format!(
+                "gate in place: {}",
+                match &r {
+                    Ok(true) => "taint re-added",
+                    Ok(false) => "no re-gate needed",
+                    Err(_) => "re-gate failed",
+                }
+            ));
             let (outcome, reason, message, summary) = match r {
                 Ok(true) => (
                     Outcome::Passed,
@@ -96,6 +104,11 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
                 evidence: serde_json::Value::Null,
             });
         }
+    }
+    if pre.is_empty() {
+        // READY=1 means "the gate is in place" (the unit orders kubelet after us, and the
+        // kubelet must run for the allocatable and device-plugin stages to pass).
+        crate::systemd::ready("gate in place: no re-gate configured");
     }
     let mut records = run_graph(ctx.clone()).await;
     records.extend(pre);
@@ -190,15 +203,34 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
     });
     if released {
         tracing::info!(reason = %reason, message = %message, "verdict: released");
-        crate::systemd::ready(&format!("released: {message}"));
+        crate::systemd::status(&format!("released: {message}"));
     } else {
         tracing::warn!(reason = %reason, message = %message, "verdict: held");
         crate::systemd::status(&format!("held: {reason}: {message}"));
     }
 
+    // Pre-agent stamps (NodeClaim, Node creation, kubelet Ready) start the chain.
+    let pre = match &ctx.api {
+        Some(api) => match api.get().await {
+            Ok(n) => crate::telemetry::prestamps::collect_for_node(api.stamp_source(), &n).await,
+            Err(e) => {
+                tracing::debug!(error = %e, "pre-agent stamps unavailable");
+                Vec::new()
+            }
+        },
+        None => Vec::new(),
+    };
     if !dry_run && let Some(api) = &ctx.api {
-        report(api.as_ref(), &ctx, &timeline, blocked.as_ref().map(|b| b.0.as_str())).await;
+        report(
+            api.as_ref(),
+            &ctx,
+            &timeline,
+            &pre,
+            blocked.as_ref().map(|b| b.0.as_str()),
+        )
+        .await;
     }
+    crate::telemetry::export_timeline(&timeline, &pre).await;
     let exit_code = if released { exit::RELEASED } else { exit::HELD };
     BootstrapResult { timeline, exit_code }
 }
@@ -241,7 +273,13 @@ fn xid_gate(ctx: &Context) -> Option<StageRecord> {
 /// Write annotation, conditions and an Event. Reporting failures are logged, never fatal:
 /// the taint decision is already made and must not be undone by a report write
 /// (node-readiness-controller #207 re-applied a taint after a failed annotation write).
-async fn report(api: &dyn NodeApi, ctx: &Context, t: &Timeline, failed_stage: Option<&str>) {
+async fn report(
+    api: &dyn NodeApi,
+    ctx: &Context,
+    t: &Timeline,
+    pre: &[crate::telemetry::prestamps::Stamp],
+    failed_stage: Option<&str>,
+) {
     let cfg = &ctx.config.reporting;
     let Some(v) = &t.verdict else { return };
     let boot = if v.released {
@@ -249,7 +287,7 @@ async fn report(api: &dyn NodeApi, ctx: &Context, t: &Timeline, failed_stage: Op
     } else {
         None
     };
-    if let Err(e) = write_annotation(api, cfg, t, boot.as_deref()).await {
+    if let Err(e) = write_annotation(api, cfg, t, pre, boot.as_deref()).await {
         tracing::warn!(error = %e, "writing the timeline annotation failed");
     }
     let cond = ConditionValue {
@@ -290,9 +328,29 @@ async fn report(api: &dyn NodeApi, ctx: &Context, t: &Timeline, failed_stage: Op
     if cfg.events {
         match api.get().await {
             Ok(node) => {
-                let ev = node_event(&node, cfg, !v.released, &v.reason, &v.message, Timestamp::now());
-                if let Err(e) = api.create_event(&ev).await {
-                    tracing::warn!(error = %e, "writing the event failed");
+                // One Event for the verdict (the release, or the first blocking failure),
+                // and one for each other failed stage.
+                let mut events = vec![node_event(
+                    &node,
+                    cfg,
+                    !v.released,
+                    &v.reason,
+                    &v.message,
+                    Timestamp::now(),
+                )];
+                for s in t
+                    .stages
+                    .iter()
+                    .filter(|s| s.outcome == Outcome::Failed && Some(s.stage.as_str()) != failed_stage)
+                {
+                    let reason = s.reason.as_deref().unwrap_or("StageFailed");
+                    let msg = format!("stage {}: {}", s.stage, s.message.as_deref().unwrap_or(""));
+                    events.push(node_event(&node, cfg, true, reason, &msg, Timestamp::now()));
+                }
+                for ev in events {
+                    if let Err(e) = api.create_event(&ev).await {
+                        tracing::warn!(error = %e, "writing the event failed");
+                    }
                 }
             }
             Err(e) => tracing::warn!(error = %e, "reading the node for the event failed"),

@@ -34,6 +34,10 @@ pub enum Command {
     /// Configuration helpers.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Print the reason-code catalog (Markdown table).
+    Reasons,
+    /// Print one node's ready chain, or fleet percentiles per interval (`--all`).
+    Timeline(crate::fleet::TimelineArgs),
 }
 
 /// `config` subcommands.
@@ -93,6 +97,10 @@ pub struct RunArgs {
     /// Report format (check).
     #[arg(long, value_enum, default_value = "table")]
     pub output: OutputFormat,
+    /// Serve /metrics, /healthz and /readyz on this address (the DaemonSet uses
+    /// 0.0.0.0:9464). Off when unset.
+    #[arg(long, env = "TAINTGATE_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Run only these stages (comma-separated, e.g. `driver,smoke,peer-bw`); the others are
     /// disabled for this run.
     #[arg(long, value_delimiter = ',')]
@@ -128,6 +136,14 @@ pub async fn main_with(cli: Cli) -> i32 {
                 exit::BAD_INPUT
             }
         },
+        Command::Reasons => {
+            print!("{}", crate::reasons::markdown());
+            exit::RELEASED
+        }
+        Command::Timeline(a) => {
+            init_logging(LogFormat::Text, "warn");
+            crate::fleet::run_timeline_cmd(a).await
+        }
         Command::Check(args) => {
             init_logging(args.log_format, "warn");
             run(args, true).await
@@ -176,6 +192,18 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         },
         None => None,
     };
+    let plugin_config = match &config.kubelet.plugin_config {
+        Some(p) => match taintgate_validators::kubelet::plugin_config::PluginConfig::load(p) {
+            Ok(c) => {
+                for w in c.warnings() {
+                    tracing::warn!(warning = %w, "device plugin config");
+                }
+                c
+            }
+            Err(e) => return bad_input(format!("invalid device plugin config: {e}")),
+        },
+        None => Default::default(),
+    };
     let node_name = match (&args.node_name, &profile) {
         (Some(n), _) => n.clone(),
         (None, Some(p)) => p.node.name.clone(),
@@ -215,6 +243,15 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         other => other,
     };
 
+    let metrics = Arc::new(crate::telemetry::metrics::Metrics::new());
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _server = match args.metrics_addr {
+        Some(addr) => match crate::telemetry::metrics::serve(addr, metrics.clone(), ready.clone()).await {
+            Ok(s) => Some(s),
+            Err(e) => return bad_input(format!("--metrics-addr {addr}: {e}")),
+        },
+        None => None,
+    };
     let cancel = CancellationToken::new();
     spawn_signal_handler(cancel.clone());
     let mut held_backoff = Duration::from_secs(15);
@@ -224,11 +261,17 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             gpu: gpu.clone(),
             api: api.clone(),
             profile: profile.clone(),
+            plugin_config: plugin_config.clone(),
             inventory: OnceLock::new(),
             clock: Clock::start(),
             cancel: cancel.clone(),
         });
         let BootstrapResult { timeline, exit_code } = bootstrap(ctx, dry_run, &node_name).await;
+        metrics.observe_timeline(&timeline);
+        ready.store(
+            exit_code == exit::RELEASED && !dry_run,
+            std::sync::atomic::Ordering::Release,
+        );
         match args.output {
             OutputFormat::Table => {
                 print!("{}", timeline.render_table());

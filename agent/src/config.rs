@@ -22,6 +22,12 @@ pub struct Config {
     pub gpu: GpuConfig,
     /// Retry policy for Kubernetes API writes (taint removal, report).
     pub api: ApiConfig,
+    /// Kubelet-side evidence: device plugin config, sockets, CDI.
+    pub kubelet: KubeletConfig,
+    /// Serving-group fit (`fit` stage); `None` checks nothing.
+    pub fit: Option<taintgate_validators::kubelet::fit::FitConfig>,
+    /// Container images pre-pulled through CRI (`images` stage).
+    pub images: taintgate_prefetch::images::ImagesConfig,
     /// After a reboot of a node released under another boot, put the startup taint back
     /// before validating (systemd deployments; the kubelet only registers taints at Node
     /// creation). Needs a credential allowed to add that taint.
@@ -270,6 +276,46 @@ impl Default for PeerBwConfig {
     }
 }
 
+/// Kubelet-side settings (allocatable, device-plugin and runtime stages).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubeletConfig {
+    /// The NVIDIA device plugin's config file (`version: v1`: MIG strategy, time-slicing
+    /// replicas, renameByDefault). `None`: whole GPUs, `nvidia.com/gpu` = GPU count.
+    pub plugin_config: Option<PathBuf>,
+    /// Where the kubelet's sockets are.
+    pub paths: taintgate_validators::kubelet::device_plugin::KubeletPaths,
+    /// Longest wait for the plugin's first ListAndWatch answer and the pod-resources reply.
+    #[serde(with = "humantime_serde")]
+    pub probe_timeout: Duration,
+    /// Also compare the kubelet's own view (pod-resources `GetAllocatableResources`).
+    pub check_pod_resources: bool,
+    /// Compare GPU Feature Discovery labels (when present) with NVML.
+    pub check_gfd_labels: bool,
+    /// CDI spec directories.
+    pub cdi_dirs: Vec<PathBuf>,
+    /// CDI device kind the plugin injects.
+    pub cdi_kind: String,
+    /// Root under which CDI device nodes are checked (the host's `/` when mounted
+    /// elsewhere in a container).
+    pub host_root: PathBuf,
+}
+
+impl Default for KubeletConfig {
+    fn default() -> Self {
+        Self {
+            plugin_config: None,
+            paths: Default::default(),
+            probe_timeout: Duration::from_secs(30),
+            check_pod_resources: true,
+            check_gfd_labels: true,
+            cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
+            cdi_kind: "nvidia.com/gpu".into(),
+            host_root: PathBuf::from("/"),
+        }
+    }
+}
+
 /// Kubernetes API write policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -369,6 +415,9 @@ impl Config {
             {
                 return err(&format!("stages.{name}.deadline"), "must be greater than zero".into());
             }
+        }
+        if let Err(e) = self.images.validate() {
+            return err("images", e.to_string());
         }
         if self.api.backoff_min.is_zero() || self.api.backoff_min > self.api.backoff_max {
             return err("api.backoff_min", "must be > 0 and <= api.backoff_max".into());

@@ -59,6 +59,42 @@ gpu:
     require_nccl: false         # false: copy matrix only, with a warning, when NCCL is absent
   nvml_library: null
 
+# Kubelet-side evidence.
+kubelet:
+  # The NVIDIA device plugin's own config file (version: v1). The expected allocatable
+  # is computed from it and the driver inventory: whole GPUs, time-slicing replicas,
+  # MIG single/mixed. null: whole GPUs, nvidia.com/gpu = GPU count.
+  plugin_config: null
+  paths:
+    device_plugin_dir: /var/lib/kubelet/device-plugins
+    plugin_sockets: {}          # per-resource socket override; default nvidia-<name>.sock
+    pod_resources_socket: /var/lib/kubelet/pod-resources/kubelet.sock
+  probe_timeout: 30s
+  check_pod_resources: true     # compare the kubelet's GetAllocatableResources view
+  check_gfd_labels: true        # nvidia.com/gpu.product/count/memory must agree with NVML
+  cdi_dirs: [/etc/cdi, /var/run/cdi]
+  cdi_kind: nvidia.com/gpu
+  host_root: /                  # where the host's /dev is, for CDI device nodes
+
+# Serving-group bin-pack: how many complete groups fit after DaemonSets and reservations.
+# null checks nothing. Example (the reference note's TP4 group, 2 per node):
+#   fit:
+#     serving_group: {name: TP4, gpus: 4, cpu: "40", memory: 300Gi}
+#     promised_groups: 2
+fit: null
+
+# Images pre-pulled into the container runtime over CRI, so the kubelet's pull is a cache
+# hit. Each must be pinned: name@sha256:<digest> (a tag before the digest is informational).
+images:
+  socket: /run/containerd/containerd.sock   # CRI-O: /var/run/crio/crio.sock
+  images: []
+  allow_unpinned: false
+  concurrency: 3                # containerd CRI's own default for parallel downloads
+  image_deadline_secs: 600
+  retries: 4                    # transient failures only (runtime down, registry 5xx)
+  retry_backoff_ms: 1000
+  auth_file: null               # a mounted kubernetes.io/dockerconfigjson file; never logged
+
 # After a reboot of a node released under another boot ID, put the startup taint back
 # before validating (image-baked nodes under systemd; the kubelet registers taints only
 # when the Node is created). Needs a credential allowed to add that one taint.

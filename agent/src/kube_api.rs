@@ -180,6 +180,10 @@ impl NodeApi for KubeNodeApi {
             .map_err(|e| to_api_error(&format!("create event in {}", self.event_namespace), e))
     }
 
+    fn stamp_source(&self) -> Option<&dyn crate::telemetry::prestamps::StampSource> {
+        Some(&self.client)
+    }
+
     async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError> {
         let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.name));
         self.pods

@@ -113,6 +113,10 @@ pub trait NodeApi: Send + Sync {
     async fn create_event(&self, event: &Event) -> Result<(), ApiError>;
     /// Pods bound to this Node (any phase; the caller filters).
     async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError>;
+    /// Where pre-agent stamps (the Karpenter NodeClaim) can be read, if anywhere.
+    fn stamp_source(&self) -> Option<&dyn crate::telemetry::prestamps::StampSource> {
+        None
+    }
 }
 
 /// An in-memory Node built from a simulated profile: registration and allocatable appear
@@ -358,5 +362,8 @@ impl<A: NodeApi + ?Sized> NodeApi for ReadOnly<A> {
     }
     async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError> {
         self.0.pods_on_node().await
+    }
+    fn stamp_source(&self) -> Option<&dyn crate::telemetry::prestamps::StampSource> {
+        self.0.stamp_source()
     }
 }

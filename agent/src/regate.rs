@@ -72,7 +72,13 @@ pub fn add_taint_patch(node: &Node, taint: &TaintConfig) -> Patch {
 /// Re-add the taint if this boot has not been validated. Returns whether it was added.
 pub async fn regate(api: &dyn NodeApi, taint: &TaintConfig, reporting: &ReportingConfig) -> Result<bool, ApiError> {
     for _ in 0..10 {
-        let node = api.get().await?;
+        // First boot: the kubelet has not created the Node yet, so there is nothing to
+        // re-gate (the kubelet registers it with its taints).
+        let node = match api.get().await {
+            Ok(n) => n,
+            Err(e) if e.kind == crate::node_api::ApiErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e),
+        };
         let Some(boot) = current_boot_id(&node) else {
             return Ok(false);
         };

@@ -186,11 +186,15 @@ pub async fn write_annotation(
     api: &dyn NodeApi,
     cfg: &ReportingConfig,
     t: &Timeline,
+    pre: &[crate::telemetry::prestamps::Stamp],
     released_boot_id: Option<&str>,
 ) -> Result<(), crate::node_api::ApiError> {
     let key = format!("{}/timeline", cfg.annotation_prefix);
     let mut annotations = serde_json::Map::new();
-    annotations.insert(key, json!(compact_timeline(t, cfg.annotation_max_bytes)));
+    annotations.insert(
+        key,
+        json!(crate::telemetry::annotation::encode(t, pre, cfg.annotation_max_bytes)),
+    );
     if let Some(b) = released_boot_id {
         annotations.insert(crate::regate::boot_annotation(cfg), json!(b));
     }

@@ -12,6 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 use taintgate_validators::gpu::decide::{evaluate_driver, evaluate_peer_bw, startup_record};
 use taintgate_validators::gpu::{Gpu, GpuError, Inventory, PeerBwOptions};
+use taintgate_validators::kubelet;
+use taintgate_validators::kubelet::plugin_config::PluginConfig;
 use taintgate_validators::profile::NodeProfile;
 use tokio_util::sync::CancellationToken;
 
@@ -71,6 +73,8 @@ pub struct Context {
     pub api: Option<Arc<dyn NodeApi>>,
     /// The simulated profile when running simulated (drives simulated kubelet probes).
     pub profile: Option<NodeProfile>,
+    /// The device plugin's sharing config (default: whole GPUs).
+    pub plugin_config: PluginConfig,
     /// The driver stage's inventory, for the stages that depend on it.
     pub inventory: OnceLock<Inventory>,
     /// Clock of this bootstrap.
@@ -257,69 +261,31 @@ async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
     })
 }
 
-/// Expected allocatable per device resource. Interim rule until the device-plugin sharing
-/// config is read: whole GPUs, `nvidia.com/gpu` = GPU count.
-fn expected_allocatable(inv: &Inventory) -> BTreeMap<String, u64> {
-    BTreeMap::from([("nvidia.com/gpu".to_string(), inv.gpus.len() as u64)])
+fn plugin_config_failure(e: impl std::fmt::Display, reason: &str) -> StageFailure {
+    StageFailure::permanent(reason, format!("device plugin config: {e}"))
 }
 
-fn node_quantity(
-    node: &Node,
-    field: fn(
-        &k8s_openapi::api::core::v1::NodeStatus,
-    ) -> Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
-    res: &str,
-) -> Option<String> {
-    node.status
-        .as_ref()
-        .and_then(field)
-        .and_then(|m| m.get(res))
-        .map(|q| q.0.clone())
+/// Expected allocatable per resource, from the driver inventory and the device plugin's
+/// sharing config (never "at least one").
+fn expected_allocatable(ctx: &Context) -> Result<BTreeMap<String, u64>, StageFailure> {
+    kubelet::plugin_config::expected_allocatable(ctx.inventory()?, &ctx.plugin_config)
+        .map_err(|e| plugin_config_failure(&e, e.reason()))
 }
 
 async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
+    use kubelet::allocatable::evaluate_node;
     let api = ctx.api()?;
-    let expected = expected_allocatable(ctx.inventory()?);
-    let check = |node: &Node| -> Result<(), StageFailure> {
-        for (res, want) in &expected {
-            let got = node_quantity(node, |s| s.allocatable.as_ref(), res)
-                .and_then(|q| q.parse::<u64>().ok())
-                .unwrap_or(0);
-            let cap = node_quantity(node, |s| s.capacity.as_ref(), res)
-                .and_then(|q| q.parse::<u64>().ok())
-                .unwrap_or(0);
-            if got == 0 {
-                return Err(StageFailure::transient(
-                    "AllocatableZero",
-                    format!("{res}: allocatable 0, expected {want} (device plugin not registered?)"),
-                ));
-            }
-            if got < *want {
-                return Err(StageFailure::transient(
-                    "AllocatableShort",
-                    format!("{res}: allocatable {got}, expected {want}"),
-                ));
-            }
-            if got > *want {
-                return Err(StageFailure::permanent(
-                    "AllocatableExcess",
-                    format!("{res}: allocatable {got}, expected {want}"),
-                ));
-            }
-            if cap != got {
-                return Err(StageFailure::transient(
-                    "AllocatableShort",
-                    format!("{res}: capacity {cap} disagrees with allocatable {got}"),
-                ));
-            }
-        }
-        Ok(())
-    };
+    let inv = ctx.inventory()?;
+    let expected = expected_allocatable(ctx)?;
+    let t0 = std::time::Instant::now();
+    // Wait on the Node watch until allocatable equals the expectation, or a failure that
+    // waiting cannot fix (Excess). Transient states are recorded as progress so a deadline
+    // reports the last one seen.
     let node = api
-        .wait_for(&|n: &Node| match check(n) {
+        .wait_for(&|n: &Node| match evaluate_node(&expected, n) {
             Ok(()) => true,
-            Err(f) if f.transient => {
-                progress.set(f);
+            Err(f) if f.is_waitable() => {
+                progress.set(StageFailure::transient(f.reason(), f.to_string()));
                 false
             }
             Err(_) => true,
@@ -330,7 +296,18 @@ async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence, Sta
             message: e.to_string(),
             transient: e.retryable(),
         })?;
-    check(&node)?;
+    evaluate_node(&expected, &node).map_err(|f| StageFailure {
+        reason: f.reason().into(),
+        message: f.to_string(),
+        transient: f.is_waitable(),
+    })?;
+    let mut detail = json!({"expected": expected, "matchedAfterMs": t0.elapsed().as_millis() as u64, "resourceVersion": node.metadata.resource_version});
+    if ctx.config.kubelet.check_gfd_labels {
+        let labels = node.metadata.labels.clone().unwrap_or_default();
+        let gfd = kubelet::allocatable::check_gfd_labels(&labels, inv)
+            .map_err(|f| StageFailure::permanent(f.reason(), f.to_string()))?;
+        detail["gfd"] = serde_json::to_value(&gfd).unwrap_or_default();
+    }
     let summary = expected
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -338,66 +315,104 @@ async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence, Sta
         .join(", ");
     Ok(Evidence {
         summary: format!("allocatable {summary} as expected"),
-        detail: json!({"expected": expected}),
+        detail,
     })
 }
 
 async fn device_plugin(ctx: &Context) -> Result<Evidence, StageFailure> {
+    use kubelet::device_plugin::{DevicePluginProbe, GrpcDevicePluginProbe, SimDevicePluginProbe, check_device_plugin};
     let inv = ctx.inventory()?;
-    let Some(p) = &ctx.profile else {
-        return Err(StageFailure::permanent(
-            "NotImplemented",
-            "device-plugin probe over gRPC is not wired yet",
-        ));
+    let expected = kubelet::plugin_config::expected_device_ids(inv, &ctx.plugin_config)
+        .map_err(|e| plugin_config_failure(&e, e.reason()))?;
+    let probe: Box<dyn DevicePluginProbe> = match &ctx.profile {
+        Some(p) => {
+            tokio::time::sleep(p.latency("device-plugin")).await;
+            Box::new(SimDevicePluginProbe::new(p.kubelet.clone(), expected.clone()))
+        }
+        None => Box::new(GrpcDevicePluginProbe::new(
+            ctx.config.kubelet.paths.clone(),
+            ctx.config.kubelet.probe_timeout,
+        )),
     };
-    tokio::time::sleep(p.latency("device-plugin")).await;
-    let k = &p.kubelet;
-    if k.plugin_socket_missing {
-        return Err(StageFailure::transient(
-            "PluginSocketMissing",
-            "nvidia-gpu.sock not found under /var/lib/kubelet/device-plugins (simulated)",
-        ));
-    }
-    if let Some(bad) = k.unhealthy_devices.iter().next() {
-        return Err(StageFailure::permanent(
-            "PluginDeviceUnhealthy",
-            format!("device plugin reports {bad} Unhealthy"),
-        ));
-    }
-    if !k.missing_devices.is_empty() || !k.extra_devices.is_empty() {
-        return Err(StageFailure::permanent(
-            "PluginDevicesMismatch",
-            format!("missing {:?}, extra {:?}", k.missing_devices, k.extra_devices),
-        ));
-    }
+    let ev = check_device_plugin(probe.as_ref(), &expected, ctx.config.kubelet.check_pod_resources)
+        .await
+        .map_err(|f| StageFailure {
+            reason: f.reason().into(),
+            message: f.to_string(),
+            transient: f.is_transient(),
+        })?;
+    let n: usize = ev.resources.iter().map(|r| r.devices).sum();
+    let summary = format!(
+        "{n} devices Healthy and equal to NVML ({}){}",
+        ev.backend,
+        if ev.kubelet_checked {
+            ", kubelet pod-resources agrees"
+        } else {
+            ""
+        }
+    );
     Ok(Evidence {
-        summary: format!("{} devices Healthy, match NVML UUIDs (simulated)", inv.gpus.len()),
-        detail: json!(null),
+        summary,
+        detail: serde_json::to_value(&ev).unwrap_or_default(),
     })
 }
 
 async fn runtime(ctx: &Context) -> Result<Evidence, StageFailure> {
     let inv = ctx.inventory()?;
-    let Some(p) = &ctx.profile else {
-        return Err(StageFailure::permanent("NotImplemented", "CDI check is not wired yet"));
-    };
-    tokio::time::sleep(p.latency("runtime")).await;
-    if let Some(bad) = p.kubelet.cdi_missing_devices.iter().next() {
-        return Err(StageFailure::permanent(
-            "RuntimeInjectionMissing",
-            format!("no CDI device entry for {bad}"),
-        ));
+    let k = &ctx.config.kubelet;
+    let devices = kubelet::plugin_config::expected_devices(inv, &ctx.plugin_config)
+        .map_err(|e| plugin_config_failure(&e, e.reason()))?;
+    let all: Vec<_> = devices.into_values().flatten().collect();
+    let ev = match &ctx.profile {
+        Some(p) => {
+            tokio::time::sleep(p.latency("runtime")).await;
+            kubelet::cdi::check_cdi_simulated(&all, &p.kubelet, &k.cdi_kind)
+        }
+        None => {
+            let (dirs, kind, root) = (k.cdi_dirs.clone(), k.cdi_kind.clone(), k.host_root.clone());
+            let all2 = all.clone();
+            blocking(move || kubelet::cdi::check_cdi_dirs(&all2, &dirs, &kind, &root)).await?
+        }
     }
+    .map_err(|f| StageFailure::permanent(f.reason(), f.to_string()))?;
     Ok(Evidence {
-        summary: format!("CDI entries for {} devices (simulated)", inv.gpus.len()),
-        detail: json!(null),
+        summary: format!("CDI entries with device nodes for {} devices", all.len()),
+        detail: serde_json::to_value(&ev).unwrap_or_default(),
     })
 }
 
-async fn fit(_ctx: &Context) -> Result<Evidence, StageFailure> {
+async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
+    let Some(fc) = &ctx.config.fit else {
+        return Ok(Evidence {
+            summary: "no serving group configured".into(),
+            detail: json!(null),
+        });
+    };
+    let api = ctx.api()?;
+    let node = api.get().await.map_err(|e| StageFailure {
+        reason: e.reason().into(),
+        message: e.to_string(),
+        transient: e.retryable(),
+    })?;
+    let pods = api.pods_on_node().await.map_err(|e| StageFailure {
+        reason: e.reason().into(),
+        message: e.to_string(),
+        transient: e.retryable(),
+    })?;
+    let alloc = node
+        .status
+        .as_ref()
+        .and_then(|s| s.allocatable.clone())
+        .unwrap_or_default();
+    let ev = kubelet::fit::fit(&alloc, &pods, &fc.serving_group, fc.promised_groups)
+        .map_err(|f| StageFailure::permanent(f.reason(), f.to_string()))?;
+    let table = ev.table();
+    for line in table.lines() {
+        tracing::info!(target: "taintgate::fit", "{line}");
+    }
     Ok(Evidence {
-        summary: "no serving group configured".into(),
-        detail: json!(null),
+        summary: table.lines().last().unwrap_or_default().trim().to_string(),
+        detail: json!({"table": table, "promised": fc.promised_groups}),
     })
 }
 

@@ -133,7 +133,7 @@ fn allocatable_short_is_held_at_the_deadline_with_the_last_state() {
     assert_eq!(t["verdict"]["reason"], "AllocatableShort");
     let msg = t["verdict"]["message"].as_str().unwrap();
     assert!(
-        msg.contains("allocatable 7, expected 8") && msg.contains("deadline"),
+        msg.contains("expected 8, allocatable 7") && msg.contains("deadline"),
         "{msg}"
     );
     let fit = t["stages"]
@@ -333,4 +333,52 @@ fn check_drives_the_real_nvml_path_against_the_fake_library() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(t["verdict"]["reason"], "DriverNotLoaded");
+}
+
+#[test]
+fn systemd_notify_ready_when_gated_then_status_per_stage_and_verdict() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
+    // Read while the agent runs: a datagram socket's queue is short, and a sender blocks
+    // when it is full (systemd reads promptly; so must the test).
+    sock.set_read_timeout(Some(std::time::Duration::from_millis(500)))
+        .unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut msgs = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut idle = 0;
+        while idle < 6 {
+            match sock.recv(&mut buf) {
+                Ok(n) => {
+                    idle = 0;
+                    msgs.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+                }
+                Err(_) => idle += 1,
+            }
+        }
+        msgs
+    });
+    let o = bin()
+        .args(["run", "--simulate", "builtin", "--once"])
+        .env("NOTIFY_SOCKET", &sock_path)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let msgs = reader.join().unwrap();
+    let ready = msgs.iter().position(|m| m.contains("READY=1")).expect("READY=1 sent");
+    let released = msgs
+        .iter()
+        .position(|m| m.contains("STATUS=released:"))
+        .expect("released status sent");
+    assert!(
+        ready < released,
+        "READY (gate in place) comes before the release: {msgs:?}"
+    );
+    for stage in ["driver", "smoke", "peer-bw", "allocatable"] {
+        assert!(
+            msgs.iter().any(|m| m.contains(&format!("STATUS={stage}: passed"))),
+            "{stage}: {msgs:?}"
+        );
+    }
 }

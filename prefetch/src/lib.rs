@@ -1,1 +1,554 @@
-//! placeholder
+//! Verified model-bundle prefetch for taintgate's `models` stage (and, in `images`, CRI
+//! image pre-pull).
+//!
+//! A bundle is pinned by its manifest's URI and sha256; the manifest pins every file's size
+//! and sha256. Files are fetched through `object_store` with parallel ranged GETs, hashed
+//! inline in file order, resumable after a crash, and committed into a content-addressed
+//! cache (`<cache>/blobs/sha256/<digest>`) that bundle views hard-link into
+//! (`<cache>/bundles/<name>/<path>`). Nothing unverified is ever visible at a final path.
+
+pub mod images;
+
+mod cache;
+pub mod error;
+mod fetch;
+pub mod manifest;
+pub mod progress;
+mod source;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use object_store::ObjectStoreExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+
+pub use error::PrefetchError;
+pub use manifest::{BundleRef, Manifest, ManifestFile, create_manifest, sha256_hex};
+pub use progress::{NoopObserver, PrefetchObserver};
+/// Re-exported so callers need not depend on tokio-util to cancel a prefetch.
+pub use tokio_util::sync::CancellationToken;
+
+use cache::{BlobState, Cache};
+use fetch::{BlobJob, Engine, blocking};
+use progress::Progress;
+use source::{Sources, map_store_error};
+
+/// Manifests larger than this are refused (a manifest lists files; it is never big).
+const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+
+/// How the `models` stage fetches. Embedded in the agent's config under `models:`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefetchOptions {
+    /// Cache root (blobs, partial downloads, bundle views).
+    pub cache_dir: PathBuf,
+    /// Chunk slots across all files: requests in flight plus chunks waiting to be hashed.
+    /// Buffered memory is at most `concurrency × chunk_size`.
+    pub concurrency: usize,
+    /// Most chunks of one file in flight (its reorder window), so one huge file cannot take
+    /// every slot.
+    pub file_concurrency: usize,
+    /// Bytes per ranged GET. Sized to finish well inside `request_timeout_secs`.
+    pub chunk_size: u64,
+    /// Retry budget: per chunk for network failures, per file for digest mismatches.
+    pub retries: u32,
+    /// Bytes to keep free on the cache filesystem. `None`: 10% of the filesystem, the
+    /// kubelet's default hard-eviction threshold `nodefs.available<10%`, so a prefetch never
+    /// pushes the node into disk-pressure eviction.
+    pub reserve_bytes: Option<u64>,
+    /// Re-hash every cached blob even when its verified-marker matches.
+    pub verify_cache: bool,
+    /// Draw a progress bar per bundle when stderr is a terminal (log lines otherwise).
+    pub progress: bool,
+    /// Seconds between progress log lines when no bar is drawn.
+    pub log_interval_secs: u64,
+    /// Timeout for one whole request (connect + body) to a source.
+    pub request_timeout_secs: u64,
+    /// Extra `object_store` configuration keys (`aws_endpoint`, `aws_region`,
+    /// `google_service_account`, `azure_storage_account_name`, `proxy_url`, ...), applied
+    /// over the standard environment credential chain.
+    pub source_options: BTreeMap<String, String>,
+}
+
+impl Default for PrefetchOptions {
+    fn default() -> Self {
+        PrefetchOptions {
+            cache_dir: PathBuf::from("/var/lib/taintgate/models"),
+            concurrency: 16,
+            file_concurrency: 12,
+            chunk_size: 8 << 20,
+            retries: 3,
+            reserve_bytes: None,
+            verify_cache: false,
+            progress: true,
+            log_interval_secs: 5,
+            request_timeout_secs: 30,
+            source_options: BTreeMap::new(),
+        }
+    }
+}
+
+impl PrefetchOptions {
+    /// Check ranges; errors name the key.
+    pub fn validate(&self) -> Result<(), PrefetchError> {
+        let bad = |key: &'static str, detail: String| Err(PrefetchError::OptionsInvalid { key, detail });
+        if self.concurrency == 0 || self.concurrency > 1024 {
+            return bad("concurrency", format!("{} is outside 1..=1024", self.concurrency));
+        }
+        if self.file_concurrency == 0 {
+            return bad("file_concurrency", "must be at least 1".into());
+        }
+        if !(64 << 10..=1 << 30).contains(&self.chunk_size) {
+            return bad("chunk_size", format!("{} is outside 64 KiB..=1 GiB", self.chunk_size));
+        }
+        if self.request_timeout_secs == 0 {
+            return bad("request_timeout_secs", "must be at least 1".into());
+        }
+        if self.log_interval_secs == 0 {
+            return bad("log_interval_secs", "must be at least 1".into());
+        }
+        if self.cache_dir.as_os_str().is_empty() {
+            return bad("cache_dir", "must not be empty".into());
+        }
+        Ok(())
+    }
+}
+
+/// Evidence for one file of a bundle.
+#[derive(Debug, Clone, Serialize)]
+pub struct FileReport {
+    /// Path inside the bundle.
+    pub path: String,
+    /// Verified sha256.
+    pub sha256: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Where it is now (the bundle view).
+    pub local_path: PathBuf,
+    /// Source URI.
+    pub source: String,
+    /// Bytes received from the source for this file in this run (0 when cached or when
+    /// another bundle's file with the same digest fetched it).
+    pub bytes_fetched: u64,
+    /// Bytes re-used from a partial download of an earlier run.
+    pub bytes_resumed: u64,
+    /// Satisfied from the cache without any download.
+    pub cache_hit: bool,
+    /// The cached copy was re-hashed (no valid marker, or `verify_cache`).
+    pub rehashed: bool,
+    /// The cached copy was corrupt, removed and fetched again.
+    pub repaired: bool,
+    /// File-level attempts (0 when cached).
+    pub attempts: u32,
+    /// Time until this file was verified, in milliseconds.
+    pub duration_ms: u64,
+}
+
+/// Evidence for one bundle.
+#[derive(Debug, Clone, Serialize)]
+pub struct BundleReport {
+    /// Bundle name.
+    pub name: String,
+    /// Manifest URI.
+    pub manifest_uri: String,
+    /// Pinned manifest sha256.
+    pub manifest_sha256: String,
+    /// Directory where the bundle's files are.
+    pub path: PathBuf,
+    /// Files, in manifest order.
+    pub files: Vec<FileReport>,
+    /// Total bytes of the bundle.
+    pub bytes_total: u64,
+    /// Bytes received from sources for this bundle.
+    pub bytes_fetched: u64,
+    /// Bytes satisfied from the cache.
+    pub bytes_from_cache: u64,
+    /// Files satisfied from the cache.
+    pub cache_hits: usize,
+    /// Wall time until the bundle's last file was verified, in milliseconds.
+    pub duration_ms: u64,
+}
+
+/// Evidence for a whole prefetch run.
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefetchReport {
+    /// Per bundle.
+    pub bundles: Vec<BundleReport>,
+    /// Bytes received from sources (each shared blob counted once).
+    pub bytes_fetched: u64,
+    /// Bytes satisfied from the cache.
+    pub bytes_from_cache: u64,
+    /// Wall time in milliseconds.
+    pub duration_ms: u64,
+}
+
+/// Prefetch every bundle into `opts.cache_dir`: verify what is cached, fetch what is
+/// missing, link bundle views. Returns per-bundle, per-file evidence, or the first failure.
+pub async fn prefetch_bundles(
+    bundles: &[BundleRef],
+    opts: &PrefetchOptions,
+    cancel: CancellationToken,
+) -> Result<PrefetchReport, PrefetchError> {
+    prefetch_bundles_observed(bundles, opts, cancel, Arc::new(NoopObserver)).await
+}
+
+/// Per-blob plan entry.
+struct PlannedBlob {
+    job: BlobJob,
+    state: BlobState,
+    rehashed: bool,
+}
+
+/// `prefetch_bundles` with a metrics observer.
+pub async fn prefetch_bundles_observed(
+    bundles: &[BundleRef],
+    opts: &PrefetchOptions,
+    cancel: CancellationToken,
+    observer: Arc<dyn PrefetchObserver>,
+) -> Result<PrefetchReport, PrefetchError> {
+    let start = Instant::now();
+    opts.validate()?;
+    let mut names = std::collections::HashSet::new();
+    for b in bundles {
+        b.validate()?;
+        if !names.insert(b.name.as_str()) {
+            return Err(PrefetchError::ManifestInvalid {
+                manifest: format!("bundle {:?}", b.name),
+                detail: "two bundles have this name".into(),
+            });
+        }
+    }
+    let root = opts.cache_dir.clone();
+    let cache = blocking(move || Cache::open(&root)).await?;
+    let sources = Sources::new(
+        Duration::from_secs(opts.request_timeout_secs),
+        opts.concurrency,
+        &opts.source_options,
+    );
+
+    // 1. Manifests (pinned; served from the cache when already verified there).
+    let mut manifests = Vec::with_capacity(bundles.len());
+    for b in bundles {
+        if cancel.is_cancelled() {
+            return Err(PrefetchError::Cancelled);
+        }
+        manifests.push(load_manifest(&cache, &sources, b, opts.verify_cache).await?);
+    }
+
+    // 2. Unique blobs across bundles: a file shared by two bundles is fetched once.
+    let mut by_digest: HashMap<String, BlobJob> = HashMap::new();
+    let mut order: Vec<String> = Vec::new();
+    for (bi, (b, m)) in bundles.iter().zip(&manifests).enumerate() {
+        for f in &m.files {
+            let digest = f.sha256.to_ascii_lowercase();
+            let uri = m.source_uri(f, &b.manifest_uri)?;
+            match by_digest.get_mut(&digest) {
+                Some(job) => {
+                    if job.size != f.size {
+                        return Err(PrefetchError::ManifestInvalid {
+                            manifest: b.manifest_uri.clone(),
+                            detail: format!(
+                                "{} has sha256 {digest} with size {}, but {} has it with size {}",
+                                f.path, f.size, job.label, job.size
+                            ),
+                        });
+                    }
+                    if !job.bundles.contains(&bi) {
+                        job.bundles.push(bi);
+                    }
+                }
+                None => {
+                    order.push(digest.clone());
+                    by_digest.insert(
+                        digest.clone(),
+                        BlobJob {
+                            digest,
+                            size: f.size,
+                            uri,
+                            label: format!("{}/{}", b.name, f.path),
+                            bundles: vec![bi],
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    // 3. What is cached already (re-hash in parallel across cores when needed).
+    let hash_par = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    let verify = opts.verify_cache;
+    let planned: Vec<PlannedBlob> = futures::stream::iter(order.iter().map(|d| by_digest[d].clone()))
+        .map(|job| {
+            let cache = cache.clone();
+            async move {
+                let (d, s) = (job.digest.clone(), job.size);
+                let state = blocking(move || cache.check_blob(&d, s, verify)).await?;
+                Ok::<_, PrefetchError>(PlannedBlob {
+                    rehashed: state != BlobState::Marked,
+                    job,
+                    state,
+                })
+            }
+        })
+        .buffered(hash_par)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+
+    let engine = Arc::new(Engine {
+        cache: cache.clone(),
+        sources,
+        chunk_size: opts.chunk_size,
+        file_window: opts.file_concurrency.min(opts.concurrency),
+        retries: opts.retries,
+        slots: Arc::new(Semaphore::new(opts.concurrency)),
+        progress: Arc::new(Progress::new(
+            bundles
+                .iter()
+                .zip(&manifests)
+                .map(|(b, m)| (b.name.clone(), m.files.iter().map(|f| f.size).sum()))
+                .collect(),
+            opts.progress,
+            observer.clone(),
+        )),
+    });
+
+    // 4. Disk preflight, before the first byte is fetched.
+    let mut to_fetch: Vec<&PlannedBlob> = planned
+        .iter()
+        .filter(|p| matches!(p.state, BlobState::Missing | BlobState::Corrupt))
+        .collect();
+    let needed: u64 = to_fetch
+        .iter()
+        .map(|p| {
+            p.job
+                .size
+                .saturating_sub(engine.resumable_bytes(&p.job.digest, p.job.size))
+        })
+        .sum();
+    if needed > 0 {
+        preflight_disk(cache.root(), needed, opts.reserve_bytes)?;
+    }
+    for p in &planned {
+        if !to_fetch.iter().any(|t| t.job.digest == p.job.digest) {
+            engine.progress.cached(&p.job.bundles, p.job.size);
+        }
+    }
+
+    // 5. Fetch, largest first: the biggest file's hash is the critical path.
+    to_fetch.sort_by_key(|p| std::cmp::Reverse(p.job.size));
+    let stop_log = CancellationToken::new();
+    let log_task = (!engine.progress.has_bars() && !to_fetch.is_empty()).then(|| {
+        tokio::spawn(
+            engine
+                .progress
+                .clone()
+                .log_loop(Duration::from_secs(opts.log_interval_secs), stop_log.clone()),
+        )
+    });
+    let fetch_cancel = cancel.child_token();
+    // Stop sibling downloads as soon as one fails (partials are kept for resume).
+    let _stop_fetches = fetch_cancel.clone().drop_guard();
+    let mut outcomes: HashMap<String, (fetch::BlobOutcome, Duration)> = HashMap::new();
+    let mut running = futures::stream::iter(to_fetch.iter().map(|p| {
+        let engine = engine.clone();
+        let job = p.job.clone();
+        let c = fetch_cancel.clone();
+        tokio::spawn(async move {
+            let d = job.digest.clone();
+            let r = engine.fetch_blob(job, c).await;
+            (d, r, start.elapsed())
+        })
+    }))
+    .buffer_unordered(opts.concurrency);
+    let mut first_err = None;
+    while let Some(joined) = running.next().await {
+        match joined {
+            Ok((d, Ok(o), at)) => {
+                outcomes.insert(d, (o, at));
+            }
+            Ok((_, Err(e), _)) => {
+                first_err = Some(e);
+                break;
+            }
+            Err(join) => {
+                first_err = Some(PrefetchError::io("download", cache.root(), std::io::Error::other(join)));
+                break;
+            }
+        }
+    }
+    drop(running);
+    stop_log.cancel();
+    if let Some(t) = log_task {
+        let _ = t.await;
+    }
+    engine.progress.finish();
+    if let Some(e) = first_err {
+        return Err(if cancel.is_cancelled() {
+            PrefetchError::Cancelled
+        } else {
+            e
+        });
+    }
+
+    // 6. Bundle views and the report.
+    let plan_by_digest: HashMap<&str, &PlannedBlob> = planned.iter().map(|p| (p.job.digest.as_str(), p)).collect();
+    let mut reports = Vec::with_capacity(bundles.len());
+    let mut counted = std::collections::HashSet::new();
+    let mut total_fetched = 0;
+    let mut total_cached = 0;
+    for (b, m) in bundles.iter().zip(&manifests) {
+        let mut files = Vec::with_capacity(m.files.len());
+        let mut bytes_fetched = 0;
+        let mut bytes_from_cache = 0;
+        let mut cache_hits = 0;
+        let mut duration = Duration::ZERO;
+        for f in &m.files {
+            let digest = f.sha256.to_ascii_lowercase();
+            let plan = plan_by_digest.get(digest.as_str()).copied();
+            let (c2, name, rel, d2) = (cache.clone(), b.name.clone(), f.path.clone(), digest.clone());
+            let local_path = blocking(move || c2.link_view(&name, &rel, &d2)).await?;
+            let outcome = outcomes.get(&digest);
+            let first_use = counted.insert(digest.clone());
+            let (fetched, resumed, attempts, at) = match outcome {
+                Some((o, at)) if first_use => (o.bytes_fetched, o.bytes_resumed, o.attempts, *at),
+                Some((o, at)) => (0, 0, o.attempts, *at),
+                None => (0, 0, 0, Duration::ZERO),
+            };
+            let cache_hit = outcome.is_none();
+            if cache_hit {
+                cache_hits += 1;
+                bytes_from_cache += f.size;
+            }
+            bytes_fetched += fetched;
+            duration = duration.max(at);
+            engine.progress.observer.file_done(&b.name, &f.path, f.size);
+            files.push(FileReport {
+                path: f.path.clone(),
+                sha256: digest.clone(),
+                size: f.size,
+                local_path,
+                source: m.source_uri(f, &b.manifest_uri)?,
+                bytes_fetched: fetched,
+                bytes_resumed: resumed,
+                cache_hit,
+                rehashed: plan.is_some_and(|p| p.rehashed && p.state != BlobState::Missing),
+                repaired: plan.is_some_and(|p| p.state == BlobState::Corrupt),
+                attempts,
+                duration_ms: at.as_millis() as u64,
+            });
+        }
+        total_fetched += bytes_fetched;
+        total_cached += bytes_from_cache;
+        let bytes_total = m.files.iter().map(|f| f.size).sum();
+        tracing::info!(bundle = %b.name, files = files.len(), bytes_total, bytes_fetched, bytes_from_cache, cache_hits, "bundle verified");
+        reports.push(BundleReport {
+            name: b.name.clone(),
+            manifest_uri: b.manifest_uri.clone(),
+            manifest_sha256: b.manifest_sha256.clone(),
+            path: cache.bundles_dir().join(&b.name),
+            files,
+            bytes_total,
+            bytes_fetched,
+            bytes_from_cache,
+            cache_hits,
+            duration_ms: duration.as_millis() as u64,
+        });
+    }
+    Ok(PrefetchReport {
+        bundles: reports,
+        bytes_fetched: total_fetched,
+        bytes_from_cache: total_cached,
+        duration_ms: start.elapsed().as_millis() as u64,
+    })
+}
+
+/// Fetch (or read from the cache) a bundle's manifest, check its pinned sha256, parse it.
+async fn load_manifest(
+    cache: &Cache,
+    sources: &Sources,
+    b: &BundleRef,
+    verify: bool,
+) -> Result<Manifest, PrefetchError> {
+    let digest = b.manifest_sha256.to_ascii_lowercase();
+    // The manifest's size is unknown until fetched: look the blob up by digest and verify
+    // it (marker or re-hash) against its own on-disk size.
+    let (c, d) = (cache.clone(), digest.clone());
+    let cached = blocking(move || {
+        let p = c.blob_path(&d);
+        match std::fs::metadata(&p) {
+            Ok(meta) => Ok(Some((c.check_blob(&d, meta.len(), verify)?, p))),
+            Err(_) => Ok(None),
+        }
+    })
+    .await?;
+    if let Some((BlobState::Marked | BlobState::Rehashed, path)) = cached {
+        let bytes = tokio::fs::read(&path)
+            .await
+            .map_err(|e| PrefetchError::io("read", &path, e))?;
+        return Manifest::parse(&bytes, &b.manifest_uri);
+    }
+    let src = sources.resolve(&b.manifest_uri)?;
+    let res = src
+        .store
+        .get(&src.path)
+        .await
+        .map_err(|e| map_store_error(&src.uri, e))?;
+    if res.meta.size > MAX_MANIFEST_BYTES {
+        return Err(PrefetchError::ManifestInvalid {
+            manifest: b.manifest_uri.clone(),
+            detail: format!(
+                "{} bytes is larger than the {MAX_MANIFEST_BYTES}-byte limit",
+                res.meta.size
+            ),
+        });
+    }
+    let bytes = res.bytes().await.map_err(|e| map_store_error(&src.uri, e))?;
+    let actual = sha256_hex(&bytes);
+    if actual != digest {
+        return Err(PrefetchError::ManifestDigestMismatch {
+            uri: b.manifest_uri.clone(),
+            expected: digest,
+            actual,
+        });
+    }
+    let manifest = Manifest::parse(&bytes, &b.manifest_uri)?;
+    // Keep the verified manifest in the blob store so a warm boot needs no request.
+    let (c, d) = (cache.clone(), digest.clone());
+    blocking(move || {
+        let tmp = c.tmp_dir().join(format!("{d}.manifest.{}", std::process::id()));
+        std::fs::write(&tmp, &bytes).map_err(|e| PrefetchError::io("write", &tmp, e))?;
+        c.commit_blob(&d, &tmp)
+    })
+    .await?;
+    Ok(manifest)
+}
+
+/// Free bytes (for unprivileged users) and total bytes of the filesystem holding `path`.
+fn disk_space(path: &Path) -> Result<(u64, u64), PrefetchError> {
+    let st = rustix::fs::statvfs(path).map_err(|e| PrefetchError::io("statvfs", path, e.into()))?;
+    Ok((
+        st.f_bavail.saturating_mul(st.f_frsize),
+        st.f_blocks.saturating_mul(st.f_frsize),
+    ))
+}
+
+/// Refuse to start when `needed` bytes plus the reserve do not fit.
+fn preflight_disk(path: &Path, needed: u64, reserve: Option<u64>) -> Result<(), PrefetchError> {
+    let (available, total) = disk_space(path)?;
+    let reserve = reserve.unwrap_or(total / 10);
+    if available < needed.saturating_add(reserve) {
+        return Err(PrefetchError::DiskInsufficient {
+            path: path.to_path_buf(),
+            needed,
+            available,
+            reserve,
+        });
+    }
+    Ok(())
+}

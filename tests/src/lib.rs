@@ -5,5 +5,10 @@
 //! The harness deliberately does not link the agent library: end-to-end tests drive the
 //! real binary, so what they prove is what ships.
 
+pub mod agent;
 pub mod emulator;
+pub mod faults;
+pub mod otlp;
+pub mod deploy;
+pub mod kubelet;
 pub mod services;

@@ -385,3 +385,159 @@ fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() 
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     assert!(output_text(&o).contains("removing it again"), "{}", output_text(&o));
 }
+
+/// The reference note's worked example: 96 vCPU / 768 GiB, 6 vCPU + 24 GiB reserved by the
+/// kubelet, DaemonSets requesting 2 vCPU + 8 GiB: 88 vCPU / 736 GiB left for TP4 groups of
+/// 4 GPU / 40 vCPU / 300 GiB -> 2 groups.
+fn fit_fixture(emu: &Emulator, promised: u32) -> tempfile::TempDir {
+    for (name, cpu, mem) in [
+        ("device-plugin", "500m", "2Gi"),
+        ("dcgm-exporter", "500m", "2Gi"),
+        ("logging", "1", "4Gi"),
+    ] {
+        emu.put_object(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "kube-system"},
+            "spec": {"nodeName": NODE, "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu, "memory": mem}}}]},
+            "status": {"phase": "Running"}
+        }))
+        .unwrap();
+    }
+    // A finished pod does not count.
+    emu.put_object(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "old-job", "namespace": "default"},
+        "spec": {"nodeName": NODE, "containers": [{"name": "c", "resources": {"requests": {"cpu": "80"}}}]},
+        "status": {"phase": "Succeeded"}
+    }))
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("config.yaml"),
+        format!(
+            "fit:\n  serving_group: {{name: TP4, gpus: 4, cpu: \"40\", memory: 300Gi}}\n  promised_groups: {promised}\n"
+        ),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
+    let emu = start(true);
+    let dir = fit_fixture(&emu, 2);
+    let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+        "--config",
+        &cfg,
+    ])
+    .unwrap();
+    let out = output_text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    for line in [
+        "GPU bound    = floor(8 / 4)       = 2 groups",
+        "CPU bound    = floor(88 / 40)     = 2 groups",
+        "memory bound = floor(736 / 300)   = 2 groups",
+    ] {
+        assert!(out.contains(line), "missing {line:?} in:\n{out}");
+    }
+    // The pod list is field-selected on this node, never a list of everything.
+    let lists: Vec<_> = emu
+        .requests()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/pods"))
+        .collect();
+    assert_eq!(lists.len(), 1);
+    assert!(
+        lists[0].query.contains("fieldSelector=spec.nodeName"),
+        "{}",
+        lists[0].query
+    );
+
+    let emu = start(true);
+    let dir = fit_fixture(&emu, 3);
+    let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+        "--config",
+        &cfg,
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
+    let c = condition(&node(&emu), "TaintgateVerified").unwrap().clone();
+    assert_eq!(c["reason"], "GroupFitShort");
+    assert!(
+        c["message"].as_str().unwrap().contains("GPU"),
+        "binding resource named: {c}"
+    );
+    assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+}
+
+#[test]
+fn allocatable_published_late_is_waited_for_on_the_watch() {
+    let emu = start(true);
+    emu.mutate_object("nodes", NODE, |n| {
+        n["status"]["allocatable"]
+            .as_object_mut()
+            .unwrap()
+            .remove("nvidia.com/gpu");
+        n["status"]["capacity"]
+            .as_object_mut()
+            .unwrap()
+            .remove("nvidia.com/gpu");
+    })
+    .unwrap();
+    let child = spawn_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+        "--output",
+        "json",
+    ])
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while emu.open_watches() == 0 {
+        assert!(std::time::Instant::now() < deadline, "agent never opened a watch");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The device plugin registers in steps: 4, then 8.
+    for n in ["4", "8"] {
+        std::thread::sleep(Duration::from_millis(300));
+        emu.mutate_object("nodes", NODE, |node| {
+            node["status"]["allocatable"]["nvidia.com/gpu"] = json!(n);
+            node["status"]["capacity"]["nvidia.com/gpu"] = json!(n);
+        })
+        .unwrap();
+    }
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    let watches = emu.requests().into_iter().filter(|r| r.watch).count();
+    assert!(watches >= 1);
+    assert!(
+        emu.requests()
+            .iter()
+            .filter(|r| r.watch)
+            .all(|r| r.query.contains("fieldSelector=metadata.name")),
+        "only field-selected watches"
+    );
+    assert!(
+        !emu.requests()
+            .iter()
+            .any(|r| r.method == "GET" && r.path == "/api/v1/nodes" && !r.watch),
+        "never lists all nodes"
+    );
+}

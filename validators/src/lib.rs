@@ -3,4 +3,5 @@
 
 pub mod gpu;
 pub mod input;
+pub mod kubelet;
 pub mod profile;

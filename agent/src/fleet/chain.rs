@@ -294,7 +294,7 @@ pub fn waited_on_name(name: &str) -> String {
         "released" | "would-release" => "verdict after the last evidence".into(),
         "held" => "verdict: held".into(),
         other => match other.rsplit_once('.') {
-            Some((st, "start")) => format!("{st} start (its dependencies)"),
+            Some((st, "start")) => format!("{st} started (after its dependencies)"),
             Some((st, "end")) => stage(st).to_string(),
             _ => "-".into(),
         },

@@ -37,7 +37,7 @@ pub struct TimelineArgs {
     #[arg(long)]
     pub all: bool,
     /// Label selector limiting --all (e.g. `karpenter.sh/nodepool=gpu`).
-    #[arg(short = 'l', long = "selector", requires = "all")]
+    #[arg(short = 'l', long = "selector", conflicts_with = "node")]
     pub selector: Option<String>,
     /// Kubeconfig to use (default: in-cluster service account, then $KUBECONFIG).
     #[arg(long, env = "KUBECONFIG")]

@@ -15,7 +15,7 @@ use std::fmt::Write as _;
 const FONT: &str = "font-family=\"Helvetica, Arial, sans-serif\"";
 const W: f64 = 1100.0;
 const LEFT: f64 = 230.0;
-const RIGHT: f64 = 150.0;
+const RIGHT: f64 = 170.0;
 const ROW: f64 = 22.0;
 const BAR: f64 = 14.0;
 
@@ -54,7 +54,7 @@ pub fn axis_label(ms: u64) -> String {
         format!("{ms}ms")
     } else if ms < 60_000 {
         let s = ms as f64 / 1000.0;
-        if ms % 1000 == 0 {
+        if ms.is_multiple_of(1000) {
             format!("{s:.0}s")
         } else {
             format!("{s:.1}s")
@@ -76,19 +76,62 @@ pub fn axis_label(ms: u64) -> String {
     }
 }
 
-/// A 1-2-5 tick step giving about `target` ticks over `span_ms`.
+/// Tick steps people read on a time axis: 1-2-5 below a second, then 1, 2, 5, 10, 15,
+/// 30 s, then whole minutes and hours.
+const STEPS: [u64; 24] = [
+    1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 15_000, 30_000, 60_000, 120_000, 300_000, 600_000,
+    900_000, 1_800_000, 3_600_000, 7_200_000, 21_600_000,
+];
+
+/// The smallest time-friendly tick step giving at most about `target` ticks over `span_ms`.
 pub fn nice_step(span_ms: u64, target: u64) -> u64 {
-    let raw = (span_ms / target.max(1)).max(1);
-    let mut p = 1u64;
-    while p.saturating_mul(10) <= raw {
-        p = p.saturating_mul(10);
+    let raw = span_ms.div_ceil(target.max(1)).max(1);
+    STEPS
+        .iter()
+        .copied()
+        .find(|s| *s >= raw)
+        .unwrap_or_else(|| raw.div_ceil(3_600_000) * 3_600_000)
+}
+
+/// A short human duration for chart labels: `803ms`, `1.11s`, `28.8s`, `3m27s`, `1h05m`.
+pub fn human_ms(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 10_000 {
+        format!("{:.2}s", ms as f64 / 1000.0)
+    } else if ms < 60_000 {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    } else if ms < 3_600_000 {
+        let s = (ms + 500) / 1000;
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        let m = (ms + 30_000) / 60_000;
+        format!("{}h{:02}m", m / 60, m % 60)
     }
-    for m in [1, 2, 5, 10] {
-        if p.saturating_mul(m) >= raw {
-            return p.saturating_mul(m);
-        }
-    }
-    p.saturating_mul(10)
+}
+
+/// Rough rendered width of `text` at `size` px (Helvetica-like average glyph width).
+fn text_width(text: &str, size: f64) -> f64 {
+    text.chars().count() as f64 * size * 0.56
+}
+
+/// A bar's value label: right of the bar when it fits inside the chart, else inside the
+/// bar (white) when the bar is wide enough, else left of the bar.
+fn bar_label(out: &mut String, x0: f64, x1: f64, y: f64, text: &str, color: &str) {
+    let w = text_width(text, 11.0);
+    let (x, anchor, fill) = if x1 + 5.0 + w <= W - 8.0 {
+        (x1 + 5.0, "start", color)
+    } else if x1 - x0 >= w + 12.0 {
+        (x1 - 6.0, "end", "#ffffff")
+    } else {
+        (x0 - 5.0, "end", color)
+    };
+    let _ = writeln!(
+        out,
+        "<text x=\"{x:.1}\" y=\"{:.1}\" font-size=\"11\" fill=\"{fill}\" text-anchor=\"{anchor}\">{}</text>",
+        y + BAR - 3.0,
+        esc(text)
+    );
 }
 
 struct Linear {
@@ -248,8 +291,7 @@ pub fn gantt_svg(c: &Chain) -> String {
         let _ = writeln!(
             out,
             "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"12\" fill=\"{C_TEXT}\" text-anchor=\"end\">{}</text>\
-             <rect class=\"bar pre\" data-from=\"{}\" data-to=\"{}\" x=\"{x0:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{BAR}\" fill=\"{C_PRE}\" rx=\"2\"><title>{}</title></rect>\
-             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" fill=\"{C_MUTED}\">{}</text>",
+             <rect class=\"bar pre\" data-from=\"{}\" data-to=\"{}\" x=\"{x0:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{BAR}\" fill=\"{C_PRE}\" rx=\"2\"><title>{}</title></rect>",
             LEFT - 10.0,
             y + BAR - 2.0,
             esc(&format!("→ {to}")),
@@ -262,9 +304,14 @@ pub fn gantt_svg(c: &Chain) -> String {
                 fmt_ms((b - a).max(0) as u64),
                 waited_on_name(to)
             )),
-            x1 + 5.0,
-            y + BAR - 2.0,
-            esc(&fmt_ms((b - a).max(0) as u64))
+        );
+        bar_label(
+            &mut out,
+            x0,
+            x1.max(x0 + 1.5),
+            y,
+            &human_ms((b - a).max(0) as u64),
+            C_MUTED,
         );
         y += ROW;
     }
@@ -273,16 +320,14 @@ pub fn gantt_svg(c: &Chain) -> String {
         let _ = writeln!(
             out,
             "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"12\" font-weight=\"bold\" fill=\"{C_TEXT}\" text-anchor=\"end\">agent: evidence → verdict</text>\
-             <rect class=\"bar agent\" x=\"{x0:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{BAR}\" fill=\"{C_AGENT}\" rx=\"2\"><title>agent window {}</title></rect>\
-             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" fill=\"{C_MUTED}\">{}</text>",
+             <rect class=\"bar agent\" x=\"{x0:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{BAR}\" fill=\"{C_AGENT}\" rx=\"2\"><title>agent window {}</title></rect>",
             LEFT - 10.0,
             y + BAR - 2.0,
             (x1 - x0).max(1.5),
             esc(&fmt_ms((agent_end - agent_start).max(0) as u64)),
-            x1 + 5.0,
-            y + BAR - 2.0,
-            esc(&fmt_ms((agent_end - agent_start).max(0) as u64))
         );
+        let label = human_ms((agent_end - agent_start).max(0) as u64);
+        bar_label(&mut out, x0, x1.max(x0 + 1.5), y, &label, C_MUTED);
         y += ROW;
     }
     for (name, at) in &after {
@@ -318,16 +363,18 @@ pub fn gantt_svg(c: &Chain) -> String {
         x1: W - RIGHT,
     };
     linear_axis(&mut out, &bx, top_b - 4.0, bottom_b);
+    // The release waited on the last evidence; a held node waited on its failure instead.
+    let released = verdict.is_some_and(|v| v.name != "held");
     let last_evidence = c
         .stages
         .iter()
-        .filter(|s| s.outcome == "passed" && s.stage != "untaint")
+        .filter(|s| released && s.outcome == "passed" && s.stage != "untaint")
         .max_by_key(|s| s.end_ms)
         .map(|s| s.stage.as_str());
     let mut y = top_b;
     for s in &c.stages {
         let (x0, x1) = (bx.x(s.start_ms), bx.x(s.end_ms));
-        let dur = fmt_ms((s.end_ms - s.start_ms).max(0) as u64);
+        let dur = human_ms((s.end_ms - s.start_ms).max(0) as u64);
         let crit = last_evidence == Some(s.stage.as_str());
         let note = match (s.outcome.as_str(), s.reason.is_empty(), crit) {
             ("passed", _, true) => format!("{dur} · last evidence"),
@@ -343,8 +390,7 @@ pub fn gantt_svg(c: &Chain) -> String {
         let _ = writeln!(
             out,
             "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"12\" fill=\"{C_TEXT}\" text-anchor=\"end\"{}>{}</text>\
-             <rect class=\"bar stage\" data-stage=\"{}\" data-outcome=\"{}\" x=\"{x0:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{BAR}\" fill=\"{}\" rx=\"2\"{stroke}><title>{}</title></rect>\
-             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" fill=\"{}\">{}</text>",
+             <rect class=\"bar stage\" data-stage=\"{}\" data-outcome=\"{}\" x=\"{x0:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{BAR}\" fill=\"{}\" rx=\"2\"{stroke}><title>{}</title></rect>",
             LEFT - 10.0,
             y + BAR - 2.0,
             if crit { " font-weight=\"bold\"" } else { "" },
@@ -360,11 +406,9 @@ pub fn gantt_svg(c: &Chain) -> String {
                 fmt_ms((s.end_ms - agent_start).max(0) as u64),
                 s.outcome
             )),
-            x1.max(x0 + 1.5) + 5.0,
-            y + BAR - 2.0,
-            if s.outcome == "passed" { C_MUTED } else { C_FAILED },
-            esc(&note)
         );
+        let color = if s.outcome == "passed" { C_MUTED } else { C_FAILED };
+        bar_label(&mut out, x0, x1.max(x0 + 1.5), y, &note, color);
         y += ROW;
     }
     if let Some(v) = verdict {
@@ -496,7 +540,12 @@ fn dist_rows(out: &mut String, rows: &[&Dist], ax: &LogAxis, top: f64, class: &s
             W - RIGHT + 8.0,
             mid + 4.0,
             if is_worst { C_WORST } else { C_MUTED },
-            esc(&format!("{} / {} / {}", fmt_ms(d.p50), fmt_ms(d.p90), fmt_ms(d.p99)))
+            esc(&format!(
+                "{} / {} / {}",
+                human_ms(d.p50),
+                human_ms(d.p90),
+                human_ms(d.p99)
+            ))
         );
         y += row_h;
     }
@@ -522,8 +571,14 @@ pub fn fleet_svg(r: &FleetReport) -> String {
         .max(1000);
     // The axis ends at the next tick above the largest sample.
     let hi = LOG_TICKS.iter().copied().find(|t| *t >= hi_ms).unwrap_or(hi_ms) as f64;
+    // Start the axis at 1 ms only when some interval lives below 10 ms.
+    let lo = if shown.iter().chain(stages.iter()).any(|d| d.min < 10) {
+        1.0
+    } else {
+        10.0
+    };
     let ax = LogAxis {
-        lo: 10.0,
+        lo,
         hi,
         x0: LEFT,
         x1: W - RIGHT,
@@ -546,10 +601,11 @@ pub fn fleet_svg(r: &FleetReport) -> String {
     );
     let worst_note = match worst.and_then(|w| r.intervals.iter().find(|d| d.name == w)) {
         Some(d) => format!(
-            "Largest p90: {} ({}) — p90 {}",
+            "Largest p90: {} — {} — p90 {}, p99 {}",
             d.name,
             waited_on_name(&d.name),
-            fmt_ms(d.p90)
+            human_ms(d.p90),
+            human_ms(d.p99)
         ),
         None => "No interval with a non-zero p90".into(),
     };
@@ -564,7 +620,10 @@ pub fn fleet_svg(r: &FleetReport) -> String {
         &format!(
             "Interval before each stamp{}",
             if omitted > 0 {
-                format!(" ({omitted} always-zero intervals omitted)")
+                format!(
+                    " ({omitted} always-zero interval{} omitted)",
+                    if omitted == 1 { "" } else { "s" }
+                )
             } else {
                 String::new()
             }
@@ -606,7 +665,11 @@ mod tests {
         assert_eq!(axis_label(90_000), "1m30s");
         assert_eq!(axis_label(3_600_000), "1h");
         assert_eq!(nice_step(10_000, 8), 2_000);
-        assert_eq!(nice_step(130_000, 8), 20_000);
+        assert_eq!(nice_step(176_000, 8), 30_000);
+        assert_eq!(human_ms(803), "803ms");
+        assert_eq!(human_ms(1_110), "1.11s");
+        assert_eq!(human_ms(28_829), "28.8s");
+        assert_eq!(human_ms(207_021), "3m27s");
         assert_eq!(nice_step(0, 8), 1);
         assert_eq!(esc("a<b & \"c\""), "a&lt;b &amp; &quot;c&quot;");
     }

@@ -251,7 +251,7 @@ mod tests {
             stages: (0..n)
                 .map(|i| StageRecord {
                     stage: format!("stage-{i}"),
-                    start: start,
+                    start,
                     start_ms: i as u64 * 10,
                     duration_ms: 5,
                     outcome: if i == 3 { Outcome::Failed } else { Outcome::Passed },

@@ -1,0 +1,507 @@
+//! The catalog of stable reason codes: every failure the agent can report, the stage it
+//! comes from, what it means and what to do. The same code reaches the log, the Node
+//! condition, the Event, the `taintgate_failures_total{reason}` metric and the timeline;
+//! the exit code is 1 for every hold and 2 for bad input. `taintgate reasons` prints this
+//! table; tests check that the README lists every code and that every code the sources
+//! return is catalogued.
+
+/// One reason code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reason {
+    /// The code.
+    pub code: &'static str,
+    /// Where it comes from.
+    pub stage: &'static str,
+    /// What it means and what to do.
+    pub help: &'static str,
+}
+
+const fn r(code: &'static str, stage: &'static str, help: &'static str) -> Reason {
+    Reason { code, stage, help }
+}
+
+/// Every reason code.
+pub const REASONS: &[Reason] = &[
+    r(
+        "Released",
+        "verdict",
+        "Every required stage had evidence and the startup taint was removed (condition True).",
+    ),
+    r(
+        "WouldRelease",
+        "verdict",
+        "Dry-run: every required stage had evidence; nothing was changed.",
+    ),
+    r(
+        "DependencyFailed",
+        "any",
+        "Not run because a stage it needs failed; fix that stage's reason first.",
+    ),
+    r(
+        "DeadlineExceeded",
+        "any",
+        "The stage produced no evidence within `stages.<name>.deadline` and reported no intermediate state. Check what it waits on; raise the deadline only if the dependency is known to be slow.",
+    ),
+    r(
+        "Cancelled",
+        "any",
+        "SIGTERM/SIGINT arrived during the stage; nothing was half-applied. The next start re-runs it.",
+    ),
+    r(
+        "InternalError",
+        "any",
+        "A bug in taintgate (a worker thread died). Report it with the log.",
+    ),
+    r(
+        "InvalidInput",
+        "config",
+        "A config, profile, plugin config, CDI spec or manifest was rejected; the message names file, line and key (exit 2).",
+    ),
+    r(
+        "NoCluster",
+        "register/allocatable/fit",
+        "No Kubernetes API (dry-run outside a cluster): the cluster stages were not run. In `run` mode this holds the node.",
+    ),
+    r(
+        "NodeNotFound",
+        "register",
+        "The Node object does not exist (yet). The agent keeps watching; check NODE_NAME matches the node's name.",
+    ),
+    r(
+        "ApiUnavailable",
+        "API",
+        "The API server answered 5xx/429 or could not be reached; retried with backoff until the deadline.",
+    ),
+    r(
+        "ApiForbidden",
+        "API",
+        "The agent's credential may not do this (RBAC or the admission policy). Check the ClusterRole/Role and ValidatingAdmissionPolicy from daemonset/.",
+    ),
+    r(
+        "ApiConflict",
+        "API",
+        "409 on every retry until the deadline: another writer keeps changing the Node.",
+    ),
+    r(
+        "ApiInvalid",
+        "API",
+        "422 on every retry until the deadline: the taint entry keeps moving under a concurrent writer.",
+    ),
+    r(
+        "ApiError",
+        "API",
+        "An unexpected API answer; the message has the status.",
+    ),
+    r(
+        "DryRun",
+        "API",
+        "A write was refused because the agent runs in dry-run (never reported as a hold).",
+    ),
+    r(
+        "UntaintFailed",
+        "untaint",
+        "All evidence is in but the taint could not be removed before `api.untaint_deadline`; the message has the last API error. The agent retries on its next pass.",
+    ),
+    r(
+        "RegateFailed",
+        "regate",
+        "After a reboot the startup taint could not be put back; the node may take work before it is re-validated. Check the systemd identity's RBAC.",
+    ),
+    r(
+        "DriverNotLoaded",
+        "driver",
+        "NVML (libnvidia-ml.so.1) or CUDA could not be loaded: no driver, or the container lacks the driver libraries (runtime class / CDI).",
+    ),
+    r(
+        "NvmlError",
+        "driver",
+        "An NVML call failed; the message names the call and GPU.",
+    ),
+    r(
+        "GpuLost",
+        "driver/smoke",
+        "A GPU fell off the bus (NVML_ERROR_GPU_IS_LOST). Replace the node.",
+    ),
+    r(
+        "GpuCountMismatch",
+        "driver",
+        "NVML sees fewer (or more) GPUs than `gpu.expect.gpu_count` or the product's count; the message lists the PCI ids present.",
+    ),
+    r(
+        "GpuProductMismatch",
+        "driver",
+        "A GPU is not the configured `gpu.expect.product`.",
+    ),
+    r(
+        "EccUncorrectable",
+        "driver",
+        "Volatile uncorrectable ECC errors on a GPU. Replace the node.",
+    ),
+    r(
+        "RowRemapPending",
+        "driver",
+        "A row remap is pending: the GPU needs a reset before it is safe. Reset the GPU or replace the node.",
+    ),
+    r(
+        "RowRemapFailed",
+        "driver",
+        "A row remap failed, or uncorrectable remaps reached `remap_uncorrectable_limit`. Replace the node.",
+    ),
+    r(
+        "PagesRetired",
+        "driver",
+        "Retired pages reached `retired_pages_limit` or retirement is pending (pre-Ampere).",
+    ),
+    r(
+        "XidFatal",
+        "driver/xid-watch",
+        "A fatal XID (default 48, 64, 74, 79, 95, 119, 120) since boot or during validation. Replace the node.",
+    ),
+    r(
+        "FabricNotReady",
+        "driver",
+        "NVSwitch fabric registration did not complete (fabric manager / NVLink5). Check nvidia-fabricmanager.",
+    ),
+    r(
+        "NvlinkInactive",
+        "driver",
+        "Fewer NVLink links active than expected; the message lists the inactive links.",
+    ),
+    r(
+        "PcieDegraded",
+        "driver",
+        "PCIe link below max generation/width (fatal only with `pcie_degraded_fatal`).",
+    ),
+    r(
+        "PersistenceModeOff",
+        "driver",
+        "Persistence mode is off (fatal only with `persistence_required`).",
+    ),
+    r(
+        "SmokeFailed",
+        "smoke",
+        "The CUDA kernel failed or its result did not verify on the named GPU (by UUID).",
+    ),
+    r(
+        "PeerBandwidthLow",
+        "peer-bw",
+        "A peer domain is below its threshold; the message names the slowest pair and the figures.",
+    ),
+    r(
+        "PeerBandwidthUnknown",
+        "peer-bw",
+        "No link rate is known for the interconnect; set `gpu.peer_bw.busbw_gbps`.",
+    ),
+    r(
+        "PeerBandwidthFailed",
+        "peer-bw",
+        "The NCCL all-reduce failed or its result did not verify.",
+    ),
+    r(
+        "NcclMissing",
+        "peer-bw",
+        "libnccl could not be loaded and `require_nccl` is set.",
+    ),
+    r(
+        "AllocatableZero",
+        "allocatable",
+        "The Node publishes no GPUs: the device plugin never registered. Check the plugin pod on the node and its socket.",
+    ),
+    r(
+        "AllocatableShort",
+        "allocatable",
+        "Fewer devices published than expected (capacity > allocatable: unhealthy devices). Compare `kubectl describe node` with NVML.",
+    ),
+    r(
+        "AllocatableExcess",
+        "allocatable",
+        "More devices published than the plugin config and inventory predict: a sharing config that differs from `kubelet.plugin_config`.",
+    ),
+    r(
+        "LabelMismatch",
+        "allocatable",
+        "GPU Feature Discovery labels disagree with NVML (product, count or memory).",
+    ),
+    r(
+        "PluginConfigMismatch",
+        "allocatable/device-plugin",
+        "The plugin config cannot produce this layout (e.g. MIG single with mixed profiles); the real plugin would refuse it too.",
+    ),
+    r(
+        "PluginSocketMissing",
+        "device-plugin",
+        "No device plugin socket under the kubelet device-plugin dir. Is the plugin DaemonSet scheduled on the node?",
+    ),
+    r(
+        "PluginUnreachable",
+        "device-plugin",
+        "The socket exists but nobody answers (a stale socket from a dead plugin).",
+    ),
+    r(
+        "PluginTimeout",
+        "device-plugin",
+        "The plugin did not send its first ListAndWatch answer within `kubelet.probe_timeout`.",
+    ),
+    r(
+        "PluginRpcFailed",
+        "device-plugin",
+        "A device plugin gRPC call failed; the message has the status.",
+    ),
+    r(
+        "PluginReplyInvalid",
+        "device-plugin",
+        "The plugin's reply was malformed (empty or duplicate IDs, unknown health).",
+    ),
+    r(
+        "PluginDevicesMismatch",
+        "device-plugin",
+        "The plugin's device IDs differ from NVML's UUIDs (or MIG/replica IDs); the message names missing and extra IDs.",
+    ),
+    r(
+        "PluginDeviceUnhealthy",
+        "device-plugin",
+        "The plugin reports a device Unhealthy (it saw an XID or health event).",
+    ),
+    r(
+        "PodResourcesUnavailable",
+        "device-plugin",
+        "The kubelet pod-resources socket did not answer GetAllocatableResources.",
+    ),
+    r(
+        "KubeletDevicesMismatch",
+        "device-plugin",
+        "The kubelet's own allocatable device IDs differ from the plugin's.",
+    ),
+    r(
+        "RuntimeInjectionMissing",
+        "runtime",
+        "A device has no CDI entry, or its device nodes are missing: containers would get no GPU. Regenerate the CDI spec (nvidia-ctk cdi generate).",
+    ),
+    r(
+        "GroupFitShort",
+        "fit",
+        "Fewer complete serving groups fit than promised; the message names the binding resource and prints the bound table.",
+    ),
+    r(
+        "ManifestInvalid",
+        "models",
+        "A bundle manifest is malformed or unsafe (absolute path, `..`, duplicate path, symlink escape).",
+    ),
+    r(
+        "ManifestDigestMismatch",
+        "models",
+        "The manifest's sha256 differs from the pinned one in the config.",
+    ),
+    r(
+        "DigestMismatch",
+        "models",
+        "A downloaded file's sha256 differs from the manifest after the retry budget; nothing unverified is left visible.",
+    ),
+    r(
+        "SizeMismatch",
+        "models",
+        "A source object's size differs from the manifest.",
+    ),
+    r(
+        "SourceNotFound",
+        "models",
+        "The object does not exist at the source (404).",
+    ),
+    r(
+        "SourceForbidden",
+        "models",
+        "The source refused access (401/403): check credentials.",
+    ),
+    r(
+        "SourceChanged",
+        "models",
+        "The object changed during the download (ETag/If-Match); it was not stitched. Pin a new manifest.",
+    ),
+    r(
+        "SourceUnavailable",
+        "models",
+        "The source failed transiently on every retry (resets, 5xx, timeouts).",
+    ),
+    r("SourceUnsupported", "models", "The URI scheme is not supported."),
+    r(
+        "DiskInsufficient",
+        "models",
+        "Free space is below the bytes still needed plus the reserve; checked before the first byte.",
+    ),
+    r(
+        "CacheIoError",
+        "models",
+        "Reading or writing the cache failed (read-only or full disk); the message names the path.",
+    ),
+    r(
+        "OptionsInvalid",
+        "models",
+        "Prefetch options are invalid (concurrency, chunk size).",
+    ),
+    r(
+        "ImageNotPinned",
+        "images",
+        "An image reference has no @sha256 digest and `allow_unpinned` is off.",
+    ),
+    r(
+        "ImageReferenceInvalid",
+        "images",
+        "An image reference cannot be parsed.",
+    ),
+    r("ImagesConfigInvalid", "images", "An `images:` setting is invalid."),
+    r(
+        "ImageAuthConfigInvalid",
+        "images",
+        "The dockerconfigjson auth file cannot be read or parsed.",
+    ),
+    r(
+        "ImageAuthFailed",
+        "images",
+        "The registry refused the credentials (or none were given).",
+    ),
+    r(
+        "ImagePullFailed",
+        "images",
+        "The runtime could not pull the image; the message has the runtime's error (not found, connection refused).",
+    ),
+    r(
+        "ImagePullTimeout",
+        "images",
+        "An image was not present within `image_deadline_secs`.",
+    ),
+    r(
+        "ImageDigestMismatch",
+        "images",
+        "After the pull the runtime does not report the pinned digest.",
+    ),
+    r(
+        "RuntimeUnavailable",
+        "images",
+        "The CRI socket is absent or does not answer.",
+    ),
+    r(
+        "ImageRuntimeError",
+        "images",
+        "Another CRI error; the message has the status.",
+    ),
+];
+
+/// Look up a code.
+pub fn lookup(code: &str) -> Option<&'static Reason> {
+    REASONS.iter().find(|r| r.code == code)
+}
+
+/// The catalog as a Markdown table (for the README).
+pub fn markdown() -> String {
+    let mut s = String::from("| reason | stage | meaning and what to do |\n|---|---|---|\n");
+    for r in REASONS {
+        s.push_str(&format!("| `{}` | {} | {} |\n", r.code, r.stage, r.help));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    /// Codes the failure paths of the agent, validators and prefetch return: literals in
+    /// `fn reason` bodies and in the stage-failure constructors.
+    fn codes_in_sources() -> BTreeSet<String> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files = Vec::new();
+        for d in ["agent/src", "validators/src", "prefetch/src"] {
+            rust_files(&root.join(d), &mut files);
+        }
+        let mut out = BTreeSet::new();
+        let lit = |s: &str| -> Option<String> {
+            let s = s.trim_start();
+            let rest = s.strip_prefix('"')?;
+            let end = rest.find('"')?;
+            let w = &rest[..end];
+            (w.len() > 3 && w.chars().next()?.is_ascii_uppercase() && w.chars().all(|c| c.is_ascii_alphanumeric()))
+                .then(|| w.to_string())
+        };
+        for f in files {
+            if f.ends_with("reasons.rs")
+                || f.to_string_lossy().contains("/fleet/")
+                || f.to_string_lossy().contains("/telemetry/")
+            {
+                continue; // CLI/reporting helpers, not stage failures
+            }
+            let text = std::fs::read_to_string(&f).unwrap();
+            let mut in_reason = 0i32;
+            for line in text.lines() {
+                if line.contains("fn reason(&self)") {
+                    in_reason = 1;
+                    continue;
+                }
+                if in_reason > 0 {
+                    in_reason += line.matches('{').count() as i32 - line.matches('}').count() as i32;
+                    if let Some(idx) = line.find("=> ") {
+                        if let Some(c) = lit(&line[idx + 3..]) {
+                            out.insert(c);
+                        }
+                    }
+                }
+                for pat in ["permanent(", "transient(", "fail(", "reason: "] {
+                    for (i, _) in line.match_indices(pat) {
+                        if let Some(c) = lit(&line[i + pat.len()..]) {
+                            out.insert(c);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_code_in_the_sources_is_catalogued() {
+        let known: BTreeSet<&str> = REASONS.iter().map(|r| r.code).collect();
+        let ignore = [
+            "NoSchedule",
+            "NoExecute",
+            "PreferNoSchedule",
+            "KubeconfigInvalid",
+            "StageFailed",
+        ];
+        let missing: Vec<String> = codes_in_sources()
+            .into_iter()
+            .filter(|c| !known.contains(c.as_str()) && !ignore.contains(&c.as_str()))
+            .collect();
+        assert!(missing.is_empty(), "uncatalogued reason codes: {missing:?}");
+    }
+
+    #[test]
+    fn readme_documents_every_code() {
+        let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md")).unwrap();
+        let missing: Vec<&str> = REASONS
+            .iter()
+            .map(|r| r.code)
+            .filter(|c| !readme.contains(&format!("`{c}`")))
+            .collect();
+        assert!(missing.is_empty(), "README troubleshooting lacks: {missing:?}");
+    }
+
+    #[test]
+    fn codes_are_unique() {
+        let mut seen = BTreeSet::new();
+        for r in REASONS {
+            assert!(seen.insert(r.code), "duplicate {}", r.code);
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Failure type of the `models` stage. Every variant names the bundle, file, URI or path
+//! involved, and maps to a stable CamelCase reason code used in Node conditions, Events,
+//! metrics and exit codes.
+
+use std::path::PathBuf;
+
+/// Why a bundle prefetch (or a manifest creation) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefetchError {
+    /// The downloaded bytes hashed to something other than the pinned digest, on every
+    /// attempt of the retry budget.
+    #[error(
+        "{file}: sha256 of downloaded bytes is {actual}, manifest pins {expected} \
+         (after {attempts} attempt(s) from {uri})"
+    )]
+    DigestMismatch {
+        /// `bundle/path` of (the first) file referencing the blob.
+        file: String,
+        /// Source URI the bytes came from.
+        uri: String,
+        /// Pinned digest.
+        expected: String,
+        /// Digest of what was received on the last attempt.
+        actual: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The object at the source has a different size than the manifest says.
+    #[error("{file}: source {uri} has {actual} bytes, manifest says {expected}")]
+    SizeMismatch {
+        /// `bundle/path` of the file.
+        file: String,
+        /// Source URI.
+        uri: String,
+        /// Size in the manifest.
+        expected: u64,
+        /// Size the source reported (or delivered).
+        actual: u64,
+    },
+    /// The manifest (or a bundle reference) is malformed or unsafe.
+    #[error("manifest {manifest}: {detail}")]
+    ManifestInvalid {
+        /// Manifest URI, bundle name or directory concerned.
+        manifest: String,
+        /// What is wrong, naming the entry.
+        detail: String,
+    },
+    /// The manifest's bytes do not hash to the digest the configuration pins.
+    #[error("manifest {uri}: sha256 is {actual}, configuration pins {expected}")]
+    ManifestDigestMismatch {
+        /// Manifest URI.
+        uri: String,
+        /// Pinned digest.
+        expected: String,
+        /// Digest of the fetched bytes.
+        actual: String,
+    },
+    /// The source object does not exist (HTTP 404, missing key or file).
+    #[error("source {uri} not found: {detail}")]
+    SourceNotFound {
+        /// Source URI.
+        uri: String,
+        /// What the store said.
+        detail: String,
+    },
+    /// The store refused access (HTTP 401/403).
+    #[error("source {uri} refused access: {detail}")]
+    SourceForbidden {
+        /// Source URI.
+        uri: String,
+        /// What the store said.
+        detail: String,
+    },
+    /// The object changed while it was being downloaded (ETag / version no longer matches).
+    #[error("source {uri} changed during download: {detail}")]
+    SourceChanged {
+        /// Source URI.
+        uri: String,
+        /// What changed.
+        detail: String,
+    },
+    /// The source could not be reached or kept failing after the retry budget.
+    #[error("source {uri} unavailable: {detail}")]
+    SourceUnavailable {
+        /// Source URI.
+        uri: String,
+        /// Last error.
+        detail: String,
+    },
+    /// The URI is not one this build can fetch from.
+    #[error("source {uri}: {detail}")]
+    SourceUnsupported {
+        /// Offending URI.
+        uri: String,
+        /// Why.
+        detail: String,
+    },
+    /// Not enough free space for the bytes still to fetch plus the reserve.
+    #[error("cache {path}: {available} bytes free, need {needed} more plus a reserve of {reserve}")]
+    DiskInsufficient {
+        /// Cache directory.
+        path: PathBuf,
+        /// Bytes still to be written.
+        needed: u64,
+        /// Bytes available to unprivileged users on that filesystem.
+        available: u64,
+        /// Reserve kept free (kubelet eviction threshold by default).
+        reserve: u64,
+    },
+    /// A local file operation on the cache failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The options are out of range.
+    #[error("prefetch option {key}: {detail}")]
+    OptionsInvalid {
+        /// The option key.
+        key: &'static str,
+        /// Why it is invalid.
+        detail: String,
+    },
+    /// The caller cancelled the prefetch; partial downloads are kept for resume.
+    #[error("prefetch cancelled")]
+    Cancelled,
+}
+
+impl PrefetchError {
+    /// Stable CamelCase reason code.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::DigestMismatch { .. } => "DigestMismatch",
+            Self::SizeMismatch { .. } => "SizeMismatch",
+            Self::ManifestInvalid { .. } => "ManifestInvalid",
+            Self::ManifestDigestMismatch { .. } => "ManifestDigestMismatch",
+            Self::SourceNotFound { .. } => "SourceNotFound",
+            Self::SourceForbidden { .. } => "SourceForbidden",
+            Self::SourceChanged { .. } => "SourceChanged",
+            Self::SourceUnavailable { .. } => "SourceUnavailable",
+            Self::SourceUnsupported { .. } => "SourceUnsupported",
+            Self::DiskInsufficient { .. } => "DiskInsufficient",
+            Self::Io { .. } => "CacheIoError",
+            Self::OptionsInvalid { .. } => "OptionsInvalid",
+            Self::Cancelled => "Cancelled",
+        }
+    }
+
+    /// Whether another attempt could succeed (network trouble), as opposed to a verdict.
+    pub(crate) fn is_transient(&self) -> bool {
+        matches!(self, Self::SourceUnavailable { .. })
+    }
+
+    /// Helper to wrap an I/O error with the operation and path.
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_are_stable_codes() {
+        let e = PrefetchError::SourceNotFound {
+            uri: "u".into(),
+            detail: "d".into(),
+        };
+        assert_eq!(e.reason(), "SourceNotFound");
+        assert!(!e.is_transient());
+        let e = PrefetchError::SourceUnavailable {
+            uri: "u".into(),
+            detail: "d".into(),
+        };
+        assert!(e.is_transient());
+        assert_eq!(PrefetchError::Cancelled.reason(), "Cancelled");
+    }
+}

@@ -1,0 +1,733 @@
+//! The download engine for one blob: parallel ranged GETs (one `get_opts` per chunk, a
+//! bounded range, `If-Match` on the ETag the first response gave), each chunk written at
+//! its offset into `<cache>/tmp/<digest>.part`, and sha256 computed inline in file order
+//! behind a bounded reorder window. Memory is bounded by the global chunk slots: a slot is
+//! taken before a chunk's request starts and given back only after the hasher consumed the
+//! chunk, so at most `concurrency × chunk_size` bytes are ever buffered.
+//!
+//! Resume: every written chunk is recorded in a chunk map persisted next to the partial
+//! file. After a restart those chunks are read back from disk (and hashed in order) instead
+//! of being fetched again. A partial whose object changed since (different ETag) is thrown
+//! away, never stitched to new bytes.
+
+use std::fs::File;
+use std::io::IoSlice;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use backon::BackoffBuilder;
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use object_store::{GetOptions, GetRange, ObjectStoreExt};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::Cache;
+use crate::error::PrefetchError;
+use crate::progress::Progress;
+use crate::source::{SourceObject, Sources, map_store_error};
+
+/// One unique blob to fetch (shared by every file with that digest).
+#[derive(Debug, Clone)]
+pub(crate) struct BlobJob {
+    pub digest: String,
+    pub size: u64,
+    /// Candidate source URIs; the first is used.
+    pub uri: String,
+    /// `bundle/path` of the first file referencing the blob, for messages.
+    pub label: String,
+    /// Indices of the bundles referencing it (for progress).
+    pub bundles: Vec<usize>,
+}
+
+/// What fetching one blob took.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BlobOutcome {
+    /// Bytes received from the source over all attempts.
+    pub bytes_fetched: u64,
+    /// Bytes of a previous partial download re-used from disk.
+    pub bytes_resumed: u64,
+    /// File-level attempts made.
+    pub attempts: u32,
+    pub duration: Duration,
+}
+
+/// Shared engine state.
+pub(crate) struct Engine {
+    pub cache: Cache,
+    pub sources: Sources,
+    pub chunk_size: u64,
+    pub file_window: usize,
+    pub retries: u32,
+    /// Global chunk slots (bounds requests in flight and buffered memory).
+    pub slots: Arc<Semaphore>,
+    pub progress: Arc<Progress>,
+}
+
+/// The persisted chunk map of a partial download.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChunkMap {
+    digest: String,
+    size: u64,
+    chunk_size: u64,
+    e_tag: Option<String>,
+    version: Option<String>,
+    /// Hex bitmap, bit i set when chunk i is on disk.
+    done: String,
+}
+
+impl ChunkMap {
+    fn new(digest: &str, size: u64, chunk_size: u64) -> Self {
+        let n = chunks(size, chunk_size);
+        ChunkMap {
+            digest: digest.into(),
+            size,
+            chunk_size,
+            e_tag: None,
+            version: None,
+            done: "0".repeat(n.div_ceil(8) * 2),
+        }
+    }
+    fn bits(&self) -> Vec<u8> {
+        hex::decode(&self.done).unwrap_or_default()
+    }
+    fn is_done(&self, i: usize) -> bool {
+        self.bits().get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
+    }
+    fn set_done(&mut self, i: usize) {
+        let mut bits = self.bits();
+        if let Some(b) = bits.get_mut(i / 8) {
+            *b |= 1 << (i % 8);
+        }
+        self.done = hex::encode(bits);
+    }
+    fn done_count(&self) -> usize {
+        self.bits().iter().map(|b| b.count_ones() as usize).sum()
+    }
+}
+
+fn chunks(size: u64, chunk: u64) -> usize {
+    size.div_ceil(chunk) as usize
+}
+
+/// Why one file attempt failed.
+enum AttemptError {
+    /// Bytes hashed to the wrong digest: discard and retry.
+    Digest(String),
+    /// The partial belongs to an older version of the object: discard and restart.
+    Restart(String),
+    /// Anything else.
+    Fail(PrefetchError),
+}
+
+impl From<PrefetchError> for AttemptError {
+    fn from(e: PrefetchError) -> Self {
+        AttemptError::Fail(e)
+    }
+}
+
+fn backoff(retries: u32) -> impl Iterator<Item = Duration> {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_max_times(retries as usize)
+        .with_jitter()
+        .build()
+}
+
+/// Context shared by the chunk tasks of one file attempt.
+struct ChunkCtx {
+    src: SourceObject,
+    file: Arc<File>,
+    part: PathBuf,
+    state_path: PathBuf,
+    map: Mutex<ChunkMap>,
+    size: u64,
+    chunk_size: u64,
+    if_match: Option<String>,
+    version: Option<String>,
+    retries: u32,
+    cancel: CancellationToken,
+    progress: Arc<Progress>,
+    bundles: Vec<usize>,
+    label: String,
+    /// Whether to persist the chunk map (pointless for one-chunk files).
+    persist: bool,
+}
+
+/// A fetched (or re-read) chunk on its way to the hasher; holds its slot.
+struct HashItem {
+    bufs: Vec<Bytes>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Engine {
+    /// Fetch, verify and commit one blob, retrying digest mismatches and transient
+    /// failures within the budget.
+    pub async fn fetch_blob(
+        self: Arc<Self>,
+        job: BlobJob,
+        cancel: CancellationToken,
+    ) -> Result<BlobOutcome, PrefetchError> {
+        let start = Instant::now();
+        let mut out = BlobOutcome::default();
+        let mut delays = backoff(self.retries);
+        loop {
+            out.attempts += 1;
+            let result = self.clone().attempt(&job, &cancel, &mut out).await;
+            let delay = match result {
+                Ok(()) => {
+                    out.duration = start.elapsed();
+                    return Ok(out);
+                }
+                Err(AttemptError::Digest(actual)) => {
+                    tracing::warn!(file = %job.label, uri = %job.uri, expected = %job.digest, %actual, attempt = out.attempts, "digest mismatch; discarding download");
+                    self.progress.observer.retry("DigestMismatch");
+                    self.discard(&job.digest)?;
+                    if out.attempts > self.retries {
+                        return Err(PrefetchError::DigestMismatch {
+                            file: job.label.clone(),
+                            uri: job.uri.clone(),
+                            expected: job.digest.clone(),
+                            actual,
+                            attempts: out.attempts,
+                        });
+                    }
+                    Duration::ZERO
+                }
+                Err(AttemptError::Restart(why)) => {
+                    tracing::info!(file = %job.label, uri = %job.uri, %why, "partial download is stale; starting over");
+                    self.discard(&job.digest)?;
+                    if out.attempts > self.retries + 1 {
+                        return Err(PrefetchError::SourceChanged {
+                            uri: job.uri.clone(),
+                            detail: why,
+                        });
+                    }
+                    Duration::ZERO
+                }
+                Err(AttemptError::Fail(e)) if e.is_transient() => match delays.next() {
+                    Some(d) => {
+                        tracing::warn!(file = %job.label, error = %e, "transient failure; retrying (partial kept)");
+                        self.progress.observer.retry(e.reason());
+                        d
+                    }
+                    None => return Err(e),
+                },
+                Err(AttemptError::Fail(e)) => {
+                    if matches!(e, PrefetchError::SourceChanged { .. }) {
+                        // Never stitch: the bytes on disk belong to the old object.
+                        self.discard(&job.digest)?;
+                    }
+                    return Err(e);
+                }
+            };
+            if !delay.is_zero() {
+                tokio::select! {
+                    _ = cancel.cancelled() => return Err(PrefetchError::Cancelled),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+
+    /// Remove a partial download and its chunk map.
+    fn discard(&self, digest: &str) -> Result<(), PrefetchError> {
+        for p in [self.cache.part_path(digest), self.cache.state_path(digest)] {
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(PrefetchError::io("remove", &p, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of `digest` already on disk from an earlier partial download (for the disk
+    /// preflight).
+    pub fn resumable_bytes(&self, digest: &str, size: u64) -> u64 {
+        match load_map(&self.cache.state_path(digest)) {
+            Some(m) if m.digest == digest && m.size == size && m.chunk_size == self.chunk_size => {
+                (m.done_count() as u64 * m.chunk_size).min(size)
+            }
+            _ => 0,
+        }
+    }
+
+    async fn attempt(
+        self: Arc<Self>,
+        job: &BlobJob,
+        cancel: &CancellationToken,
+        out: &mut BlobOutcome,
+    ) -> Result<(), AttemptError> {
+        let digest = &job.digest;
+        let part = self.cache.part_path(digest);
+        let state_path = self.cache.state_path(digest);
+        let src = self.sources.resolve(&job.uri)?;
+        let n = chunks(job.size, self.chunk_size);
+
+        let previous = load_map(&state_path)
+            .filter(|m| m.digest == *digest && m.size == job.size && m.chunk_size == self.chunk_size && part.exists());
+        let resumed = previous.is_some();
+        let mut map = previous.unwrap_or_else(|| ChunkMap::new(digest, job.size, self.chunk_size));
+        let file = {
+            let part = part.clone();
+            let size = job.size;
+            blocking(move || {
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(!resumed)
+                    .open(&part)
+                    .map_err(|e| PrefetchError::io("open", &part, e))?;
+                f.set_len(size).map_err(|e| PrefetchError::io("size", &part, e))?;
+                Ok(f)
+            })
+            .await?
+        };
+        let file = Arc::new(file);
+
+        if job.size == 0 {
+            // Nothing to range over: confirm the object exists and is empty.
+            let meta = src
+                .store
+                .head(&src.path)
+                .await
+                .map_err(|e| map_store_error(&src.uri, e))?;
+            if meta.size != 0 {
+                return Err(PrefetchError::SizeMismatch {
+                    file: job.label.clone(),
+                    uri: src.uri.clone(),
+                    expected: 0,
+                    actual: meta.size,
+                }
+                .into());
+            }
+        }
+
+        let make_ctx = |map: &ChunkMap, src: SourceObject| {
+            Arc::new(ChunkCtx {
+                src,
+                file: file.clone(),
+                part: part.clone(),
+                state_path: state_path.clone(),
+                map: Mutex::new(map.clone()),
+                size: job.size,
+                chunk_size: self.chunk_size,
+                if_match: map.e_tag.clone(),
+                version: map.version.clone(),
+                retries: self.retries,
+                cancel: cancel.child_token(),
+                progress: self.progress.clone(),
+                bundles: job.bundles.clone(),
+                label: job.label.clone(),
+                persist: n > 1,
+            })
+        };
+
+        // A multi-chunk download first fetches one chunk alone to learn the object's ETag
+        // (and version), which every other request then carries as If-Match.
+        if n > 1
+            && !resumed
+            && let Some(first) = (0..n).find(|&i| !map.is_done(i))
+        {
+            let probe = make_ctx(&map, src.clone());
+            let _stop_probe = probe.cancel.clone().drop_guard();
+            let permit = self
+                .slots
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| PrefetchError::Cancelled)?;
+            let (_, fetched, meta) = fetch_chunk(probe.clone(), first, true).await?;
+            drop(permit);
+            out.bytes_fetched += fetched;
+            if let Ok(m) = probe.map.lock() {
+                map = m.clone();
+            }
+            if let Some((e_tag, version)) = meta {
+                map.e_tag = e_tag;
+                map.version = version;
+            }
+        }
+        let ctx = make_ctx(&map, src);
+        // Stop this file's chunk tasks when the attempt ends for any reason.
+        let _stop_chunks = ctx.cancel.clone().drop_guard();
+        if ctx.persist {
+            persist_map(&ctx).await?;
+        }
+        let resumed_chunks = ctx.map.lock().map(|m| m.done_count()).unwrap_or(0);
+        if resumed {
+            tracing::info!(file = %job.label, chunks_on_disk = resumed_chunks, chunks = n, "resuming partial download");
+        }
+
+        // The hasher: consumes chunks strictly in file order on a blocking thread.
+        let window = self.file_window.max(1);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<HashItem>(window);
+        let progress = self.progress.clone();
+        let bundles = job.bundles.clone();
+        let hasher = tokio::task::spawn_blocking(move || {
+            let mut h = Sha256::new();
+            let mut total = 0u64;
+            while let Some(item) = rx.blocking_recv() {
+                let mut len = 0u64;
+                for b in &item.bufs {
+                    h.update(b);
+                    len += b.len() as u64;
+                }
+                total += len;
+                progress.verified(&bundles, len);
+            }
+            (total, hex::encode(h.finalize()))
+        });
+
+        let slots = self.slots.clone();
+        let ctx2 = ctx.clone();
+        // Slots are acquired sequentially in chunk order (`then`), so the lowest
+        // outstanding chunk of every file always holds one: no deadlock however the
+        // window and the global slots interleave.
+        let mut stream = Box::pin(
+            futures::stream::iter(0..n)
+                .then(move |i| {
+                    let slots = slots.clone();
+                    async move { (i, slots.acquire_owned().await) }
+                })
+                .map(move |(i, permit)| {
+                    let ctx = ctx2.clone();
+                    let task = tokio::spawn(fetch_chunk(ctx, i, false));
+                    async move { (task.await, permit) }
+                })
+                .buffered(window)
+        );
+        let mut result: Result<(), AttemptError> = Ok(());
+        while let Some((joined, permit)) = stream.next().await {
+            let permit = match permit {
+                Ok(p) => p,
+                Err(_) => {
+                    result = Err(PrefetchError::Cancelled.into());
+                    break;
+                }
+            };
+            let chunk = match joined {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    result = Err(e.into());
+                    break;
+                }
+                Err(join) => {
+                    result = Err(PrefetchError::io("download", &part, std::io::Error::other(join)).into());
+                    break;
+                }
+            };
+            let (bufs, fetched, _) = chunk;
+            if fetched == 0 {
+                out.bytes_resumed += bufs.iter().map(|b| b.len() as u64).sum::<u64>();
+            }
+            out.bytes_fetched += fetched;
+            if tx.send(HashItem { bufs, _slot: permit }).await.is_err() {
+                break;
+            }
+        }
+        drop(stream);
+        drop(tx);
+        let (hashed, actual) = hasher
+            .await
+            .map_err(|e| PrefetchError::io("hash", &part, std::io::Error::other(e)))?;
+        if let Err(e) = result {
+            // Chunk map kept: the next attempt resumes from what is on disk.
+            return Err(match e {
+                AttemptError::Fail(PrefetchError::SourceChanged { detail, .. }) if resumed => {
+                    AttemptError::Restart(detail)
+                }
+                other => other,
+            });
+        }
+        if cancel.is_cancelled() {
+            return Err(PrefetchError::Cancelled.into());
+        }
+        if hashed != job.size {
+            return Err(PrefetchError::SizeMismatch {
+                file: job.label.clone(),
+                uri: job.uri.clone(),
+                expected: job.size,
+                actual: hashed,
+            }
+            .into());
+        }
+        if actual != *digest {
+            // Whether the source or bytes read back from a resumed partial (e.g. lost to a
+            // power failure before writeback) are to blame, the answer is the same: discard
+            // and fetch again, within the retry budget.
+            return Err(AttemptError::Digest(actual));
+        }
+        drop(file);
+        let cache = self.cache.clone();
+        let digest2 = digest.clone();
+        let state2 = state_path.clone();
+        blocking(move || {
+            cache.commit_blob(&digest2, &part)?;
+            let _ = std::fs::remove_file(&state2);
+            Ok(())
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+/// Fetch (or re-read from disk, when the chunk map says it is there) chunk `i`. Returns
+/// the chunk's bytes, the number of bytes received from the source, and — when `identify`
+/// — the ETag and version the source reported.
+#[allow(clippy::type_complexity)]
+async fn fetch_chunk(
+    ctx: Arc<ChunkCtx>,
+    i: usize,
+    identify: bool,
+) -> Result<(Vec<Bytes>, u64, Option<(Option<String>, Option<String>)>), PrefetchError> {
+    let start = i as u64 * ctx.chunk_size;
+    let end = (start + ctx.chunk_size).min(ctx.size);
+    let len = (end - start) as usize;
+    let on_disk = ctx.map.lock().map(|m| m.is_done(i)).unwrap_or(false);
+    if on_disk {
+        let file = ctx.file.clone();
+        let part = ctx.part.clone();
+        let buf = blocking(move || {
+            let mut buf = BytesMut::zeroed(len);
+            file.read_exact_at(&mut buf, start)
+                .map_err(|e| PrefetchError::io("read back", &part, e))?;
+            Ok(buf.freeze())
+        })
+        .await?;
+        return Ok((vec![buf], 0, None));
+    }
+
+    let mut bufs: Vec<Bytes> = Vec::new();
+    let mut got = 0u64;
+    let mut failures = 0u32;
+    let mut delays = backoff(ctx.retries);
+    let mut identity = None;
+    let uri = &ctx.src.uri;
+    while start + got < end {
+        let opts = GetOptions {
+            range: Some(GetRange::Bounded(start + got..end)),
+            if_match: ctx.if_match.clone(),
+            version: ctx.version.clone(),
+            ..Default::default()
+        };
+        let res = tokio::select! {
+            _ = ctx.cancel.cancelled() => return Err(PrefetchError::Cancelled),
+            r = ctx.src.store.get_opts(&ctx.src.path, opts) => r,
+        };
+        let transient_err = match res {
+            Err(e) => {
+                let e = map_store_error(uri, e);
+                if !e.is_transient() {
+                    return Err(e);
+                }
+                e
+            }
+            Ok(r) => {
+                if r.meta.size != ctx.size {
+                    return Err(PrefetchError::SizeMismatch {
+                        file: ctx.label.clone(),
+                        uri: uri.clone(),
+                        expected: ctx.size,
+                        actual: r.meta.size,
+                    });
+                }
+                if let (Some(want), Some(have)) = (&ctx.if_match, &r.meta.e_tag)
+                    && want != have
+                {
+                    // Defence in depth for stores that ignore If-Match.
+                    return Err(PrefetchError::SourceChanged {
+                        uri: uri.clone(),
+                        detail: format!("ETag was {want}, now {have}"),
+                    });
+                }
+                if r.range.start != start + got {
+                    return Err(PrefetchError::SourceUnavailable {
+                        uri: uri.clone(),
+                        detail: format!("asked for bytes from {}, got from {}", start + got, r.range.start),
+                    });
+                }
+                if identify && identity.is_none() {
+                    identity = Some((r.meta.e_tag.clone(), r.meta.version.clone()));
+                }
+                let before = got;
+                let mut stream = r.into_stream();
+                let mut body_err = None;
+                loop {
+                    let next = tokio::select! {
+                        _ = ctx.cancel.cancelled() => return Err(PrefetchError::Cancelled),
+                        n = stream.next() => n,
+                    };
+                    match next {
+                        Some(Ok(b)) => {
+                            let n = b.len() as u64;
+                            if start + got + n > end {
+                                return Err(PrefetchError::SizeMismatch {
+                                    file: ctx.label.clone(),
+                                    uri: uri.clone(),
+                                    expected: ctx.size,
+                                    actual: start + got + n,
+                                });
+                            }
+                            got += n;
+                            ctx.progress.fetched(&ctx.bundles, n);
+                            bufs.push(b);
+                        }
+                        Some(Err(e)) => {
+                            body_err = Some(map_store_error(uri, e));
+                            break;
+                        }
+                        None => break,
+                    }
+                }
+                match body_err {
+                    Some(e) if !e.is_transient() => return Err(e),
+                    Some(e) => e,
+                    None if got > before => continue,
+                    None => PrefetchError::SourceUnavailable {
+                        uri: uri.clone(),
+                        detail: "empty response body".into(),
+                    },
+                }
+            }
+        };
+        failures += 1;
+        ctx.progress.observer.retry(transient_err.reason());
+        let Some(d) = delays.next() else {
+            return Err(transient_err);
+        };
+        tracing::debug!(uri = %uri, chunk = i, failures, error = %transient_err, "retrying the missing part of the chunk");
+        tokio::select! {
+            _ = ctx.cancel.cancelled() => return Err(PrefetchError::Cancelled),
+            _ = tokio::time::sleep(d) => {}
+        }
+    }
+
+    // Write at the chunk's offset, then record it in the chunk map.
+    let file = ctx.file.clone();
+    let part = ctx.part.clone();
+    let to_write = bufs.clone();
+    blocking(move || write_all_at(&file, &to_write, start).map_err(|e| PrefetchError::io("write", &part, e))).await?;
+    if let Ok(mut m) = ctx.map.lock() {
+        m.set_done(i);
+    }
+    // The identifying chunk is persisted by the caller once the ETag is known, so a map on
+    // disk never lacks the If-Match value its chunks were fetched under.
+    if ctx.persist && !identify {
+        persist_map(&ctx).await?;
+    }
+    Ok((bufs, got, identity))
+}
+
+/// Vectored positional write of all buffers starting at `offset`.
+fn write_all_at(file: &File, bufs: &[Bytes], mut offset: u64) -> std::io::Result<()> {
+    // IOV_MAX is 1024 on Linux.
+    for group in bufs.chunks(512) {
+        let mut slices: Vec<&[u8]> = group.iter().map(|b| b.as_ref()).collect();
+        while !slices.is_empty() {
+            let io: Vec<IoSlice<'_>> = slices.iter().map(|s| IoSlice::new(s)).collect();
+            let mut n = rustix::io::pwritev(file, &io, offset).map_err(std::io::Error::from)?;
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::WriteZero,
+                    "pwritev wrote nothing",
+                ));
+            }
+            offset += n as u64;
+            // Drop fully written slices, trim a partially written one.
+            while let Some(first) = slices.first_mut() {
+                if n >= first.len() {
+                    n -= first.len();
+                    slices.remove(0);
+                } else {
+                    *first = &first[n..];
+                    break;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn load_map(path: &std::path::Path) -> Option<ChunkMap> {
+    let bytes = std::fs::read(path).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// Persist the chunk map atomically (write a temp file, rename).
+async fn persist_map(ctx: &Arc<ChunkCtx>) -> Result<(), PrefetchError> {
+    let ctx = ctx.clone();
+    blocking(move || {
+        // Hold the lock across write+rename so concurrent chunk tasks do not interleave.
+        let guard = ctx.map.lock().map_err(|_| {
+            PrefetchError::io(
+                "persist",
+                &ctx.state_path,
+                std::io::Error::other("chunk map lock poisoned"),
+            )
+        })?;
+        let bytes = serde_json::to_vec(&*guard)
+            .map_err(|e| PrefetchError::io("encode", &ctx.state_path, std::io::Error::other(e)))?;
+        let tmp = ctx.state_path.with_extension("state.tmp");
+        std::fs::write(&tmp, bytes).map_err(|e| PrefetchError::io("write", &tmp, e))?;
+        std::fs::rename(&tmp, &ctx.state_path).map_err(|e| PrefetchError::io("rename", &ctx.state_path, e))?;
+        drop(guard);
+        Ok(())
+    })
+    .await
+}
+
+/// Run blocking file work off the async workers.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, PrefetchError> + Send + 'static,
+) -> Result<T, PrefetchError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| PrefetchError::io("run blocking task", "<cache>", std::io::Error::other(e)))?
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn chunk_map_bits() {
+        let mut m = ChunkMap::new("d", 10 * 4 + 1, 4);
+        assert_eq!(chunks(41, 4), 11);
+        assert!(!m.is_done(10));
+        m.set_done(10);
+        m.set_done(0);
+        assert!(m.is_done(10) && m.is_done(0) && !m.is_done(5));
+        assert_eq!(m.done_count(), 2);
+        let j = serde_json::to_string(&m).unwrap();
+        let back: ChunkMap = serde_json::from_str(&j).unwrap();
+        assert!(back.is_done(10));
+    }
+
+    #[test]
+    fn vectored_write_at_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("f"))
+            .unwrap();
+        let bufs: Vec<Bytes> = (0..1500u32).map(|i| Bytes::from(vec![(i % 251) as u8; 3])).collect();
+        write_all_at(&f, &bufs, 5).unwrap();
+        let mut back = vec![0u8; 4500];
+        f.read_exact_at(&mut back, 5).unwrap();
+        let want: Vec<u8> = bufs.iter().flat_map(|b| b.to_vec()).collect();
+        assert_eq!(back, want);
+    }
+}

@@ -1,0 +1,453 @@
+//! Bundle manifests: the list of files (relative path, size, sha256, source) that make up a
+//! model bundle, how a configuration pins one (`BundleRef`: URI plus the manifest's own
+//! sha256), validation of untrusted manifests, and `create_manifest` for
+//! `taintgate bundle create`.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::PrefetchError;
+
+/// A model bundle as the configuration names it: where its manifest lives and the sha256
+/// the manifest's bytes must have, so the manifest is pinned as tightly as the files.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BundleRef {
+    /// Bundle name: the directory under `<cache>/bundles/` where the files appear.
+    pub name: String,
+    /// Manifest location (`s3://`, `gs://`, `az://`, `http(s)://`, `file://`).
+    pub manifest_uri: String,
+    /// Hex sha256 of the manifest's bytes.
+    pub manifest_sha256: String,
+}
+
+/// The list of files in a bundle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Base URI that relative sources (and files without a source) are resolved against.
+    /// When absent, the directory of the manifest's own URI is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_uri: Option<String>,
+    /// The files, in any order.
+    pub files: Vec<ManifestFile>,
+}
+
+/// One file of a bundle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ManifestFile {
+    /// Path inside the bundle, `/`-separated, relative, without `.` or `..` components.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Hex sha256 of the content (64 characters, case-insensitive).
+    pub sha256: String,
+    /// Where to fetch it: an absolute URI, or a reference relative to the base URI.
+    /// Defaults to `path` relative to the base URI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+/// Hex sha256 of a byte slice.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Whether `s` is a 64-character hex sha256 digest.
+pub(crate) fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+impl BundleRef {
+    /// Check the reference: safe bundle name, well-formed digest.
+    pub fn validate(&self) -> Result<(), PrefetchError> {
+        let bad = |detail: String| PrefetchError::ManifestInvalid {
+            manifest: format!("bundle {:?}", self.name),
+            detail,
+        };
+        if self.name.is_empty()
+            || self.name == "."
+            || self.name == ".."
+            || self.name.contains(['/', '\\', '\0'])
+            || self.name.starts_with('.')
+        {
+            return Err(bad(format!(
+                "bundle name {:?} must be a single path component not starting with '.'",
+                self.name
+            )));
+        }
+        if !is_sha256_hex(&self.manifest_sha256) {
+            return Err(bad(format!(
+                "manifest_sha256 {:?} is not a 64-character hex sha256",
+                self.manifest_sha256
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Manifest {
+    /// Parse manifest bytes (JSON or YAML) and validate them. `origin` names the manifest in
+    /// errors.
+    pub fn parse(bytes: &[u8], origin: &str) -> Result<Self, PrefetchError> {
+        let invalid = |detail: String| PrefetchError::ManifestInvalid {
+            manifest: origin.to_string(),
+            detail,
+        };
+        let text = std::str::from_utf8(bytes).map_err(|e| invalid(format!("not UTF-8: {e}")))?;
+        let trimmed = text.trim_start();
+        let manifest: Manifest = if trimmed.starts_with('{') {
+            serde_json::from_str(text).map_err(|e| invalid(format!("JSON: {e}")))?
+        } else {
+            serde_yaml_ng::from_str(text).map_err(|e| invalid(format!("YAML: {e}")))?
+        };
+        manifest.validate(origin)?;
+        Ok(manifest)
+    }
+
+    /// Check every entry: safe relative paths (no `..`, not absolute, no empty or `.`
+    /// components, no duplicates, no file that is also a directory of another), digests
+    /// well formed.
+    pub fn validate(&self, origin: &str) -> Result<(), PrefetchError> {
+        let invalid = |detail: String| PrefetchError::ManifestInvalid {
+            manifest: origin.to_string(),
+            detail,
+        };
+        let mut files = HashSet::new();
+        let mut dirs = HashSet::new();
+        for f in &self.files {
+            validate_rel_path(&f.path).map_err(|d| invalid(format!("path {:?}: {d}", f.path)))?;
+            if !is_sha256_hex(&f.sha256) {
+                return Err(invalid(format!(
+                    "path {:?}: sha256 {:?} is not a 64-character hex digest",
+                    f.path, f.sha256
+                )));
+            }
+            if let Some(src) = &f.source
+                && src.trim().is_empty()
+            {
+                return Err(invalid(format!("path {:?}: empty source", f.path)));
+            }
+            if !files.insert(f.path.as_str()) {
+                return Err(invalid(format!("duplicate path {:?}", f.path)));
+            }
+            let mut prefix = String::new();
+            for comp in f.path.split('/').take(f.path.split('/').count() - 1) {
+                if !prefix.is_empty() {
+                    prefix.push('/');
+                }
+                prefix.push_str(comp);
+                dirs.insert(prefix.clone());
+            }
+        }
+        if let Some(clash) = files.iter().find(|p| dirs.contains(**p)) {
+            return Err(invalid(format!("path {clash:?} is both a file and a directory")));
+        }
+        Ok(())
+    }
+
+    /// Serialize as YAML (what `taintgate bundle create` writes).
+    pub fn to_yaml(&self) -> Result<String, PrefetchError> {
+        serde_yaml_ng::to_string(self).map_err(|e| PrefetchError::ManifestInvalid {
+            manifest: "<new manifest>".into(),
+            detail: format!("cannot serialize: {e}"),
+        })
+    }
+
+    /// Resolve the source URI of `file`, given the URI the manifest was fetched from.
+    pub fn source_uri(&self, file: &ManifestFile, manifest_uri: &str) -> Result<String, PrefetchError> {
+        let reference = file.source.as_deref().unwrap_or(&file.path);
+        if has_scheme(reference) {
+            return Ok(reference.to_string());
+        }
+        let base = match &self.base_uri {
+            Some(b) => b.clone(),
+            None => manifest_uri.to_string(),
+        };
+        let base = if self.base_uri.is_some() && !base.ends_with('/') {
+            format!("{base}/")
+        } else {
+            base
+        };
+        let base_url = url::Url::parse(&base).map_err(|e| PrefetchError::ManifestInvalid {
+            manifest: manifest_uri.to_string(),
+            detail: format!("base URI {base:?}: {e}"),
+        })?;
+        let joined = base_url.join(reference).map_err(|e| PrefetchError::ManifestInvalid {
+            manifest: manifest_uri.to_string(),
+            detail: format!("source {reference:?} relative to {base:?}: {e}"),
+        })?;
+        Ok(joined.to_string())
+    }
+}
+
+/// True when `s` starts with `scheme://`.
+fn has_scheme(s: &str) -> bool {
+    match s.split_once("://") {
+        Some((scheme, _)) => {
+            !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+        }
+        None => false,
+    }
+}
+
+/// Validate a bundle-relative path; returns what is wrong.
+pub(crate) fn validate_rel_path(p: &str) -> Result<(), String> {
+    if p.is_empty() {
+        return Err("empty path".into());
+    }
+    if p.starts_with('/') || p.starts_with('\\') {
+        return Err("absolute path".into());
+    }
+    if p.contains('\0') || p.contains('\\') {
+        return Err("NUL or backslash in path".into());
+    }
+    for comp in p.split('/') {
+        match comp {
+            "" => return Err("empty path component".into()),
+            "." => return Err("'.' component".into()),
+            ".." => return Err("'..' component escapes the bundle".into()),
+            _ => {}
+        }
+    }
+    // Defence in depth: what the OS would make of it must be plain normal components.
+    if Path::new(p).components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err("not a plain relative path".into());
+    }
+    Ok(())
+}
+
+/// Hash a file, returning (size, hex sha256). Blocking; run on a blocking thread.
+pub(crate) fn hash_file(path: &Path) -> Result<(u64, String), PrefetchError> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| PrefetchError::io("open", path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let r = f.read(&mut buf).map_err(|e| PrefetchError::io("read", path, e))?;
+        if r == 0 {
+            break;
+        }
+        h.update(&buf[..r]);
+        n += r as u64;
+    }
+    Ok((n, hex::encode(h.finalize())))
+}
+
+/// Write a manifest for every regular file under `dir` (recursively), hashing files in
+/// parallel across cores. Symlinks are followed only when they stay inside `dir`; one that
+/// points outside is `ManifestInvalid`. With `base_uri`, sources are relative to it
+/// (recorded as `base_uri`); without, the manifest expects to sit next to the files.
+pub async fn create_manifest(dir: &Path, base_uri: Option<&str>) -> Result<Manifest, PrefetchError> {
+    let root = tokio::fs::canonicalize(dir)
+        .await
+        .map_err(|e| PrefetchError::io("resolve directory", dir, e))?;
+    let root2 = root.clone();
+    let entries = tokio::task::spawn_blocking(move || list_files(&root2))
+        .await
+        .map_err(|e| PrefetchError::io("list", dir, std::io::Error::other(e)))??;
+    let parallel = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    let sem = Arc::new(tokio::sync::Semaphore::new(parallel));
+    let mut tasks = Vec::with_capacity(entries.len());
+    for (rel, abs) in entries {
+        let sem = sem.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let abs2 = abs.clone();
+            let (size, sha256) = tokio::task::spawn_blocking(move || hash_file(&abs2))
+                .await
+                .map_err(|e| PrefetchError::io("hash", &abs, std::io::Error::other(e)))??;
+            Ok::<_, PrefetchError>(ManifestFile {
+                path: rel,
+                size,
+                sha256,
+                source: None,
+            })
+        }));
+    }
+    let mut by_path = BTreeMap::new();
+    for t in tasks {
+        let f = t
+            .await
+            .map_err(|e| PrefetchError::io("hash", dir, std::io::Error::other(e)))??;
+        by_path.insert(f.path.clone(), f);
+    }
+    let manifest = Manifest {
+        base_uri: base_uri.map(str::to_string),
+        files: by_path.into_values().collect(),
+    };
+    manifest.validate(&dir.display().to_string())?;
+    Ok(manifest)
+}
+
+/// Recursively list regular files under `root` as (relative `/` path, absolute path).
+fn list_files(root: &Path) -> Result<Vec<(String, PathBuf)>, PrefetchError> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let rd = std::fs::read_dir(&dir).map_err(|e| PrefetchError::io("read directory", &dir, e))?;
+        for entry in rd {
+            let entry = entry.map_err(|e| PrefetchError::io("read directory", &dir, e))?;
+            let path = entry.path();
+            let ft = entry.file_type().map_err(|e| PrefetchError::io("stat", &path, e))?;
+            let (is_dir, is_file) = if ft.is_symlink() {
+                // Follow only links that stay inside the bundle directory.
+                let target =
+                    std::fs::canonicalize(&path).map_err(|e| PrefetchError::io("resolve symlink", &path, e))?;
+                if !target.starts_with(root) {
+                    return Err(PrefetchError::ManifestInvalid {
+                        manifest: root.display().to_string(),
+                        detail: format!(
+                            "symlink {} points outside the directory, to {}",
+                            path.display(),
+                            target.display()
+                        ),
+                    });
+                }
+                if target.is_dir() {
+                    // A link to a directory inside the tree would list files twice (or
+                    // loop); the real directory is listed already.
+                    continue;
+                }
+                (false, target.is_file())
+            } else {
+                (ft.is_dir(), ft.is_file())
+            };
+            if is_dir {
+                stack.push(path);
+            } else if is_file {
+                let rel = path.strip_prefix(root).map_err(|_| PrefetchError::ManifestInvalid {
+                    manifest: root.display().to_string(),
+                    detail: format!("{} is not under the directory", path.display()),
+                })?;
+                let rel = rel
+                    .to_str()
+                    .ok_or_else(|| PrefetchError::ManifestInvalid {
+                        manifest: root.display().to_string(),
+                        detail: format!("file name {} is not UTF-8", path.display()),
+                    })?
+                    .to_string();
+                out.push((rel, path));
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    const D: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+    fn m(paths: &[&str]) -> Manifest {
+        Manifest {
+            base_uri: None,
+            files: paths
+                .iter()
+                .map(|p| ManifestFile {
+                    path: p.to_string(),
+                    size: 0,
+                    sha256: D.into(),
+                    source: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn rejects_unsafe_paths() {
+        for bad in [
+            &["../x"][..],
+            &["a/../../x"],
+            &["/etc/passwd"],
+            &["a//b"],
+            &["./a"],
+            &["a", "a"],
+            &["a", "a/b"],
+            &[""],
+            &["a\\..\\b"],
+        ] {
+            let err = m(bad).validate("t").unwrap_err();
+            assert_eq!(err.reason(), "ManifestInvalid", "{bad:?}");
+        }
+        m(&["a/b", "a/c", "d"]).validate("t").unwrap();
+    }
+
+    #[test]
+    fn parses_yaml_and_json_and_rejects_unknown_fields() {
+        let y = format!("files:\n  - path: a\n    size: 1\n    sha256: {D}\n");
+        assert_eq!(Manifest::parse(y.as_bytes(), "t").unwrap().files.len(), 1);
+        let j = format!(r#"{{"files":[{{"path":"a","size":1,"sha256":"{D}"}}]}}"#);
+        assert_eq!(Manifest::parse(j.as_bytes(), "t").unwrap().files[0].size, 1);
+        let bad = format!("files:\n  - path: a\n    size: 1\n    sha256: {D}\n    extra: 1\n");
+        assert_eq!(
+            Manifest::parse(bad.as_bytes(), "t").unwrap_err().reason(),
+            "ManifestInvalid"
+        );
+        let bad_digest = "files:\n  - path: a\n    size: 1\n    sha256: abc\n";
+        assert_eq!(
+            Manifest::parse(bad_digest.as_bytes(), "t").unwrap_err().reason(),
+            "ManifestInvalid"
+        );
+    }
+
+    #[test]
+    fn resolves_sources() {
+        let mut man = m(&["dir/a b"]);
+        assert_eq!(
+            man.source_uri(&man.files[0], "http://h:1/m/manifest.yaml").unwrap(),
+            "http://h:1/m/dir/a%20b"
+        );
+        man.base_uri = Some("s3://bucket/models".into());
+        assert_eq!(
+            man.source_uri(&man.files[0], "x").unwrap(),
+            "s3://bucket/models/dir/a%20b"
+        );
+        man.files[0].source = Some("file:///data/x".into());
+        assert_eq!(man.source_uri(&man.files[0], "x").unwrap(), "file:///data/x");
+    }
+
+    #[test]
+    fn bundle_ref_names() {
+        let mut b = BundleRef {
+            name: "llama".into(),
+            manifest_uri: "x".into(),
+            manifest_sha256: D.into(),
+        };
+        b.validate().unwrap();
+        for bad in ["..", "a/b", "", ".hidden"] {
+            b.name = bad.into();
+            assert!(b.validate().is_err(), "{bad}");
+        }
+    }
+
+    #[tokio::test]
+    async fn create_manifest_hashes_and_rejects_escaping_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("sub/w.bin"), b"abc").unwrap();
+        std::fs::write(dir.path().join("empty"), b"").unwrap();
+        let man = create_manifest(dir.path(), Some("http://h/x")).await.unwrap();
+        assert_eq!(man.files.len(), 2);
+        assert_eq!(man.files[0].path, "empty");
+        assert_eq!(man.files[0].sha256, D);
+        assert_eq!(man.files[1].path, "sub/w.bin");
+        assert_eq!(man.files[1].sha256, sha256_hex(b"abc"));
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), b"s").unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret"), dir.path().join("link")).unwrap();
+        let err = create_manifest(dir.path(), None).await.unwrap_err();
+        assert_eq!(err.reason(), "ManifestInvalid");
+    }
+}

