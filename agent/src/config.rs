@@ -26,6 +26,8 @@ pub struct Config {
     pub kubelet: KubeletConfig,
     /// Serving-group fit (`fit` stage); `None` checks nothing.
     pub fit: Option<taintgate_validators::kubelet::fit::FitConfig>,
+    /// Model bundles prefetched and verified (`models` stage).
+    pub models: ModelsConfig,
     /// Container images pre-pulled through CRI (`images` stage).
     pub images: taintgate_prefetch::images::ImagesConfig,
     /// After a reboot of a node released under another boot, put the startup taint back
@@ -276,6 +278,16 @@ impl Default for PeerBwConfig {
     }
 }
 
+/// Model bundles: which to prefetch, and how.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelsConfig {
+    /// Bundles, each pinned by its manifest's sha256.
+    pub bundles: Vec<taintgate_prefetch::BundleRef>,
+    /// Download engine settings.
+    pub fetch: taintgate_prefetch::PrefetchOptions,
+}
+
 /// Kubelet-side settings (allocatable, device-plugin and runtime stages).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -415,6 +427,9 @@ impl Config {
             {
                 return err(&format!("stages.{name}.deadline"), "must be greater than zero".into());
             }
+        }
+        if let Err(e) = self.models.fetch.validate() {
+            return err("models.fetch", e.to_string());
         }
         if let Err(e) = self.images.validate() {
             return err("images", e.to_string());

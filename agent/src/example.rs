@@ -83,6 +83,28 @@ kubelet:
 #     promised_groups: 2
 fit: null
 
+# Model bundles, prefetched into a content-addressed cache and verified by sha256 while
+# downloading. Each bundle names its manifest and pins the manifest's own sha256
+# (`taintgate bundle create DIR --base-uri URI` writes one). Sources: s3://, gs://, az://,
+# http(s)://, file:// with the standard credential chains.
+models:
+  bundles: []
+  #  - name: llama-70b
+  #    manifest_uri: s3://models/llama-70b/manifest.json
+  #    manifest_sha256: <64 hex>
+  fetch:
+    cache_dir: /var/lib/taintgate/models
+    concurrency: 16             # chunk slots: memory is at most concurrency x chunk_size
+    file_concurrency: 12        # chunks of one file in flight (its reorder window)
+    chunk_size: 16777216        # 16 MiB ranged GETs, well inside the request timeout
+    retries: 3
+    reserve_bytes: null         # null: keep 10% free (kubelet's nodefs.available<10%)
+    verify_cache: false         # true: re-hash every cached blob
+    progress: true
+    log_interval_secs: 5
+    request_timeout_secs: 30
+    source_options: {}          # extra object_store keys (aws_endpoint, proxy_url, ...)
+
 # Images pre-pulled into the container runtime over CRI, so the kubelet's pull is a cache
 # hit. Each must be pinned: name@sha256:<digest> (a tag before the digest is informational).
 images:

@@ -3,6 +3,7 @@
 //! startup taint. See `DESIGN.md` for the stage graph and safety rules.
 
 pub mod bootstrap;
+pub mod bundle_cli;
 pub mod cli;
 pub mod config;
 pub mod example;

@@ -451,10 +451,10 @@ mod tests {
                 }
                 if in_reason > 0 {
                     in_reason += line.matches('{').count() as i32 - line.matches('}').count() as i32;
-                    if let Some(idx) = line.find("=> ") {
-                        if let Some(c) = lit(&line[idx + 3..]) {
-                            out.insert(c);
-                        }
+                    if let Some(idx) = line.find("=> ")
+                        && let Some(c) = lit(&line[idx + 3..])
+                    {
+                        out.insert(c);
                     }
                 }
                 for pat in ["permanent(", "transient(", "fail(", "reason: "] {

@@ -403,7 +403,7 @@ impl Engine {
                     let task = tokio::spawn(fetch_chunk(ctx, i, false));
                     async move { (task.await, permit) }
                 })
-                .buffered(window)
+                .buffered(window),
         );
         let mut result: Result<(), AttemptError> = Ok(());
         while let Some((joined, permit)) = stream.next().await {

@@ -80,7 +80,7 @@ impl Default for PrefetchOptions {
             cache_dir: PathBuf::from("/var/lib/taintgate/models"),
             concurrency: 16,
             file_concurrency: 12,
-            chunk_size: 8 << 20,
+            chunk_size: 16 << 20,
             retries: 3,
             reserve_bytes: None,
             verify_cache: false,
@@ -281,7 +281,10 @@ pub async fn prefetch_bundles_observed(
     // 3. What is cached already (re-hash in parallel across cores when needed).
     let hash_par = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
     let verify = opts.verify_cache;
-    let planned: Vec<PlannedBlob> = futures::stream::iter(order.iter().map(|d| by_digest[d].clone()))
+    // Owned items (not an iterator of borrows): a future that holds a borrowing closure
+    // across an await is not `Send` for every lifetime, and callers spawn this future.
+    let jobs: Vec<BlobJob> = order.iter().map(|d| by_digest[d].clone()).collect();
+    let planned: Vec<PlannedBlob> = futures::stream::iter(jobs)
         .map(|job| {
             let cache = cache.clone();
             async move {
@@ -355,10 +358,11 @@ pub async fn prefetch_bundles_observed(
     // Stop sibling downloads as soon as one fails (partials are kept for resume).
     let _stop_fetches = fetch_cancel.clone().drop_guard();
     let mut outcomes: HashMap<String, (fetch::BlobOutcome, Duration)> = HashMap::new();
-    let mut running = futures::stream::iter(to_fetch.iter().map(|p| {
-        let engine = engine.clone();
-        let job = p.job.clone();
-        let c = fetch_cancel.clone();
+    let fetch_jobs: Vec<BlobJob> = to_fetch.iter().map(|p| p.job.clone()).collect();
+    let (run_engine, run_cancel) = (engine.clone(), fetch_cancel.clone());
+    let mut running = futures::stream::iter(fetch_jobs.into_iter().map(move |job| {
+        let engine = run_engine.clone();
+        let c = run_cancel.clone();
         tokio::spawn(async move {
             let d = job.digest.clone();
             let r = engine.fetch_blob(job, c).await;

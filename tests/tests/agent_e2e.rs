@@ -541,3 +541,108 @@ fn allocatable_published_late_is_waited_for_on_the_watch() {
         "never lists all nodes"
     );
 }
+
+/// A model directory, its manifest (written by `taintgate bundle create`) and a config
+/// pinning it, served from `file://`.
+fn bundle_fixture(dir: &std::path::Path) -> String {
+    let model = dir.join("model");
+    std::fs::create_dir_all(model.join("shards")).unwrap();
+    std::fs::write(model.join("config.json"), br#"{"layers": 80}"#).unwrap();
+    let shard: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    std::fs::write(model.join("shards/00.bin"), &shard).unwrap();
+    let manifest = dir.join("manifest.yaml");
+    let o = agent_cmd(60)
+        .unwrap()
+        .args(["bundle", "create"])
+        .arg(&model)
+        .args(["--base-uri", &format!("file://{}", model.display()), "-o"])
+        .arg(&manifest)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let sha = err
+        .lines()
+        .find_map(|l| l.strip_prefix("manifest_sha256: "))
+        .unwrap()
+        .trim()
+        .to_string();
+    let cfg = dir.join("config.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "models:\n  bundles:\n    - name: demo\n      manifest_uri: file://{}\n      manifest_sha256: {sha}\n  fetch:\n    cache_dir: {}\n    reserve_bytes: 0\n    chunk_size: 1048576\n",
+            manifest.display(),
+            dir.join("cache").display()
+        ),
+    )
+    .unwrap();
+    cfg.to_string_lossy().into_owned()
+}
+
+#[test]
+fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = bundle_fixture(dir.path());
+    let emu = start(true);
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+        "--config",
+        &cfg,
+        "--output",
+        "json",
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    let t: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let models = t["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "models")
+        .unwrap();
+    assert_eq!(models["outcome"], "passed");
+    assert_eq!(models["evidence"]["bytesFetched"], 3_000_000 + 14);
+    let view = dir.path().join("cache/bundles/demo/shards/00.bin");
+    assert_eq!(
+        std::fs::read(&view).unwrap(),
+        std::fs::read(dir.path().join("model/shards/00.bin")).unwrap()
+    );
+
+    // Same bundle, but the source file changed after the manifest was pinned: the cache is
+    // cold, the bytes do not verify, the node is held and nothing unverified is visible.
+    let dir2 = tempfile::tempdir().unwrap();
+    let cfg2 = bundle_fixture(dir2.path());
+    let mut shard = std::fs::read(dir2.path().join("model/shards/00.bin")).unwrap();
+    shard[1_234_567] ^= 0xff;
+    std::fs::write(dir2.path().join("model/shards/00.bin"), &shard).unwrap();
+    let emu = start(true);
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+        "--config",
+        &cfg2,
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
+    assert_eq!(
+        condition(&node(&emu), "TaintgateVerified").unwrap()["reason"],
+        "DigestMismatch"
+    );
+    assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+    assert!(
+        !dir2.path().join("cache/bundles/demo/shards/00.bin").exists(),
+        "no unverified file at a final path"
+    );
+}

@@ -53,7 +53,6 @@ fn stage(node: &Value, name: &str) -> Option<Value> {
 }
 
 #[test]
-#[ignore = "needs the agent's `images` stage wired to prefetch::images (lead); remove this attribute then"]
 fn taint_released_only_after_images_are_present() {
     let mut reg = require_service!("docker-registry", Registry::start());
     let ctd = require_service!("containerd", Containerd::start(&[&reg.host]));
@@ -66,6 +65,8 @@ fn taint_released_only_after_images_are_present() {
         .enable_all()
         .build()
         .unwrap();
+    // tonic's lazy channel needs a runtime context to be created in.
+    let _enter = rt.enter();
     let cri = CriImageRuntime::connect(&ctd.socket).unwrap();
     let image = ImageRef::parse(&pinned).unwrap();
 

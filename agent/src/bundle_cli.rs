@@ -1,0 +1,146 @@
+//! `taintgate bundle create|fetch`: write a pinned manifest for a model directory, and run
+//! the models stage's download engine on its own (warm a cache, benchmark, debug a source).
+
+use crate::bootstrap::exit;
+use clap::Subcommand;
+use std::path::PathBuf;
+use taintgate_prefetch::{
+    BundleRef, CancellationToken, PrefetchOptions, create_manifest, prefetch_bundles, sha256_hex,
+};
+
+/// `bundle` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BundleCommand {
+    /// Hash every file of DIR (in parallel) and print a manifest, then its sha256 on
+    /// stderr for the config's `manifest_sha256`.
+    Create {
+        /// The model directory.
+        dir: PathBuf,
+        /// URI the files will be served from (files are listed relative to it).
+        #[arg(long)]
+        base_uri: Option<String>,
+        /// Write the manifest here instead of stdout.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+    },
+    /// Fetch and verify one bundle into a cache directory.
+    Fetch {
+        /// Manifest URI or local path.
+        manifest: String,
+        /// Pinned sha256 of the manifest (required for a URI; computed for a local file).
+        #[arg(long)]
+        sha256: Option<String>,
+        /// Bundle name (the view under <cache>/bundles/<name>).
+        #[arg(long, default_value = "bundle")]
+        name: String,
+        /// Cache directory.
+        #[arg(long)]
+        cache: PathBuf,
+        /// Chunk slots across all files.
+        #[arg(long)]
+        concurrency: Option<usize>,
+        /// Bytes per ranged GET.
+        #[arg(long)]
+        chunk_size: Option<u64>,
+        /// Re-hash every cached blob.
+        #[arg(long)]
+        verify_cache: bool,
+    },
+}
+
+/// Run a `bundle` subcommand; returns the exit code.
+pub async fn run(cmd: BundleCommand) -> i32 {
+    match cmd {
+        BundleCommand::Create { dir, base_uri, output } => {
+            let m = match create_manifest(&dir, base_uri.as_deref())
+                .await
+                .and_then(|m| m.to_yaml())
+            {
+                Ok(y) => y,
+                Err(e) => {
+                    eprintln!("error ({}): {e}", e.reason());
+                    return exit::BAD_INPUT;
+                }
+            };
+            let digest = sha256_hex(m.as_bytes());
+            match output {
+                Some(p) => {
+                    if let Err(e) = std::fs::write(&p, &m) {
+                        eprintln!("error: cannot write {}: {e}", p.display());
+                        return exit::BAD_INPUT;
+                    }
+                }
+                None => print!("{m}"),
+            }
+            eprintln!("manifest_sha256: {digest}");
+            exit::RELEASED
+        }
+        BundleCommand::Fetch {
+            manifest,
+            sha256,
+            name,
+            cache,
+            concurrency,
+            chunk_size,
+            verify_cache,
+        } => {
+            let (uri, digest) = if manifest.contains("://") {
+                match sha256 {
+                    Some(d) => (manifest, d),
+                    None => {
+                        eprintln!("error: --sha256 is required for a manifest URI");
+                        return exit::BAD_INPUT;
+                    }
+                }
+            } else {
+                let abs = match std::fs::canonicalize(&manifest) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        eprintln!("error: {manifest}: {e}");
+                        return exit::BAD_INPUT;
+                    }
+                };
+                let bytes = match std::fs::read(&abs) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        eprintln!("error: {}: {e}", abs.display());
+                        return exit::BAD_INPUT;
+                    }
+                };
+                (
+                    format!("file://{}", abs.display()),
+                    sha256.unwrap_or_else(|| sha256_hex(&bytes)),
+                )
+            };
+            let mut opts = PrefetchOptions {
+                cache_dir: cache,
+                verify_cache,
+                ..Default::default()
+            };
+            if let Some(c) = concurrency {
+                opts.concurrency = c;
+            }
+            if let Some(c) = chunk_size {
+                opts.chunk_size = c;
+            }
+            let bundle = BundleRef {
+                name,
+                manifest_uri: uri,
+                manifest_sha256: digest,
+            };
+            match prefetch_bundles(&[bundle], &opts, CancellationToken::new()).await {
+                Ok(r) => {
+                    println!(
+                        "verified: {} bytes fetched, {} from cache, {} ms",
+                        r.bytes_fetched, r.bytes_from_cache, r.duration_ms
+                    );
+                    exit::RELEASED
+                }
+                Err(e) => {
+                    eprintln!("error ({}): {e}", e.reason());
+                    exit::HELD
+                }
+            }
+        }
+    }
+}
