@@ -14,7 +14,7 @@ use std::fs::File;
 use std::io::IoSlice;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use backon::BackoffBuilder;
@@ -149,8 +149,9 @@ struct ChunkCtx {
     map: Mutex<ChunkMap>,
     size: u64,
     chunk_size: u64,
-    if_match: Option<String>,
-    version: Option<String>,
+    /// The object's (ETag, version), fixed by the first response (or by the resumed chunk
+    /// map). Later requests carry it as If-Match; every response is compared with it.
+    identity: OnceLock<(Option<String>, Option<String>)>,
     retries: u32,
     cancel: CancellationToken,
     progress: Arc<Progress>,
@@ -274,7 +275,7 @@ impl Engine {
         let previous = load_map(&state_path)
             .filter(|m| m.digest == *digest && m.size == job.size && m.chunk_size == self.chunk_size && part.exists());
         let resumed = previous.is_some();
-        let mut map = previous.unwrap_or_else(|| ChunkMap::new(digest, job.size, self.chunk_size));
+        let map = previous.unwrap_or_else(|| ChunkMap::new(digest, job.size, self.chunk_size));
         let file = {
             let part = part.clone();
             let size = job.size;
@@ -311,57 +312,31 @@ impl Engine {
             }
         }
 
-        let make_ctx = |map: &ChunkMap, src: SourceObject| {
-            Arc::new(ChunkCtx {
-                src,
-                file: file.clone(),
-                part: part.clone(),
-                state_path: state_path.clone(),
-                map: Mutex::new(map.clone()),
-                size: job.size,
-                chunk_size: self.chunk_size,
-                if_match: map.e_tag.clone(),
-                version: map.version.clone(),
-                retries: self.retries,
-                cancel: cancel.child_token(),
-                progress: self.progress.clone(),
-                bundles: job.bundles.clone(),
-                label: job.label.clone(),
-                persist: n > 1,
-            })
-        };
-
-        // A multi-chunk download first fetches one chunk alone to learn the object's ETag
-        // (and version), which every other request then carries as If-Match.
-        if n > 1
-            && !resumed
-            && let Some(first) = (0..n).find(|&i| !map.is_done(i))
-        {
-            let probe = make_ctx(&map, src.clone());
-            let _stop_probe = probe.cancel.clone().drop_guard();
-            let permit = self
-                .slots
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| PrefetchError::Cancelled)?;
-            let (_, fetched, meta) = fetch_chunk(probe.clone(), first, true).await?;
-            drop(permit);
-            out.bytes_fetched += fetched;
-            if let Ok(m) = probe.map.lock() {
-                map = m.clone();
-            }
-            if let Some((e_tag, version)) = meta {
-                map.e_tag = e_tag;
-                map.version = version;
-            }
+        // No probe request: every chunk starts at once. The first response fixes the
+        // object's identity; requests sent after it carry If-Match, and every response's
+        // ETag is compared with it, so a change at any point is caught either way.
+        let identity = OnceLock::new();
+        if resumed && (map.e_tag.is_some() || map.version.is_some()) {
+            let _ = identity.set((map.e_tag.clone(), map.version.clone()));
         }
-        let ctx = make_ctx(&map, src);
+        let ctx = Arc::new(ChunkCtx {
+            src,
+            file: file.clone(),
+            part: part.clone(),
+            state_path: state_path.clone(),
+            map: Mutex::new(map.clone()),
+            size: job.size,
+            chunk_size: self.chunk_size,
+            identity,
+            retries: self.retries,
+            cancel: cancel.child_token(),
+            progress: self.progress.clone(),
+            bundles: job.bundles.clone(),
+            label: job.label.clone(),
+            persist: n > 1,
+        });
         // Stop this file's chunk tasks when the attempt ends for any reason.
         let _stop_chunks = ctx.cancel.clone().drop_guard();
-        if ctx.persist {
-            persist_map(&ctx).await?;
-        }
         let resumed_chunks = ctx.map.lock().map(|m| m.done_count()).unwrap_or(0);
         if resumed {
             tracing::info!(file = %job.label, chunks_on_disk = resumed_chunks, chunks = n, "resuming partial download");
@@ -400,7 +375,7 @@ impl Engine {
                 })
                 .map(move |(i, permit)| {
                     let ctx = ctx2.clone();
-                    let task = tokio::spawn(fetch_chunk(ctx, i, false));
+                    let task = tokio::spawn(fetch_chunk(ctx, i));
                     async move { (task.await, permit) }
                 })
                 .buffered(window),
@@ -425,7 +400,7 @@ impl Engine {
                     break;
                 }
             };
-            let (bufs, fetched, _) = chunk;
+            let (bufs, fetched) = chunk;
             if fetched == 0 {
                 out.bytes_resumed += bufs.iter().map(|b| b.len() as u64).sum::<u64>();
             }
@@ -481,14 +456,8 @@ impl Engine {
 }
 
 /// Fetch (or re-read from disk, when the chunk map says it is there) chunk `i`. Returns
-/// the chunk's bytes, the number of bytes received from the source, and — when `identify`
-/// — the ETag and version the source reported.
-#[allow(clippy::type_complexity)]
-async fn fetch_chunk(
-    ctx: Arc<ChunkCtx>,
-    i: usize,
-    identify: bool,
-) -> Result<(Vec<Bytes>, u64, Option<(Option<String>, Option<String>)>), PrefetchError> {
+/// the chunk's bytes and the number of bytes received from the source.
+async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), PrefetchError> {
     let start = i as u64 * ctx.chunk_size;
     let end = (start + ctx.chunk_size).min(ctx.size);
     let len = (end - start) as usize;
@@ -503,20 +472,20 @@ async fn fetch_chunk(
             Ok(buf.freeze())
         })
         .await?;
-        return Ok((vec![buf], 0, None));
+        return Ok((vec![buf], 0));
     }
 
     let mut bufs: Vec<Bytes> = Vec::new();
     let mut got = 0u64;
     let mut failures = 0u32;
     let mut delays = backoff(ctx.retries);
-    let mut identity = None;
     let uri = &ctx.src.uri;
     while start + got < end {
+        let (if_match, version) = ctx.identity.get().cloned().unwrap_or_default();
         let opts = GetOptions {
             range: Some(GetRange::Bounded(start + got..end)),
-            if_match: ctx.if_match.clone(),
-            version: ctx.version.clone(),
+            if_match,
+            version,
             ..Default::default()
         };
         let res = tokio::select! {
@@ -540,23 +509,32 @@ async fn fetch_chunk(
                         actual: r.meta.size,
                     });
                 }
-                if let (Some(want), Some(have)) = (&ctx.if_match, &r.meta.e_tag)
+                let theirs = (r.meta.e_tag.clone(), r.meta.version.clone());
+                let id = ctx.identity.get_or_init(|| theirs.clone());
+                if let (Some(want), Some(have)) = (&id.0, &theirs.0)
                     && want != have
                 {
-                    // Defence in depth for stores that ignore If-Match.
+                    // Requests sent before the identity was known, or a store that ignores
+                    // If-Match: the response itself says the object is another one.
                     return Err(PrefetchError::SourceChanged {
                         uri: uri.clone(),
                         detail: format!("ETag was {want}, now {have}"),
                     });
+                }
+                if let Ok(mut m) = ctx.map.lock()
+                    && m.e_tag.is_none()
+                    && m.version.is_none()
+                {
+                    // Recorded before any chunk is marked done, so a persisted map always
+                    // names the object its chunks came from.
+                    m.e_tag = id.0.clone();
+                    m.version = id.1.clone();
                 }
                 if r.range.start != start + got {
                     return Err(PrefetchError::SourceUnavailable {
                         uri: uri.clone(),
                         detail: format!("asked for bytes from {}, got from {}", start + got, r.range.start),
                     });
-                }
-                if identify && identity.is_none() {
-                    identity = Some((r.meta.e_tag.clone(), r.meta.version.clone()));
                 }
                 let before = got;
                 let mut stream = r.into_stream();
@@ -619,12 +597,10 @@ async fn fetch_chunk(
     if let Ok(mut m) = ctx.map.lock() {
         m.set_done(i);
     }
-    // The identifying chunk is persisted by the caller once the ETag is known, so a map on
-    // disk never lacks the If-Match value its chunks were fetched under.
-    if ctx.persist && !identify {
+    if ctx.persist {
         persist_map(&ctx).await?;
     }
-    Ok((bufs, got, identity))
+    Ok((bufs, got))
 }
 
 /// Vectored positional write of all buffers starting at `offset`.

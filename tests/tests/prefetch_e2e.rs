@@ -117,12 +117,13 @@ async fn cold_fetch_then_warm_restart_without_any_request() {
     assert_eq!(report.bundles[0].cache_hits, 0);
     assert_bundle_matches(cache.path(), "llm", origin.path(), &m);
 
-    // The big file came in 1 MiB ranged GETs; all but the first carried If-Match.
+    // The big file came in 1 MiB ranged GETs; every request sent after the first response
+    // carried If-Match (only the first window of 4 can go out before it).
     let log = nginx.requests().unwrap();
     let big: Vec<_> = log.iter().filter(|e| e.uri == "/weights/big.bin").collect();
     assert_eq!(big.len(), 10, "{big:?}");
     assert!(big.iter().all(|e| e.status == 206 && e.range.starts_with("bytes=")));
-    assert_eq!(big.iter().filter(|e| e.if_match != "-").count(), 9, "{big:?}");
+    assert!(big.iter().filter(|e| e.if_match != "-").count() >= 10 - 4, "{big:?}");
     assert_eq!(big.iter().map(|e| e.body_bytes).sum::<u64>(), 9 * MIB + 12345);
     // Nothing left in tmp/.
     assert_eq!(std::fs::read_dir(cache.path().join("tmp")).unwrap().count(), 0);
