@@ -382,3 +382,73 @@ fn systemd_notify_ready_when_gated_then_status_per_stage_and_verdict() {
         );
     }
 }
+
+/// Each kubelet-side reason from its simulated fault, through the real binary: the node is
+/// held with exactly that reason and never untainted.
+#[test]
+fn each_kubelet_side_fault_holds_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(
+        &cfg,
+        "stages:\n  allocatable: {deadline: 1s}\n  device-plugin: {deadline: 1s, retries: 1}\n",
+    )
+    .unwrap();
+    let gpu4 = "GPU-5f1c0a4e-8b3d-4c2a-9f6e-000000000004";
+    let cases = [
+        (
+            "AllocatableZero",
+            "node:\n  allocatable: {nvidia.com/gpu: \"0\"}\n  capacity: {nvidia.com/gpu: \"0\"}\n".to_string(),
+        ),
+        (
+            "AllocatableShort",
+            "node:\n  allocatable: {nvidia.com/gpu: \"7\"}\n".to_string(),
+        ),
+        (
+            "AllocatableExcess",
+            "node:\n  allocatable: {nvidia.com/gpu: \"9\"}\n  capacity: {nvidia.com/gpu: \"9\"}\n".to_string(),
+        ),
+        (
+            "LabelMismatch",
+            "node:\n  labels: {nvidia.com/gpu.count: \"4\"}\n".to_string(),
+        ),
+        (
+            "PluginSocketMissing",
+            "kubelet: {plugin_socket_missing: true}\n".to_string(),
+        ),
+        (
+            "PluginDevicesMismatch",
+            format!("kubelet: {{missing_devices: [{gpu4}]}}\n"),
+        ),
+        (
+            "PluginDeviceUnhealthy",
+            format!("kubelet: {{unhealthy_devices: [{gpu4}]}}\n"),
+        ),
+        (
+            "KubeletDevicesMismatch",
+            format!("kubelet: {{kubelet_missing_devices: [{gpu4}]}}\n"),
+        ),
+        (
+            "RuntimeInjectionMissing",
+            format!("kubelet: {{cdi_missing_devices: [{gpu4}]}}\n"),
+        ),
+    ];
+    for (reason, body) in cases {
+        let p = dir.path().join(format!("{reason}.yaml"));
+        std::fs::write(&p, format!("extends: {}\n{body}", profile("8gpu-two-domains"))).unwrap();
+        let o = bin()
+            .args(["run", "--once", "--output", "json", "--simulate"])
+            .arg(&p)
+            .arg("--config")
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{reason}: {}", text(&o));
+        let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(t["verdict"]["reason"], reason, "{}", t["verdict"]);
+        assert!(
+            !t["stages"].as_array().unwrap().iter().any(|s| s["stage"] == "untaint"),
+            "{reason}: must not untaint"
+        );
+    }
+}
