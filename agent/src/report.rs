@@ -166,8 +166,19 @@ pub fn node_event(
 /// not block the verdict forever, but a lost condition is retried on the next pass).
 pub async fn set_condition(api: &dyn NodeApi, c: &ConditionValue) -> Result<(), crate::node_api::ApiError> {
     let mut last = None;
-    for _ in 0..5 {
-        let node = api.get().await?;
+    for attempt in 0..6u32 {
+        if attempt > 0 {
+            // Back off between attempts: 100 ms, 200 ms, ... 1.6 s.
+            tokio::time::sleep(std::time::Duration::from_millis(100 << (attempt - 1))).await;
+        }
+        let node = match api.get().await {
+            Ok(n) => n,
+            Err(e) if e.retryable() => {
+                last = Some(e);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         match api
             .json_patch_status(&condition_patch(&node, c, Timestamp::now()))
             .await

@@ -6,9 +6,9 @@
 //! real binary, so what they prove is what ships.
 
 pub mod agent;
+pub mod deploy;
 pub mod emulator;
 pub mod faults;
-pub mod otlp;
-pub mod deploy;
 pub mod kubelet;
+pub mod otlp;
 pub mod services;

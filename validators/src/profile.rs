@@ -225,8 +225,12 @@ impl NodeProfile {
         if let Some(ops) = ops {
             let ops: json_patch::Patch = serde_json::from_value(ops)
                 .map_err(|e| InputError::new(&file, Some("patch"), format!("not a JSON Patch operation list: {e}")))?;
-            json_patch::patch(&mut merged, &ops)
+            // json-patch's rolling-back `patch` can panic undoing a move into the root;
+            // apply without rollback to a copy and keep it only on success.
+            let mut patched = merged.clone();
+            json_patch::patch_unsafe(&mut patched, &ops)
                 .map_err(|e| InputError::new(&file, Some("patch"), format!("cannot apply to the base profile: {e}")))?;
+            merged = patched;
         }
         serde_path_to_error::deserialize(merged).map_err(|e| {
             let key = e.path().to_string();

@@ -110,10 +110,7 @@ fn hw_peer_bandwidth_per_domain() {
             bw.allreduce_skipped
         );
         if let Err(f) = evaluate_peer_bw(d, &bw, 0.75, None) {
-            println!(
-                "GPUCHECK verdict domain={} {}: {}",
-                d.id, f.reason, f.message
-            );
+            println!("GPUCHECK verdict domain={} {}: {}", d.id, f.reason, f.message);
         }
     }
 }

@@ -94,23 +94,14 @@ fn healthy_hgx_node_passes_the_driver_stage() {
     assert!(g0.persistence_mode);
     assert_eq!(g0.nvlinks.len(), 18);
     assert!(g0.nvlinks.iter().all(|l| l.active && l.version == Some(4)));
-    assert_eq!(
-        g0.nvlinks[0].remote_pci_bus_id.as_deref(),
-        Some("0000:05:00.0")
-    );
-    assert_eq!(
-        g0.fabric,
-        Some(taintgate_validators::gpu::FabricState::Completed)
-    );
+    assert_eq!(g0.nvlinks[0].remote_pci_bus_id.as_deref(), Some("0000:05:00.0"));
+    assert_eq!(g0.fabric, Some(taintgate_validators::gpu::FabricState::Completed));
     // All eight behind NVSwitch: one domain at NVLink4 x 18.
     assert_eq!(inv.domains.len(), 1);
     assert_eq!(inv.domains[0].gpus, (0..8).collect::<Vec<u32>>());
     assert_eq!(
         inv.domains[0].interconnect,
-        Interconnect::Nvlink {
-            version: 4,
-            links: 18
-        }
+        Interconnect::Nvlink { version: 4, links: 18 }
     );
     let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
     assert_eq!(ev.gpu_count, 8);
@@ -193,10 +184,7 @@ fn inactive_nvlink_is_reported() {
     // The domain's link count is the weakest GPU's.
     assert_eq!(
         inv.domains[0].interconnect,
-        Interconnect::Nvlink {
-            version: 4,
-            links: 16
-        }
+        Interconnect::Nvlink { version: 4, links: 16 }
     );
     let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
     assert_eq!(f.reason, "NvlinkInactive");
@@ -212,10 +200,7 @@ fn xid_event_arrives_through_the_event_set() {
     let node = Node::new(&format!("{H100_8}gpu.2.xid_events=79\n"));
     let gpu = node.open().unwrap();
     assert_eq!(gpu.drain_xids().unwrap(), vec![(2, 79)]);
-    assert!(
-        gpu.drain_xids().unwrap().is_empty(),
-        "an event is drained once"
-    );
+    assert!(gpu.drain_xids().unwrap().is_empty(), "an event is drained once");
     // The inventory still reports it: the driver stage holds the node.
     let inv = gpu.inventory().unwrap();
     assert_eq!(inv.gpus[2].health.xids, vec![79]);
@@ -225,11 +210,7 @@ fn xid_event_arrives_through_the_event_set() {
     // A warn-class XID does not hold the node.
     let inv = Node::new(&format!("{H100_8}gpu.2.xid_events=92\n")).inventory();
     let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
-    assert!(
-        ev.warnings.iter().any(|w| w.contains("XID 92")),
-        "{:?}",
-        ev.warnings
-    );
+    assert!(ev.warnings.iter().any(|w| w.contains("XID 92")), "{:?}", ev.warnings);
 }
 
 #[test]
@@ -269,9 +250,7 @@ fn xids_before_start_come_from_the_kernel_log() {
 
 #[test]
 fn gpu_without_event_support_keeps_the_others_subscribed() {
-    let node = Node::new(&format!(
-        "{H100_8}gpu.0.events_unsupported=1\ngpu.1.xid_events=64\n"
-    ));
+    let node = Node::new(&format!("{H100_8}gpu.0.events_unsupported=1\ngpu.1.xid_events=64\n"));
     let gpu = node.open().unwrap();
     assert!(
         gpu.open_warnings().iter().any(|w| w.contains("GPU 0")),
@@ -284,8 +263,7 @@ fn gpu_without_event_support_keeps_the_others_subscribed() {
 #[test]
 fn fabric_not_ready_on_nvswitch_systems() {
     for state in ["in_progress", "not_started", "failed"] {
-        let inv =
-            Node::new(&format!("gpus=8\nfabric=completed\ngpu.7.fabric={state}\n")).inventory();
+        let inv = Node::new(&format!("gpus=8\nfabric=completed\ngpu.7.fabric={state}\n")).inventory();
         assert_eq!(reason(&inv), "FabricNotReady", "{state}");
     }
     // No fabric (NOT_SUPPORTED from NVML) is fine.
@@ -315,9 +293,7 @@ fn two_nvlink_domains_and_pcie_domains() {
     // The degraded link warns by default and fails when configured so.
     let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
     assert!(
-        ev.warnings
-            .iter()
-            .any(|w| w.contains("GPU 3") && w.contains("gen3")),
+        ev.warnings.iter().any(|w| w.contains("GPU 3") && w.contains("gen3")),
         "{:?}",
         ev.warnings
     );
@@ -325,10 +301,7 @@ fn two_nvlink_domains_and_pcie_domains() {
         pcie_degraded_fatal: true,
         ..Default::default()
     };
-    assert_eq!(
-        evaluate_driver(&inv, &strict).unwrap_err().reason,
-        "PcieDegraded"
-    );
+    assert_eq!(evaluate_driver(&inv, &strict).unwrap_err().reason, "PcieDegraded");
 }
 
 #[test]
@@ -355,10 +328,7 @@ fn mig_devices_and_persistence() {
         persistence_required: true,
         ..Default::default()
     };
-    assert_eq!(
-        evaluate_driver(&inv, &strict).unwrap_err().reason,
-        "PersistenceModeOff"
-    );
+    assert_eq!(evaluate_driver(&inv, &strict).unwrap_err().reason, "PersistenceModeOff");
 }
 
 #[test]

@@ -58,9 +58,13 @@ pub fn apply(kind: PatchKind, doc: &mut Value, body: &[u8]) -> Result<(), PatchF
         PatchKind::Json => {
             let p: json_patch::Patch = serde_json::from_slice(body)
                 .map_err(|e| PatchFailure::Malformed(format!("invalid JSON Patch: {e}")))?;
-            // Why the atomic `patch`: on any failed operation (including `test`) the
-            // document must be left exactly as it was, as on the real server.
-            json_patch::patch(doc, &p.0).map_err(|e| PatchFailure::Unprocessable(e.to_string()))
+            // On any failed operation (including `test`) the document must be left exactly
+            // as it was, as on the real server. Apply to a copy without rollback: the
+            // crate's rolling-back `patch` can panic undoing a move into the root.
+            let mut next = doc.clone();
+            json_patch::patch_unsafe(&mut next, &p.0).map_err(|e| PatchFailure::Unprocessable(e.to_string()))?;
+            *doc = next;
+            Ok(())
         }
         PatchKind::Merge | PatchKind::Apply => {
             let p = parse_object(body)?;

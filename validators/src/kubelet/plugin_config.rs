@@ -39,6 +39,10 @@ pub const SHARED_SUFFIX: &str = ".shared";
 /// Longest fully qualified resource name the plugin accepts.
 pub const MAX_RESOURCE_NAME_LEN: usize = 63;
 
+/// Most replicas per device accepted from a config (time-slicing beyond this is not a
+/// serving configuration; the bound keeps a hostile file from exhausting memory).
+pub const MAX_REPLICAS: u32 = 1024;
+
 /// The device plugin config file (`version: v1`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -219,11 +223,13 @@ impl PluginConfig {
                 if let Some(rename) = &r.rename {
                     qualify(rename).map_err(|e| InputError::new(file, Some(&format!("{at}.rename")), e))?;
                 }
-                if r.replicas == 0 {
+                // Upper bound: the expected device IDs are replicas x GPUs, and a hostile
+                // file must not make the agent allocate billions of them.
+                if r.replicas == 0 || r.replicas > MAX_REPLICAS {
                     return Err(InputError::new(
                         file,
                         Some(&format!("{at}.replicas")),
-                        "must be at least 1",
+                        format!("{} is outside 1..={MAX_REPLICAS}", r.replicas),
                     ));
                 }
                 if let Some(d) = &r.devices {
