@@ -63,6 +63,11 @@ pub const REASONS: &[Reason] = &[
         "No Kubernetes API (dry-run outside a cluster): the cluster stages were not run. In `run` mode this holds the node.",
     ),
     r(
+        "NodeNotRegistered",
+        "register",
+        "Karpenter never finished registering the node within the deadline (no `karpenter.sh/registered=true`, or `karpenter.sh/unregistered` still present). Removing the taint earlier would make Karpenter put it back (karpenter #1772). Check the NodeClaim and Karpenter's logs.",
+    ),
+    r(
         "NodeNotFound",
         "register",
         "The Node object does not exist (yet). The agent keeps watching; check NODE_NAME matches the node's name.",

@@ -108,7 +108,7 @@ impl Context {
 /// Run one attempt of a stage's body.
 pub async fn run_stage_body(ctx: &Context, name: &str, progress: &Progress) -> Result<Evidence, StageFailure> {
     match name {
-        "register" => register(ctx).await,
+        "register" => register(ctx, progress).await,
         "driver" => driver(ctx).await,
         "smoke" => smoke(ctx).await,
         "peer-bw" => peer_bw(ctx).await,
@@ -155,9 +155,20 @@ pub fn is_registered(node: &Node) -> bool {
     (labelled || sync_disabled) && !unregistered_taint
 }
 
-async fn register(ctx: &Context) -> Result<Evidence, StageFailure> {
+async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
     let api = ctx.api()?;
-    let node = api.wait_for(&is_registered).await.map_err(|e| StageFailure {
+    let waiting = |n: &Node| {
+        let ok = is_registered(n);
+        if !ok {
+            // What the deadline will report if Karpenter never finishes registration.
+            progress.set(StageFailure::transient(
+                "NodeNotRegistered",
+                "Karpenter has not registered the node (no karpenter.sh/registered=true label, or the karpenter.sh/unregistered taint is still there)",
+            ));
+        }
+        ok
+    };
+    let node = api.wait_for(&waiting).await.map_err(|e| StageFailure {
         reason: e.reason().into(),
         message: e.to_string(),
         transient: e.retryable(),

@@ -535,11 +535,11 @@ fn scenarios() -> Vec<Scenario> {
         sc("registration-never-completes")
             .node(unregistered)
             .config("stages: {register: {deadline: 1500ms}}")
-            .held("DeadlineExceeded")
+            .held("NodeNotRegistered")
             .taints(&[OURS, GPU_TAINT, "karpenter.sh/unregistered:NoExecute"])
             .extra(|c| {
                 let r = stage_outcome(c.timeline, "register");
-                if r != Some((Outcome::Failed, Some("DeadlineExceeded".into()))) {
+                if r != Some((Outcome::Failed, Some("NodeNotRegistered".into()))) {
                     return Err(format!("register stage: {r:?}"));
                 }
                 Ok(())
