@@ -12,44 +12,11 @@ use k8s_openapi::api::core::v1::{Event, EventSource, Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde_json::{Value, json};
 
-/// The compact timeline written to the annotation: per stage `[name, start_ms,
-/// duration_ms, outcome, reason]`, trimmed of messages (and then of passed stages'
-/// detail) until it fits `max_bytes`.
+/// The compact timeline written to the annotation, without pre-agent stamps: per stage
+/// `[name, start_ms, duration_ms, outcome, reason]`, trimmed until it fits `max_bytes`
+/// (see [`crate::telemetry::annotation::encode`], the one encoder).
 pub fn compact_timeline(t: &Timeline, max_bytes: usize) -> String {
-    let stages: Vec<Value> = t
-        .stages
-        .iter()
-        .map(|s| {
-            json!([
-                s.stage,
-                s.start_ms,
-                s.duration_ms,
-                s.outcome.as_str(),
-                s.reason.as_deref().unwrap_or("")
-            ])
-        })
-        .collect();
-    let verdict = t.verdict.as_ref().map(|v| json!({"released": v.released, "dryRun": v.dry_run, "reason": v.reason, "atMs": v.at_ms, "at": v.at.to_string(), "message": v.message}));
-    let mut doc =
-        json!({"v": 1, "start": t.agent_start.to_string(), "gpu": t.gpu_backend, "stages": stages, "verdict": verdict});
-    let mut s = doc.to_string();
-    if s.len() > max_bytes {
-        if let Some(v) = doc.get_mut("verdict").and_then(|v| v.as_object_mut()) {
-            v.remove("message");
-        }
-        s = doc.to_string();
-    }
-    if s.len() > max_bytes {
-        // Keep only the failed stages' entries: those say why a node is held.
-        if let Some(arr) = doc.get_mut("stages").and_then(|v| v.as_array_mut()) {
-            arr.retain(|e| e.get(3).and_then(Value::as_str) != Some(Outcome::Passed.as_str()));
-        }
-        s = doc.to_string();
-    }
-    if s.len() > max_bytes {
-        s = json!({"v": 1, "truncated": true, "start": t.agent_start.to_string()}).to_string();
-    }
-    s
+    crate::telemetry::annotation::encode(t, &[], max_bytes)
 }
 
 /// A Node condition value.
