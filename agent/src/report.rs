@@ -5,12 +5,12 @@
 
 use crate::config::ReportingConfig;
 use crate::node_api::NodeApi;
-use crate::timeline::{Outcome, Timeline};
+use crate::timeline::Timeline;
 use jiff::Timestamp;
 use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOperation};
 use k8s_openapi::api::core::v1::{Event, EventSource, Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// The compact timeline written to the annotation, without pre-agent stamps: per stage
 /// `[name, start_ms, duration_ms, outcome, reason]`, trimmed until it fits `max_bytes`
@@ -184,6 +184,8 @@ pub async fn write_annotation(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::timeline::Outcome;
+    use serde_json::Value;
 
     #[test]
     fn condition_patch_replaces_only_our_type() {
