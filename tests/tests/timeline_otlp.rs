@@ -78,16 +78,22 @@ fn check_trace(spans: &[ReceivedSpan], t: &Timeline, pre: &[Stamp]) {
     stamps.push(("agent-start".into(), t.agent_start));
     let pre_spans = spans.iter().filter(|s| s.name.starts_with("pre-agent:")).count();
     assert_eq!(pre_spans, stamps.len() - 1, "one span per pre-agent interval");
-    for w in stamps.windows(2) {
-        let name = format!("pre-agent:{}", w[1].0);
-        let s = by_name.get(name.as_str()).unwrap_or_else(|| panic!("no span {name}"));
-        assert_eq!(
-            (s.start_unix_nano, s.end_unix_nano),
-            (ns(w[0].1), ns(w[1].1)),
-            "{name} times"
-        );
-        assert_eq!(s.attr_str("taintgate.interval.from"), Some(w[0].0.as_str()));
+    // Stamps recorded in the same instant (Kubernetes times have 1 s precision) may be
+    // ordered either way, so compare the intervals' times, and check each span's names
+    // refer to stamps at its own start and end.
+    let mut want: Vec<(u64, u64)> = stamps.windows(2).map(|w| (ns(w[0].1), ns(w[1].1))).collect();
+    let mut got: Vec<(u64, u64)> = Vec::new();
+    let at = |n: &str| stamps.iter().find(|x| x.0 == n).map(|x| ns(x.1));
+    for sp in spans.iter().filter(|s| s.name.starts_with("pre-agent:")) {
+        let to = sp.name.trim_start_matches("pre-agent:");
+        assert_eq!(at(to), Some(sp.end_unix_nano), "{} ends at its stamp", sp.name);
+        let from = sp.attr_str("taintgate.interval.from").unwrap_or_default();
+        assert_eq!(at(from), Some(sp.start_unix_nano), "{} starts at stamp {from}", sp.name);
+        got.push((sp.start_unix_nano, sp.end_unix_nano));
     }
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "pre-agent interval times");
     assert_eq!(root.start_unix_nano, ns(stamps[0].1), "root starts at the first stamp");
     let verdict = t.verdict.as_ref().unwrap();
     assert_eq!(root.end_unix_nano, ns(verdict.at), "root ends at the verdict");

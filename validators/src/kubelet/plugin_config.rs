@@ -229,7 +229,7 @@ impl PluginConfig {
                     return Err(InputError::new(
                         file,
                         Some(&format!("{at}.replicas")),
-                        format!("{} is outside 1..={MAX_REPLICAS}", r.replicas),
+                        format!("must be at least 1 and at most {MAX_REPLICAS}, got {}", r.replicas),
                     ));
                 }
                 if let Some(d) = &r.devices {
