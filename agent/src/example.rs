@@ -127,3 +127,18 @@ api:
   backoff_min: 50ms
   backoff_max: 5s
 "#;
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    #[test]
+    fn readme_configuration_reference_is_the_example() {
+        let readme =
+            std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md")).unwrap();
+        assert!(
+            readme.contains(super::EXAMPLE_CONFIG),
+            "README's configuration reference differs from `taintgate config example`: regenerate it"
+        );
+    }
+}
