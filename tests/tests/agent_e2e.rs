@@ -646,3 +646,57 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
         "no unverified file at a final path"
     );
 }
+
+#[test]
+fn reboot_regate_puts_the_taint_back_before_validating_then_removes_it() {
+    let emu = start(true);
+    // Released under an earlier boot; the kubelet does not re-add startup taints to an
+    // existing Node after a reboot.
+    emu.mutate_object("nodes", NODE, |n| {
+        n["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|t| t["key"] != TAINT);
+        n["metadata"]["annotations"]["taintgate.io/released-boot-id"] = json!("00000000-0000-0000-0000-000000000000");
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(&cfg, "regate_on_boot: true\n").unwrap();
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+        "--config",
+        &cfg.to_string_lossy(),
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    let patches: Vec<Value> = emu
+        .mutating_requests()
+        .into_iter()
+        .filter(|r| {
+            r.content_type.as_deref() == Some("application/json-patch+json")
+                && r.path == format!("/api/v1/nodes/{NODE}")
+        })
+        .filter_map(|r| r.body)
+        .collect();
+    assert_eq!(patches.len(), 2, "{patches:?}");
+    assert_eq!(patches[0][1]["op"], "add", "first the taint goes back: {}", patches[0]);
+    assert_eq!(patches[0][1]["value"]["key"], TAINT);
+    assert_eq!(
+        patches[1][2]["op"], "remove",
+        "then, with the evidence in again, it is removed"
+    );
+    let after = node(&emu);
+    assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    assert_eq!(
+        after["metadata"]["annotations"]["taintgate.io/released-boot-id"],
+        json!(boot.trim()),
+        "this boot recorded"
+    );
+}
