@@ -36,6 +36,20 @@ pub(crate) struct Sources {
     options: Vec<(String, String)>,
 }
 
+/// Apply `source_options` to a cloud store builder: each key the store's own config-key
+/// enum parses is set, in one place for S3, GCS and Azure (their builders share no trait).
+macro_rules! with_options {
+    ($builder:expr, $opts:expr) => {{
+        let mut b = $builder;
+        for (k, v) in $opts {
+            if let Ok(k) = k.to_ascii_lowercase().parse() {
+                b = b.with_config(k, v.clone());
+            }
+        }
+        b
+    }};
+}
+
 impl Sources {
     /// `request_timeout` bounds one whole request including its body, so chunks must be sized
     /// to finish well within it; `pool` is the number of idle connections kept per host.
@@ -110,35 +124,20 @@ impl Sources {
         Ok(match scheme {
             ObjectStoreScheme::Local => Arc::new(LocalFileSystem::new()),
             ObjectStoreScheme::AmazonS3 => {
-                let mut b = AmazonS3Builder::from_env().with_url(url.as_str()).with_retry(retry);
-                for (k, v) in opts {
-                    if let Ok(k) = k.to_ascii_lowercase().parse() {
-                        b = b.with_config(k, v.clone());
-                    }
-                }
-                Arc::new(b.build()?)
+                let b = AmazonS3Builder::from_env().with_url(url.as_str()).with_retry(retry);
+                Arc::new(with_options!(b, opts).build()?)
             }
             ObjectStoreScheme::GoogleCloudStorage => {
-                let mut b = GoogleCloudStorageBuilder::from_env()
+                let b = GoogleCloudStorageBuilder::from_env()
                     .with_url(url.as_str())
                     .with_retry(retry);
-                for (k, v) in opts {
-                    if let Ok(k) = k.to_ascii_lowercase().parse() {
-                        b = b.with_config(k, v.clone());
-                    }
-                }
-                Arc::new(b.build()?)
+                Arc::new(with_options!(b, opts).build()?)
             }
             ObjectStoreScheme::MicrosoftAzure => {
-                let mut b = MicrosoftAzureBuilder::from_env()
+                let b = MicrosoftAzureBuilder::from_env()
                     .with_url(url.as_str())
                     .with_retry(retry);
-                for (k, v) in opts {
-                    if let Ok(k) = k.to_ascii_lowercase().parse() {
-                        b = b.with_config(k, v.clone());
-                    }
-                }
-                Arc::new(b.build()?)
+                Arc::new(with_options!(b, opts).build()?)
             }
             ObjectStoreScheme::Http => {
                 let mut b = HttpBuilder::new().with_url(key).with_retry(retry);
