@@ -114,6 +114,12 @@ impl PrefetchOptions {
         if self.cache_dir.as_os_str().is_empty() {
             return bad("cache_dir", "must not be empty".into());
         }
+        if let Some(k) = self.source_options.keys().find(|k| !source::known_option_key(k)) {
+            return bad(
+                "source_options",
+                format!("unknown key {k:?}: not an object_store S3, GCS, Azure or HTTP client option"),
+            );
+        }
         Ok(())
     }
 }
@@ -555,4 +561,22 @@ fn preflight_disk(path: &Path, needed: u64, reserve: Option<u64>) -> Result<(), 
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn unknown_source_option_is_rejected_by_name() {
+        let mut o = PrefetchOptions::default();
+        o.source_options.insert("aws_region".into(), "eu-west-1".into());
+        o.validate().unwrap();
+        o.source_options.insert("aws_regoin".into(), "eu-west-1".into());
+        let e = o.validate().unwrap_err();
+        assert_eq!(e.reason(), "OptionsInvalid");
+        let msg = e.to_string();
+        assert!(msg.contains("source_options") && msg.contains("aws_regoin"), "{msg}");
+    }
 }

@@ -160,6 +160,20 @@ impl Sources {
     }
 }
 
+/// Whether some store type understands `key` (case-insensitive, as the stores parse it).
+/// A key no store knows is a typo (`aws_regoin`) that would otherwise be silently ignored
+/// and leave the download on the wrong endpoint or credentials.
+pub(crate) fn known_option_key(key: &str) -> bool {
+    use object_store::aws::AmazonS3ConfigKey;
+    use object_store::azure::AzureConfigKey;
+    use object_store::gcp::GoogleConfigKey;
+    let k = key.to_ascii_lowercase();
+    k.parse::<ClientConfigKey>().is_ok()
+        || k.parse::<AmazonS3ConfigKey>().is_ok()
+        || k.parse::<GoogleConfigKey>().is_ok()
+        || k.parse::<AzureConfigKey>().is_ok()
+}
+
 /// rustls needs one process-wide crypto provider; install ring unless someone (the agent's
 /// kube client) already installed one.
 fn install_crypto_provider() {
@@ -241,5 +255,23 @@ mod tests {
         assert_eq!(f.path.as_ref(), "tmp/some file");
         assert_eq!(s.resolve("ftp://x/y").unwrap_err().reason(), "SourceUnsupported");
         assert_eq!(s.resolve("not a uri").unwrap_err().reason(), "SourceUnsupported");
+    }
+
+    #[test]
+    fn option_keys_are_checked_against_every_store() {
+        for k in [
+            "aws_endpoint",
+            "AWS_REGION",
+            "proxy_url",
+            "timeout",
+            "google_service_account",
+            "azure_storage_account_name",
+            "allow_http",
+        ] {
+            assert!(known_option_key(k), "{k}");
+        }
+        for k in ["aws_regoin", "proxy", "", "bucket_nam"] {
+            assert!(!known_option_key(k), "{k}");
+        }
     }
 }
