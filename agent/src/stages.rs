@@ -440,6 +440,11 @@ async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
     opts.progress = opts.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
     // Own task: the engine's future is driven on its own (and owns its inputs).
     let (bundles, token) = (m.bundles.clone(), ctx.cancel.child_token());
+    // When the stage ends early (its deadline, or a sibling's failure drops this future),
+    // the spawned download must stop too: left running it would commit blobs to a held
+    // node's cache and race the next pass on the same partial file. The partial and its
+    // chunk map stay on disk for that pass to resume.
+    let _stop_download = token.clone().drop_guard();
     let report = tokio::spawn(async move { taintgate_prefetch::prefetch_bundles(&bundles, &opts, token).await })
         .await
         .map_err(|e| StageFailure::permanent("InternalError", format!("prefetch task failed: {e}")))?
