@@ -7,11 +7,10 @@
 //! with a parseable annotation. After the final run: released, exactly our taint removed,
 //! nothing else changed.
 //!
-//! Scope today: the GPU, kubelet and API stages. The prefetch half of crash safety (no
-//! corrupt or unverified file at a final path, no completed chunk fetched twice after a
-//! kill) needs the models stage wired to the prefetch engine with a bundle in the config;
-//! it belongs in this loop as soon as that exists (kill during download, then compare the
-//! origin's request log for repeated ranges and sha256 every file under the cache root).
+//! Scope: the GPU, kubelet and API stages. The prefetch half of crash safety (no corrupt or
+//! unverified file at a final path, no completed chunk fetched twice after a kill) is
+//! `tests/tests/prefetch_crash_loop.rs`: 50 kills of `taintgate bundle fetch` mid-download
+//! against nginx, checked against the origin's access log and the persisted chunk maps.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
