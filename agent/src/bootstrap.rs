@@ -128,6 +128,8 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
 
     let blocked = decide(&timeline.stages, dry_run);
     let cfg = &ctx.config;
+    // The Node as the untaint left it: reporting starts from it instead of reading again.
+    let mut latest: Option<k8s_openapi::api::core::v1::Node> = None;
     let (released, reason, message) = match (&blocked, dry_run) {
         (Some((stage, reason, msg)), _) => (false, reason.clone(), format!("stage {stage}: {msg}")),
         (None, true) => (
@@ -149,11 +151,13 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
                     cfg.api.untaint_deadline,
                     cfg.api.backoff_min,
                     cfg.api.backoff_max,
+                    ctx.take_node(),
                 )
                 .await
                 {
                     Ok(o) => {
-                        let msg = if o.removed {
+                        latest = o.node.clone();
+                        let msg = if o.changed {
                             format!(
                                 "every required stage has evidence; removed taint {}:{} ({} attempts, {} retried)",
                                 cfg.taint.key,
@@ -178,7 +182,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
                             attempts: o.attempts,
                             reason: None,
                             message: None,
-                            summary: if o.removed {
+                            summary: if o.changed {
                                 "taint removed".into()
                             } else {
                                 "taint already absent".into()
@@ -209,15 +213,23 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
         crate::systemd::status(&format!("held: {reason}: {message}"));
     }
 
-    // Pre-agent stamps (NodeClaim, Node creation, kubelet Ready) start the chain.
+    // Pre-agent stamps (NodeClaim, Node creation, kubelet Ready) start the chain. They
+    // are fixed once written, so any copy of the Node this pass holds will do.
     let pre = match &ctx.api {
-        Some(api) => match api.get().await {
-            Ok(n) => crate::telemetry::prestamps::collect_for_node(api.stamp_source(), &n).await,
-            Err(e) => {
-                tracing::debug!(error = %e, "pre-agent stamps unavailable");
-                Vec::new()
+        Some(api) => {
+            let held = latest.clone().or_else(|| ctx.take_node());
+            let node = match held {
+                Some(n) => Ok(n),
+                None => api.get().await,
+            };
+            match node {
+                Ok(n) => crate::telemetry::prestamps::collect_for_node(api.stamp_source(), &n).await,
+                Err(e) => {
+                    tracing::debug!(error = %e, "pre-agent stamps unavailable");
+                    Vec::new()
+                }
             }
-        },
+        }
         None => Vec::new(),
     };
     if !dry_run && let Some(api) = &ctx.api {
@@ -227,6 +239,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
             &timeline,
             &pre,
             blocked.as_ref().map(|b| b.0.as_str()),
+            latest,
         )
         .await;
     }
@@ -273,22 +286,32 @@ fn xid_gate(ctx: &Context) -> Option<StageRecord> {
 /// Write annotation, conditions and an Event. Reporting failures are logged, never fatal:
 /// the taint decision is already made and must not be undone by a report write
 /// (node-readiness-controller #207 re-applied a taint after a failed annotation write).
+///
+/// `latest` is the Node as the untaint left it; each write's response is the next
+/// write's starting point, so reporting reads the Node only when it holds no copy.
 async fn report(
     api: &dyn NodeApi,
     ctx: &Context,
     t: &Timeline,
     pre: &[crate::telemetry::prestamps::Stamp],
     failed_stage: Option<&str>,
+    latest: Option<k8s_openapi::api::core::v1::Node>,
 ) {
     let cfg = &ctx.config.reporting;
     let Some(v) = &t.verdict else { return };
+    let mut latest = latest;
     let boot = if v.released {
-        api.get().await.ok().and_then(|n| crate::regate::current_boot_id(&n))
+        let node = match &latest {
+            Some(n) => Some(n.clone()),
+            None => api.get().await.ok(),
+        };
+        node.as_ref().and_then(crate::regate::current_boot_id)
     } else {
         None
     };
-    if let Err(e) = write_annotation(api, cfg, t, pre, boot.as_deref()).await {
-        tracing::warn!(error = %e, "writing the timeline annotation failed");
+    match write_annotation(api, cfg, t, pre, boot.as_deref()).await {
+        Ok(n) => latest = Some(n),
+        Err(e) => tracing::warn!(error = %e, "writing the timeline annotation failed"),
     }
     let cond = ConditionValue {
         type_: cfg.condition_type.clone(),
@@ -296,8 +319,9 @@ async fn report(
         reason: v.reason.clone(),
         message: v.message.clone(),
     };
-    if let Err(e) = set_condition(api, &cond).await {
-        tracing::warn!(error = %e, "writing the node condition failed");
+    match set_condition(api, &cond, latest.take()).await {
+        Ok(n) => latest = Some(n),
+        Err(e) => tracing::warn!(error = %e, "writing the node condition failed"),
     }
     if !cfg.hardware_condition_type.is_empty() {
         let hw_failed = failed_stage.is_some_and(|s| HARDWARE_STAGES.contains(&s) || s == "xid-watch");
@@ -320,13 +344,19 @@ async fn report(
                     "driver, smoke and peer-bandwidth evidence complete".into()
                 },
             };
-            if let Err(e) = set_condition(api, &c).await {
-                tracing::warn!(error = %e, "writing the hardware condition failed");
+            match set_condition(api, &c, latest.take()).await {
+                Ok(n) => latest = Some(n),
+                Err(e) => tracing::warn!(error = %e, "writing the hardware condition failed"),
             }
         }
     }
     if cfg.events {
-        match api.get().await {
+        // An Event names the Node by name and uid only: any copy will do.
+        let node = match latest {
+            Some(n) => Ok(n),
+            None => api.get().await,
+        };
+        match node {
             Ok(node) => {
                 // One Event for the verdict (the release, or the first blocking failure),
                 // and one for each other failed stage.

@@ -158,7 +158,14 @@ pub async fn main_with(cli: Cli) -> i32 {
         Command::Run(args) => {
             init_logging(args.log_format, "info");
             let dry = args.dry_run;
-            run(args, dry).await
+            let code = run(args, dry).await;
+            // The process exits right after this returns: let the sd_notify thread hand
+            // over the verdict's status line (and STOPPING=1) first, within a bound.
+            let flushed = tokio::task::spawn_blocking(|| crate::systemd::flush(crate::systemd::FLUSH_TIMEOUT)).await;
+            if !matches!(flushed, Ok(true)) {
+                tracing::warn!("systemd notifications still pending at exit");
+            }
+            code
         }
     }
 }
@@ -272,6 +279,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             inventory: OnceLock::new(),
             clock: Clock::start(),
             cancel: cancel.clone(),
+            node: Default::default(),
         });
         let BootstrapResult { timeline, exit_code } = bootstrap(ctx, dry_run, &node_name).await;
         metrics.observe_timeline(&timeline);
@@ -301,11 +309,18 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             return exit_code;
         }
         if exit_code == exit::RELEASED {
-            // Resident after release: stay cheap, and take the taint off again if someone
+            // Resident after release: stay cheap, take the taint off again if someone
             // (Karpenter re-syncing startup taints) puts it back while the node is still
-            // registered and the evidence still stands.
+            // registered and the evidence still stands, and keep the GPU backend (its XID
+            // subscription) open to act on XIDs (continuous mode).
             if let Some(api) = &api {
-                crate::resident::guard_release(api.as_ref(), &config, &cancel).await;
+                let resident = crate::resident::Resident {
+                    api: api.clone(),
+                    gpu: gpu.clone(),
+                    config: config.clone(),
+                    metrics: metrics.clone(),
+                };
+                crate::resident::run(&resident, &cancel).await;
             } else {
                 cancel.cancelled().await;
             }

@@ -34,6 +34,9 @@ pub struct Config {
     /// before validating (systemd deployments; the kubelet only registers taints at Node
     /// creation). Needs a credential allowed to add that taint.
     pub regate_on_boot: bool,
+    /// After release: the XID watch, and the optional continuous mode that taints the node
+    /// on a fatal XID.
+    pub continuous: ContinuousConfig,
 }
 
 /// The startup taint (key + effect identify the one entry removed).
@@ -77,6 +80,70 @@ impl TaintEffect {
             TaintEffect::NoSchedule => "NoSchedule",
             TaintEffect::PreferNoSchedule => "PreferNoSchedule",
             TaintEffect::NoExecute => "NoExecute",
+        }
+    }
+}
+
+/// Default key of the taint continuous mode adds on a fatal XID.
+pub const DEFAULT_UNHEALTHY_TAINT_KEY: &str = "taintgate.io/gpu-unhealthy";
+
+/// After release the agent keeps the GPU backend open and waits on its XID subscription.
+/// Every XID is logged and counted; warning-class XIDs also get an Event. With `enabled`,
+/// a fatal XID (by `gpu.expect.xid`) also puts `taint` on the node, sets the agent's
+/// condition and the hardware condition False with reason `XidFatal`, and stops the agent
+/// from removing a re-added startup taint: the evidence no longer stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ContinuousConfig {
+    /// Taint the node on a fatal XID after release.
+    pub enabled: bool,
+    /// The taint added on a fatal XID. Must not be the startup taint (that one means "not
+    /// yet verified" and is managed by Karpenter's startupTaints; this one means "was
+    /// verified, then failed" and stays until a person or node repair acts).
+    pub taint: UnhealthyTaintConfig,
+    /// Longest single blocking wait on the XID subscription. An XID wakes the wait at once;
+    /// NVML waits on one event set at a time (one set per GPU), so each GPU's set gets an
+    /// equal share and this also bounds how late an XID is seen on a multi-GPU node.
+    #[serde(with = "humantime_serde")]
+    pub xid_wait: Duration,
+}
+
+impl Default for ContinuousConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            taint: UnhealthyTaintConfig::default(),
+            xid_wait: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The taint continuous mode adds: the shape of [`TaintConfig`] with its own defaults, so
+/// a config that sets only the effect keeps the unhealthy key (not the startup one).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UnhealthyTaintConfig {
+    /// Taint key.
+    pub key: String,
+    /// Taint effect.
+    pub effect: TaintEffect,
+}
+
+impl Default for UnhealthyTaintConfig {
+    fn default() -> Self {
+        Self {
+            key: DEFAULT_UNHEALTHY_TAINT_KEY.into(),
+            effect: TaintEffect::NoSchedule,
+        }
+    }
+}
+
+impl UnhealthyTaintConfig {
+    /// As the key + effect pair the taint writers take.
+    pub fn as_taint(&self) -> TaintConfig {
+        TaintConfig {
+            key: self.key.clone(),
+            effect: self.effect,
         }
     }
 }
@@ -437,6 +504,29 @@ impl Config {
         if self.api.backoff_min.is_zero() || self.api.backoff_min > self.api.backoff_max {
             return err("api.backoff_min", "must be > 0 and <= api.backoff_max".into());
         }
+        let ct = &self.continuous.taint;
+        if !valid_qualified_name(&ct.key) {
+            return err(
+                "continuous.taint.key",
+                format!(
+                    "{:?} is not a valid taint key (a qualified name, optional DNS prefix)",
+                    ct.key
+                ),
+            );
+        }
+        if ct.key == self.taint.key {
+            return err(
+                "continuous.taint.key",
+                format!(
+                    "{:?} is the startup taint (taint.key); the taint added on a fatal XID must be a different one",
+                    ct.key
+                ),
+            );
+        }
+        let w = self.continuous.xid_wait;
+        if w < Duration::from_millis(10) || w > Duration::from_secs(300) {
+            return err("continuous.xid_wait", format!("{w:?} is not between 10ms and 5m"));
+        }
         Ok(())
     }
 }
@@ -500,6 +590,33 @@ mod tests {
         assert_eq!(e.key.as_deref(), Some("taint.key"));
         let e = Config::parse(Path::new("c.yaml"), "gpu:\n  peer_bw:\n    efficiency: 1.5\n").unwrap_err();
         assert_eq!(e.key.as_deref(), Some("gpu.peer_bw.efficiency"));
+    }
+
+    #[test]
+    fn continuous_taint_must_differ_from_the_startup_taint() {
+        let c = Config::parse(Path::new("c.yaml"), "continuous:\n  enabled: true\n").unwrap();
+        assert!(c.continuous.enabled);
+        assert_eq!(c.continuous.taint.key, DEFAULT_UNHEALTHY_TAINT_KEY);
+        let e = Config::parse(
+            Path::new("c.yaml"),
+            "continuous:\n  taint: {key: taintgate.io/unverified, effect: NoExecute}\n",
+        )
+        .unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("continuous.taint.key"), "{e}");
+        assert!(e.message.contains("startup taint"), "{e}");
+        // Also when the startup taint is the one renamed onto the default.
+        let e = Config::parse(Path::new("c.yaml"), "taint: {key: taintgate.io/gpu-unhealthy}\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("continuous.taint.key"), "{e}");
+        // Setting only the effect keeps the unhealthy key.
+        let c = Config::parse(Path::new("c.yaml"), "continuous: {taint: {effect: NoExecute}}\n").unwrap();
+        assert_eq!(c.continuous.taint.key, DEFAULT_UNHEALTHY_TAINT_KEY);
+        assert_eq!(c.continuous.taint.effect, TaintEffect::NoExecute);
+        let e = Config::parse(Path::new("c.yaml"), "continuous: {xid_wait: 1ms}\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("continuous.xid_wait"), "{e}");
+        let e = Config::parse(Path::new("c.yaml"), "continuous: {taint: {key: \"bad key\"}}\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("continuous.taint.key"), "{e}");
+        let e = Config::parse(Path::new("c.yaml"), "continuous: {enable: true}\n").unwrap_err();
+        assert!(e.message.contains("enable"), "{e}");
     }
 
     #[test]

@@ -126,6 +126,19 @@ api:
   untaint_deadline: 10m         # conflicts and 5xx are retried with backoff until then
   backoff_min: 50ms
   backoff_max: 5s
+
+# After release the agent stays resident and waits on the GPUs' XID event subscription.
+# Every XID is logged and counted (taintgate_xids_total); warning-class XIDs also get an
+# Event. Continuous mode also acts on a fatal XID (classified by gpu.expect.xid): it adds
+# the taint below (never the startup taint), sets TaintgateVerified and the hardware
+# condition False with reason XidFatal, and emits an Event. The taint stays until a
+# person or node repair acts. The admission policy must allow the agent to add it.
+continuous:
+  enabled: false
+  taint:
+    key: taintgate.io/gpu-unhealthy
+    effect: NoSchedule
+  xid_wait: 1s                  # longest blocking wait on the subscription per round
 "#;
 
 #[cfg(test)]

@@ -44,6 +44,10 @@ impl Gpu for Unavailable {
     fn drain_xids(&self) -> Result<Vec<(u32, u32)>, GpuError> {
         Ok(Vec::new())
     }
+    fn wait_xids(&self, _: std::time::Duration) -> Result<Vec<(u32, u32)>, GpuError> {
+        // No subscription exists to wait on: the resident XID watch stops on this error.
+        Err(self.0.clone())
+    }
     fn smoke(&self, _: &GpuInfo, _: u64) -> Result<SmokeResult, GpuError> {
         Err(self.0.clone())
     }

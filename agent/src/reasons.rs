@@ -163,6 +163,11 @@ pub const REASONS: &[Reason] = &[
         "A fatal XID (default 48, 64, 74, 79, 95, 119, 120) since boot or during validation. Replace the node.",
     ),
     r(
+        "XidWarning",
+        "resident",
+        "A warning-class XID (neither `gpu.expect.xid.fatal` nor `ignore`) arrived after release: logged, counted in `taintgate_xids_total` and reported as an Event; the node keeps serving. Watch for repeats.",
+    ),
+    r(
         "FabricNotReady",
         "driver",
         "NVSwitch fabric registration did not complete (fabric manager / NVLink5). Check nvidia-fabricmanager.",

@@ -75,7 +75,18 @@ pub fn condition_patch(node: &Node, c: &ConditionValue, now: Timestamp) -> Patch
             value: json!([value]),
         })],
     };
-    Patch(ops)
+    // Appending (or creating the list) relies on our type being absent, which no `test`
+    // can express; the resourceVersion it was seen at can: a Node that changed since
+    // (perhaps gaining our entry, or a list the `add` would replace) fails with 422 and is
+    // read again. A replace needs no such guard: it tests the entry at its index.
+    let guard = match (existing, &node.metadata.resource_version) {
+        (None, Some(rv)) => Some(PatchOperation::Test(TestOperation {
+            path: p("/metadata/resourceVersion"),
+            value: json!(rv),
+        })),
+        _ => None,
+    };
+    Patch(guard.into_iter().chain(ops).collect())
 }
 
 /// Cut `s` to at most `max` bytes on a char boundary.
@@ -131,26 +142,37 @@ pub fn node_event(
 
 /// Write a condition with re-read-and-retry on 409/422 (bounded attempts; reporting must
 /// not block the verdict forever, but a lost condition is retried on the next pass).
-pub async fn set_condition(api: &dyn NodeApi, c: &ConditionValue) -> Result<(), crate::node_api::ApiError> {
+/// `known`: a Node already held (the previous write's response), used for the first
+/// attempt instead of a read; the patch `test`s what it relies on, so a stale copy costs a
+/// retry, never a wrong write. Returns the Node as the write left it.
+pub async fn set_condition(
+    api: &dyn NodeApi,
+    c: &ConditionValue,
+    known: Option<Node>,
+) -> Result<Node, crate::node_api::ApiError> {
+    let mut known = known;
     let mut last = None;
     for attempt in 0..6u32 {
         if attempt > 0 {
             // Back off between attempts: 100 ms, 200 ms, ... 1.6 s.
             tokio::time::sleep(std::time::Duration::from_millis(100 << (attempt - 1))).await;
         }
-        let node = match api.get().await {
-            Ok(n) => n,
-            Err(e) if e.retryable() => {
-                last = Some(e);
-                continue;
-            }
-            Err(e) => return Err(e),
+        let node = match known.take() {
+            Some(n) => n,
+            None => match api.get().await {
+                Ok(n) => n,
+                Err(e) if e.retryable() => {
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            },
         };
         match api
             .json_patch_status(&condition_patch(&node, c, Timestamp::now()))
             .await
         {
-            Ok(_) => return Ok(()),
+            Ok(n) => return Ok(n),
             Err(e) if e.retryable() => last = Some(e),
             Err(e) => return Err(e),
         }
@@ -159,14 +181,14 @@ pub async fn set_condition(api: &dyn NodeApi, c: &ConditionValue) -> Result<(), 
 }
 
 /// Write the timeline annotation (and, on release, the boot ID released under) with a
-/// merge patch touching only our keys.
+/// merge patch touching only our keys. Returns the Node as the write left it.
 pub async fn write_annotation(
     api: &dyn NodeApi,
     cfg: &ReportingConfig,
     t: &Timeline,
     pre: &[crate::telemetry::prestamps::Stamp],
     released_boot_id: Option<&str>,
-) -> Result<(), crate::node_api::ApiError> {
+) -> Result<Node, crate::node_api::ApiError> {
     let key = format!("{}/timeline", cfg.annotation_prefix);
     let mut annotations = serde_json::Map::new();
     annotations.insert(
@@ -177,7 +199,7 @@ pub async fn write_annotation(
         annotations.insert(crate::regate::boot_annotation(cfg), json!(b));
     }
     let patch = json!({"metadata": {"annotations": annotations}});
-    api.merge_patch(&patch).await.map(|_| ())
+    api.merge_patch(&patch).await
 }
 
 #[cfg(test)]
@@ -216,6 +238,24 @@ mod tests {
         let empty: Node = serde_json::from_value(json!({})).unwrap();
         let p = serde_json::to_value(condition_patch(&empty, &c2, now)).unwrap();
         assert_eq!(p[0]["path"], "/status/conditions");
+        // Appending is guarded by the resourceVersion the absence was seen at.
+        let seen: Node =
+            serde_json::from_value(json!({"metadata": {"resourceVersion": "9"}, "status": {"conditions": [
+                {"type": "Ready", "status": "True"}
+            ]}}))
+            .unwrap();
+        let p = serde_json::to_value(condition_patch(&seen, &c2, now)).unwrap();
+        assert_eq!(
+            p[0],
+            json!({"op": "test", "path": "/metadata/resourceVersion", "value": "9"})
+        );
+        assert_eq!(p[1]["path"], "/status/conditions/-");
+        let mut doc = serde_json::to_value(&seen).unwrap();
+        doc["metadata"]["resourceVersion"] = json!("10");
+        assert!(
+            json_patch::patch(&mut doc, &serde_json::from_value::<Patch>(p).unwrap()).is_err(),
+            "a Node changed since it was read is not appended to"
+        );
     }
 
     #[test]

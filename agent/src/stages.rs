@@ -81,6 +81,10 @@ pub struct Context {
     pub clock: Clock,
     /// Cancelled on SIGTERM/SIGINT.
     pub cancel: CancellationToken,
+    /// The Node as a stage last read it. The untaint starts from it instead of reading
+    /// again; its patch `test`s the entry it removes, so an outdated copy costs a 422 and a
+    /// re-read, never a wrong write.
+    pub node: std::sync::Mutex<Option<Node>>,
 }
 
 impl Context {
@@ -96,6 +100,18 @@ impl Context {
                 "driver inventory missing although the driver stage passed",
             )
         })
+    }
+
+    /// Keep `node` as the latest Node read (see [`Context::node`]).
+    pub fn remember(&self, node: &Node) {
+        if let Ok(mut n) = self.node.lock() {
+            *n = Some(node.clone());
+        }
+    }
+
+    /// Take the latest Node read, if any.
+    pub fn take_node(&self) -> Option<Node> {
+        self.node.lock().ok().and_then(|mut n| n.take())
     }
 
     fn api(&self) -> Result<&Arc<dyn NodeApi>, StageFailure> {
@@ -173,6 +189,7 @@ async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, StageF
         message: e.to_string(),
         transient: e.retryable(),
     })?;
+    ctx.remember(&node);
     Ok(Evidence {
         summary: "karpenter.sh/registered=true, no unregistered taint".into(),
         detail: json!({"resourceVersion": node.metadata.resource_version}),
@@ -307,6 +324,7 @@ async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence, Sta
             message: e.to_string(),
             transient: e.retryable(),
         })?;
+    ctx.remember(&node);
     evaluate_node(&expected, &node).map_err(|f| StageFailure {
         reason: f.reason().into(),
         message: f.to_string(),
@@ -405,6 +423,7 @@ async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
         message: e.to_string(),
         transient: e.retryable(),
     })?;
+    ctx.remember(&node);
     let pods = api.pods_on_node().await.map_err(|e| StageFailure {
         reason: e.reason().into(),
         message: e.to_string(),

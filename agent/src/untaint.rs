@@ -6,11 +6,14 @@
 //! and the patch rebuilt, with exponential backoff, until the deadline: never giving up
 //! early while the evidence is complete (nidhogg gave up after two conflicts and left a
 //! node tainted for hours). A Node without the taint is done (idempotent).
+//!
+//! Adding a taint (continuous mode, on a fatal XID) follows the same rules: one appended
+//! entry, a `test` of the list it was built from, re-read and retry on conflict.
 
 use crate::config::TaintConfig;
 use crate::node_api::{ApiError, ApiErrorKind, NodeApi};
 use backon::{BackoffBuilder, ExponentialBuilder};
-use json_patch::{Patch, PatchOperation, RemoveOperation, TestOperation};
+use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, TestOperation};
 use k8s_openapi::api::core::v1::Node;
 use std::time::{Duration, Instant};
 
@@ -40,81 +43,206 @@ pub fn removal_patch(index: usize, taint: &TaintConfig) -> Patch {
     ])
 }
 
-/// What the removal did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// JSON Patch appending `taint` to `node`'s taint list, guarded so that it applies only
+/// to the list it was built from: with a list, `test` the whole list (so a concurrent add,
+/// removal or reorder makes it fail with 422, while unrelated writes such as status
+/// heartbeats do not); without one, `test` the resourceVersion, because `add` of the
+/// whole list would replace one created in the meantime.
+pub fn add_patch(node: &Node, taint: &TaintConfig) -> Patch {
+    let parse = |s: &str| s.parse().unwrap_or_default();
+    let value = serde_json::json!({"key": taint.key, "effect": taint.effect.as_str()});
+    match node.spec.as_ref().and_then(|s| s.taints.as_ref()) {
+        Some(list) => Patch(vec![
+            PatchOperation::Test(TestOperation {
+                path: parse("/spec/taints"),
+                value: serde_json::to_value(list).unwrap_or_default(),
+            }),
+            PatchOperation::Add(AddOperation {
+                path: parse("/spec/taints/-"),
+                value,
+            }),
+        ]),
+        None => Patch(vec![
+            PatchOperation::Test(TestOperation {
+                path: parse("/metadata/resourceVersion"),
+                value: serde_json::json!(node.metadata.resource_version.clone().unwrap_or_default()),
+            }),
+            PatchOperation::Add(AddOperation {
+                path: parse("/spec/taints"),
+                value: serde_json::json!([value]),
+            }),
+        ]),
+    }
+}
+
+/// What a taint write did.
+#[derive(Debug, Clone, PartialEq)]
 pub struct UntaintOutcome {
-    /// The taint was present and this call removed it (false: it was already gone).
-    pub removed: bool,
+    /// The taint changed and this call changed it (false: it was already as wanted).
+    pub changed: bool,
     /// Write attempts made.
     pub attempts: u32,
     /// Retries caused by conflicts (409), failed tests (422) or server errors.
     pub retries: u32,
+    /// The Node as last seen (the write's response, or the read that found nothing to
+    /// do): the starting point for the next write, so reporting needs no extra read.
+    pub node: Option<Node>,
+}
+
+/// Exponential backoff with jitter until a deadline, shared by the taint write loops.
+struct Retry {
+    until: Instant,
+    backoff: backon::ExponentialBackoff,
+    max: Duration,
+    attempts: u32,
+    retries: u32,
+}
+
+impl Retry {
+    fn new(deadline: Duration, backoff_min: Duration, backoff_max: Duration) -> Self {
+        Self {
+            until: Instant::now() + deadline,
+            backoff: ExponentialBuilder::default()
+                .with_min_delay(backoff_min)
+                .with_max_delay(backoff_max)
+                .with_jitter()
+                .without_max_times()
+                .build(),
+            max: backoff_max,
+            attempts: 0,
+            retries: 0,
+        }
+    }
+
+    /// After a failed attempt: back off and return `Ok` to try again (with a fresh read),
+    /// or the error when retrying cannot help or would pass the deadline.
+    async fn after(&mut self, e: ApiError, what: &str) -> Result<(), ApiError> {
+        if !(e.retryable() || e.kind == ApiErrorKind::NotFound) {
+            return Err(e);
+        }
+        self.attempts += 1;
+        self.retries += 1;
+        let delay = self.backoff.next().unwrap_or(self.max);
+        if Instant::now() + delay > self.until {
+            return Err(ApiError {
+                message: format!(
+                    "{} (gave up at api.untaint_deadline after {} attempts)",
+                    e.message, self.attempts
+                ),
+                ..e
+            });
+        }
+        tracing::info!(error = %e, attempt = self.attempts, delay_ms = delay.as_millis() as u64, "{what} will retry");
+        tokio::time::sleep(delay).await;
+        Ok(())
+    }
+}
+
+/// Where a write loop starts: a Node already held (saves a read; every patch `test`s
+/// what it relies on, so a stale one costs a 422 and a re-read, never a wrong write), or a
+/// fresh read.
+async fn start_from(api: &dyn NodeApi, known: &mut Option<Node>) -> Result<Node, ApiError> {
+    match known.take() {
+        Some(n) => Ok(n),
+        None => api.get().await,
+    }
 }
 
 /// Remove the configured startup taint from the Node, retrying until `deadline`.
+/// `known`: a Node this process already read. Used for the first attempt when it shows the
+/// taint; when it does not, the Node is read again, since absence cannot be `test`ed and a
+/// stale view could miss a taint put back since.
 pub async fn remove_startup_taint(
     api: &dyn NodeApi,
     taint: &TaintConfig,
     deadline: Duration,
     backoff_min: Duration,
     backoff_max: Duration,
+    known: Option<Node>,
 ) -> Result<UntaintOutcome, ApiError> {
-    let until = Instant::now() + deadline;
-    let mut backoff = ExponentialBuilder::default()
-        .with_min_delay(backoff_min)
-        .with_max_delay(backoff_max)
-        .with_jitter()
-        .without_max_times()
-        .build();
-    let mut attempts = 0u32;
-    let mut retries = 0u32;
+    let mut retry = Retry::new(deadline, backoff_min, backoff_max);
+    let mut known = known.filter(|n| taint_index(n, taint).is_some());
     loop {
         let result = async {
-            let node = api.get().await?;
+            let node = start_from(api, &mut known).await?;
             let Some(index) = taint_index(&node, taint) else {
-                return Ok(None);
+                return Ok(Err(node));
             };
-            api.json_patch(&removal_patch(index, taint)).await.map(Some)
+            api.json_patch(&removal_patch(index, taint)).await.map(Ok)
         }
         .await;
         match result {
-            Ok(None) => {
+            Ok(Err(node)) => {
                 return Ok(UntaintOutcome {
-                    removed: attempts > 0 && retries < attempts,
-                    attempts,
-                    retries,
+                    changed: retry.attempts > 0 && retry.retries < retry.attempts,
+                    attempts: retry.attempts,
+                    retries: retry.retries,
+                    node: Some(node),
                 });
             }
-            Ok(Some(node)) => {
-                attempts += 1;
+            Ok(Ok(node)) => {
+                retry.attempts += 1;
                 if taint_index(&node, taint).is_some() {
                     // A duplicate entry (same key and effect) can exist after a bad actor's
-                    // write; loop to remove it too.
+                    // write; loop to remove it too, starting from the patch's response.
+                    known = Some(node);
                     continue;
                 }
                 return Ok(UntaintOutcome {
-                    removed: true,
-                    attempts,
-                    retries,
+                    changed: true,
+                    attempts: retry.attempts,
+                    retries: retry.retries,
+                    node: Some(node),
                 });
             }
-            Err(e) if e.retryable() || e.kind == ApiErrorKind::NotFound => {
-                attempts += 1;
-                retries += 1;
-                let delay = backoff.next().unwrap_or(backoff_max);
-                if Instant::now() + delay > until {
-                    return Err(ApiError {
-                        message: format!(
-                            "{} (gave up at the untaint deadline after {attempts} attempts)",
-                            e.message
-                        ),
-                        ..e
-                    });
-                }
-                tracing::info!(error = %e, attempt = attempts, delay_ms = delay.as_millis() as u64, "taint removal will retry");
-                tokio::time::sleep(delay).await;
+            Err(e) => retry.after(e, "taint removal").await?,
+        }
+    }
+}
+
+/// Add `taint` to the Node unless an entry with its key and effect is there, retrying
+/// conflicts (409), failed tests (422) and server errors with a fresh read until
+/// `deadline`. Never touches another taint: the patch appends one entry and `test`s the
+/// list it was built from ([`add_patch`]). `changed` in the outcome means "added by this call".
+pub async fn add_taint(
+    api: &dyn NodeApi,
+    taint: &TaintConfig,
+    deadline: Duration,
+    backoff_min: Duration,
+    backoff_max: Duration,
+    known: Option<Node>,
+) -> Result<UntaintOutcome, ApiError> {
+    let mut retry = Retry::new(deadline, backoff_min, backoff_max);
+    // Presence seen in an old copy may be gone now: only a view without it is a useful start.
+    let mut known = known.filter(|n| taint_index(n, taint).is_none());
+    loop {
+        let result = async {
+            let node = start_from(api, &mut known).await?;
+            if taint_index(&node, taint).is_some() {
+                return Ok(Err(node));
             }
-            Err(e) => return Err(e),
+            api.json_patch(&add_patch(&node, taint)).await.map(Ok)
+        }
+        .await;
+        match result {
+            Ok(Err(node)) => {
+                return Ok(UntaintOutcome {
+                    changed: false,
+                    attempts: retry.attempts,
+                    retries: retry.retries,
+                    node: Some(node),
+                });
+            }
+            Ok(Ok(node)) => {
+                retry.attempts += 1;
+                return Ok(UntaintOutcome {
+                    changed: true,
+                    attempts: retry.attempts,
+                    retries: retry.retries,
+                    node: Some(node),
+                });
+            }
+            Err(e) => retry.after(e, "adding the taint").await?,
         }
     }
 }
@@ -151,6 +279,36 @@ mod tests {
             ])
         );
         assert_eq!(taint_index(&node(serde_json::json!([])), &t), None);
+    }
+
+    #[test]
+    fn add_patch_appends_only_when_the_list_is_unchanged() {
+        let t = TaintConfig {
+            key: "a.io/sick".into(),
+            effect: TaintEffect::NoSchedule,
+        };
+        let n = node(serde_json::json!([{"key": "other", "effect": "NoSchedule"}]));
+        let p = add_patch(&n, &t);
+        let mut doc = serde_json::to_value(&n).unwrap();
+        json_patch::patch(&mut doc, &p).unwrap();
+        assert_eq!(
+            doc["spec"]["taints"],
+            serde_json::json!([{"key": "other", "effect": "NoSchedule"}, {"key": "a.io/sick", "effect": "NoSchedule"}])
+        );
+        // Someone else changed the list in between: the test fails, nothing is written.
+        let mut moved = serde_json::json!({"metadata": {"name": "n"}, "spec": {"taints": [{"key": "new", "effect": "NoSchedule"}, {"key": "other", "effect": "NoSchedule"}]}});
+        let before = moved.clone();
+        assert!(json_patch::patch(&mut moved, &p).is_err());
+        assert_eq!(moved, before);
+        // No list yet: guarded by the resourceVersion, since `add` would replace a list.
+        let bare: Node =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "n", "resourceVersion": "5"}})).unwrap();
+        let p = serde_json::to_value(add_patch(&bare, &t)).unwrap();
+        assert_eq!(
+            p[0],
+            serde_json::json!({"op": "test", "path": "/metadata/resourceVersion", "value": "5"})
+        );
+        assert_eq!(p[1]["path"], "/spec/taints");
     }
 
     #[test]

@@ -20,7 +20,8 @@ const OUR_TAINT: &str = "taintgate may only remove its startup taint (only a sys
 const LABELS: &str = "taintgate may not change Node labels";
 const ANNOTATIONS: &str = "taintgate may change only annotations under taintgate.io/";
 const META: &str = "taintgate may not change Node finalizers or owner references";
-const SPEC: &str = "taintgate may not change the Node spec except removing its startup taint";
+const SPEC: &str = "taintgate may not change the Node spec except its own taints";
+const HEALTH: &str = "taintgate may only add its GPU-unhealthy taint, once, never remove or change it";
 const CONDITIONS: &str = "taintgate may change only its own conditions (TaintgateVerified, AcceleratedHardwareReady)";
 const STATUS: &str = "taintgate may not change Node status other than its own conditions";
 
@@ -284,6 +285,53 @@ fn other_identities_and_operations_are_not_this_policys_business() {
     assert_eq!(policy().admit(&req).unwrap(), Decision::NotMatched);
 }
 
+#[test]
+fn continuous_mode_adds_its_gpu_unhealthy_taint_once_and_never_removes_it() {
+    // The agent's add patch (agent/src/untaint.rs add_patch): test the list it read, then
+    // append the configured continuous.taint.
+    let released = remove_taint_at(&node(NODE), 1);
+    let add = |old: &Value| {
+        json_patched(
+            old,
+            json!([
+                {"op": "test", "path": "/spec/taints", "value": old["spec"]["taints"].clone()},
+                {"op": "add", "path": "/spec/taints/-", "value": {"key": "taintgate.io/gpu-unhealthy", "effect": "NoSchedule"}}
+            ]),
+        )
+    };
+    let unhealthy = add(&released);
+    assert_eq!(admit(pod_identity(NODE), &released, &unhealthy, ""), Decision::Allowed);
+    assert_eq!(
+        admit(systemd_identity(NODE), &released, &unhealthy, ""),
+        Decision::Allowed
+    );
+    // Not on another node.
+    let other = remove_taint_at(&node(OTHER), 1);
+    assert_eq!(admit(pod_identity(NODE), &other, &add(&other), ""), denied(&[OWN_NODE]));
+    // Not twice.
+    assert_eq!(
+        admit(pod_identity(NODE), &unhealthy, &add(&unhealthy), ""),
+        denied(&[HEALTH])
+    );
+    // Never removed or changed by the agent.
+    let cleared = json_patched(&unhealthy, json!([{"op": "remove", "path": "/spec/taints/2"}]));
+    assert_eq!(admit(pod_identity(NODE), &unhealthy, &cleared, ""), denied(&[HEALTH]));
+    let changed = json_patched(
+        &unhealthy,
+        json!([{"op": "add", "path": "/spec/taints/2/value", "value": "ignore-me"}]),
+    );
+    assert_eq!(admit(pod_identity(NODE), &unhealthy, &changed, ""), denied(&[HEALTH]));
+    // Another effect under the same key is not ours: an ordinary foreign taint.
+    let noexec = json_patched(
+        &released,
+        json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": "taintgate.io/gpu-unhealthy", "effect": "NoExecute"}}]),
+    );
+    assert_eq!(
+        admit(pod_identity(NODE), &released, &noexec, ""),
+        denied(&[OTHER_TAINTS])
+    );
+}
+
 // ----- denied --------------------------------------------------------------------------
 
 #[test]
@@ -466,6 +514,11 @@ fn policy_literals_match_the_shipped_config() {
     struct Cfg {
         taint: Taint,
         reporting: Reporting,
+        continuous: Continuous,
+    }
+    #[derive(serde::Deserialize)]
+    struct Continuous {
+        taint: Taint,
     }
     #[derive(serde::Deserialize)]
     struct Taint {
@@ -487,6 +540,8 @@ fn policy_literals_match_the_shipped_config() {
         .unwrap();
     assert_eq!(vars["taintKey"], json!(cfg.taint.key));
     assert_eq!(vars["taintEffect"], json!(cfg.taint.effect));
+    assert_eq!(vars["healthKey"], json!(cfg.continuous.taint.key));
+    assert_eq!(vars["healthEffect"], json!(cfg.continuous.taint.effect));
     assert_eq!(
         vars["annotationPrefix"],
         json!(format!("{}/", cfg.reporting.annotation_prefix))
@@ -512,6 +567,7 @@ fn no_op_update_is_allowed_and_every_rule_can_fire() {
     let covered = [
         OWN_NODE,
         OTHER_TAINTS,
+        HEALTH,
         OUR_TAINT,
         LABELS,
         ANNOTATIONS,

@@ -343,6 +343,8 @@ const CONFIG_KEYS: &[&str] = &[
     "backoff_min",
     "backoff_max",
     "regate_on_boot",
+    "continuous",
+    "xid_wait",
 ];
 
 fn config_template() -> &'static (Value, Vec<Vec<Seg>>) {

@@ -164,6 +164,23 @@ pub struct SimFaults {
     pub lost_during_smoke: BTreeSet<u32>,
     /// (gpu index, xid) pairs delivered by the event subscription during validation.
     pub xid_during_validation: Vec<(u32, u32)>,
+    /// XIDs delivered after release: by the blocking wait the resident agent runs on the
+    /// subscription ([`crate::gpu::Gpu::wait_xids`]), never by the bootstrap's drain, so a
+    /// test sees the node released first and the XID second, whatever the machine's speed.
+    pub xid_after_release: Vec<SimXid>,
+}
+
+/// One XID the simulated event subscription delivers after release.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimXid {
+    /// GPU index.
+    pub gpu: u32,
+    /// The XID.
+    pub xid: u32,
+    /// Milliseconds after the first post-release wait began (0: that first wait returns it).
+    #[serde(default)]
+    pub after_ms: u64,
 }
 
 impl NodeProfile {
@@ -273,6 +290,15 @@ impl NodeProfile {
                     file,
                     Some(&format!("faults.xid_during_validation[{i}]")),
                     format!("GPU index {g} is not in `gpus`"),
+                ));
+            }
+        }
+        for (i, x) in self.faults.xid_after_release.iter().enumerate() {
+            if !seen_idx.contains(&x.gpu) {
+                return Err(InputError::new(
+                    file,
+                    Some(&format!("faults.xid_after_release[{i}].gpu")),
+                    format!("GPU index {} is not in `gpus`", x.gpu),
                 ));
             }
         }

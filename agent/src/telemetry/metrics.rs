@@ -10,7 +10,9 @@
 //!   evidence keys `bytesFetched` / `bytesCached`;
 //! - `taintgate_release_seconds`: agent start to taint removal of the last release;
 //! - `taintgate_released`: 1 once the taint was removed by this process, else 0;
-//! - `taintgate_bootstraps_total{verdict}`: bootstrap passes by verdict reason.
+//! - `taintgate_bootstraps_total{verdict}`: bootstrap passes by verdict reason;
+//! - `taintgate_xids_total{class,xid}`: XIDs received after release, by policy class
+//!   (`fatal`, `warn`, `ignore`) and XID.
 //!
 //! Endpoints: `/metrics` (OpenMetrics text), `/healthz` (200 while the process serves),
 //! `/readyz` (200 only once the shared `ready` flag is set, i.e. after release; 503
@@ -70,6 +72,15 @@ pub struct VerdictLabels {
     pub verdict: String,
 }
 
+/// XID labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct XidLabels {
+    /// Policy class: `fatal`, `warn` or `ignore`.
+    pub class: String,
+    /// The XID number.
+    pub xid: String,
+}
+
 /// Metrics server failures.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -111,6 +122,7 @@ pub struct Metrics {
     bootstraps: Family<VerdictLabels, Counter>,
     release_seconds: Gauge<f64, AtomicU64>,
     released: Gauge,
+    xids: Family<XidLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -137,6 +149,12 @@ impl Metrics {
         let bootstraps = Family::<VerdictLabels, Counter>::default();
         let release_seconds = Gauge::<f64, AtomicU64>::default();
         let released = Gauge::default();
+        let xids = Family::<XidLabels, Counter>::default();
+        registry.register(
+            "taintgate_xids",
+            "XIDs received after release, by policy class and XID",
+            xids.clone(),
+        );
         registry.register(
             "taintgate_stage_duration_seconds",
             "Duration of each evidence stage, by stage and result",
@@ -176,7 +194,25 @@ impl Metrics {
             bootstraps,
             release_seconds,
             released,
+            xids,
         }
+    }
+
+    /// Count one XID received after release, with its policy class.
+    pub fn observe_xid(&self, xid: u32, class: &str) {
+        self.xids
+            .get_or_create(&XidLabels {
+                class: class.into(),
+                xid: xid.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count a failure found outside a bootstrap pass (a fatal XID after release).
+    pub fn observe_failure(&self, reason: &str) {
+        self.failures
+            .get_or_create(&ReasonLabels { reason: reason.into() })
+            .inc();
     }
 
     /// Record one finished bootstrap pass (call once per pass, after the verdict).

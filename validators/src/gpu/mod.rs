@@ -346,6 +346,21 @@ pub trait Gpu: Send + Sync {
     /// XIDs observed since the last call (event subscription held open by the backend).
     /// Used to catch an XID that happens during validation.
     fn drain_xids(&self) -> Result<Vec<(u32, u32)>, GpuError>;
+    /// Block until XIDs arrive on the subscription or `timeout` passes, and return what
+    /// arrived (empty on timeout). The resident agent calls it in a loop after release.
+    ///
+    /// The default is a bounded-interval drain, for a backend whose API has no blocking
+    /// wait: nothing can wake it, so it drains, and if nothing was queued it waits one
+    /// interval and drains again. Backends with an event wait (NVML's
+    /// `nvmlEventSetWait_v2`, the simulated node's clock) override it.
+    fn wait_xids(&self, timeout: Duration) -> Result<Vec<(u32, u32)>, GpuError> {
+        let first = self.drain_xids()?;
+        if !first.is_empty() {
+            return Ok(first);
+        }
+        std::thread::sleep(timeout);
+        self.drain_xids()
+    }
     /// Run the smoke kernel on one GPU over a buffer of `bytes`.
     fn smoke(&self, gpu: &GpuInfo, bytes: u64) -> Result<SmokeResult, GpuError>;
     /// Measure one peer domain.

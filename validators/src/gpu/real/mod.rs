@@ -134,6 +134,10 @@ impl Gpu for RealGpu {
         self.nvml.drain_xids()
     }
 
+    fn wait_xids(&self, timeout: std::time::Duration) -> Result<Vec<(u32, u32)>, GpuError> {
+        self.nvml.wait_xids(timeout)
+    }
+
     fn smoke(&self, gpu: &GpuInfo, bytes: u64) -> Result<SmokeResult, GpuError> {
         self.cuda()?.smoke(gpu, bytes)
     }

@@ -147,13 +147,28 @@ impl NvmlBackend {
 
     /// Collect pending XID events from every event set without waiting.
     fn poll_events(&self) -> Result<(), GpuError> {
+        self.collect_events(None)
+    }
+
+    /// Collect XID events; with `block`, wait up to that long for the first one.
+    ///
+    /// NVML waits on one event set at a time and there is one set per GPU, so a blocking
+    /// collection gives each set an equal share of `block` in turn (each share is a real
+    /// `nvmlEventSetWait_v2` sleep, not a poll); once an event has arrived the remaining
+    /// sets are only drained.
+    fn collect_events(&self, block: Option<std::time::Duration>) -> Result<(), GpuError> {
         let mut fresh = Vec::new();
         self.cell.with_dependent(|_nvml, sets| -> Result<(), GpuError> {
             let sets = sets.lock().map_err(|_| poisoned())?;
+            let share_ms = block.map_or(0, |b| {
+                let per_set = b.as_millis() / sets.len().max(1) as u128;
+                u32::try_from(per_set).unwrap_or(u32::MAX).max(1)
+            });
             for (index, set) in sets.iter() {
                 // Bounded: a storm of events cannot keep this loop busy forever.
                 for _ in 0..1024 {
-                    match set.wait(0) {
+                    let wait_ms = if fresh.is_empty() { share_ms } else { 0 };
+                    match set.wait(wait_ms) {
                         Ok(ev) => {
                             let gpu = ev.device.index().unwrap_or(*index);
                             match ev.event_data {
@@ -186,6 +201,29 @@ impl NvmlBackend {
     /// XIDs received since the last call.
     pub(crate) fn drain_xids(&self) -> Result<Vec<(u32, u32)>, GpuError> {
         self.poll_events()?;
+        let mut log = self.events.lock().map_err(|_| poisoned())?;
+        Ok(std::mem::take(&mut log.undrained))
+    }
+
+    /// XIDs received since the last call, waiting up to `timeout` for the first when none
+    /// is queued. Without any subscribed GPU there is nothing to wait on: that is an
+    /// error, so the caller stops watching instead of spinning.
+    pub(crate) fn wait_xids(&self, timeout: std::time::Duration) -> Result<Vec<(u32, u32)>, GpuError> {
+        let queued = self.drain_xids()?;
+        if !queued.is_empty() {
+            return Ok(queued);
+        }
+        let subscribed = self
+            .cell
+            .with_dependent(|_nvml, sets| sets.lock().map(|s| s.len()).map_err(|_| poisoned()))?;
+        if subscribed == 0 {
+            return Err(GpuError::Nvml {
+                call: "nvmlEventSetWait_v2".into(),
+                gpu: None,
+                message: "no GPU accepted the XID event subscription; XIDs after release are not watched".into(),
+            });
+        }
+        self.collect_events(Some(timeout))?;
         let mut log = self.events.lock().map_err(|_| poisoned())?;
         Ok(std::mem::take(&mut log.undrained))
     }
