@@ -9,12 +9,19 @@
  * The profile is read at nvmlInit: $FAKE_NVML_PROFILE if set, else `profile.txt` in the
  * directory this library was loaded from (so parallel tests each copy the library into their
  * own directory with their own profile). Format: see README.md beside this file.
+ *
+ * Events: `nvmlEventSetWait_v2` blocks like the real one. With nothing queued for the set it
+ * waits up to `timeoutms` (polling the `xid_trigger` file in short slices) and then returns
+ * NVML_ERROR_TIMEOUT. A test injects XIDs while the agent runs by writing that file.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int nvmlReturn_t;
 enum {
@@ -36,6 +43,8 @@ enum {
 #define MAX_MIG 7
 #define MAX_KV 2048
 #define MAX_EVENTS 32
+/* Longest sleep between two looks at the trigger file inside one blocking wait. */
+#define WAIT_SLICE_MS 20
 
 typedef struct {
 	char busIdLegacy[16];
@@ -88,6 +97,9 @@ static int n_kv;
 static int initialised;
 static unsigned int gpu_count;
 static fake_gpu gpus[MAX_GPUS];
+/* Guards the XID queues and the trigger file: the agent waits on its event sets on one
+ * thread while other threads may drain them. */
+static pthread_mutex_t event_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void trim(char *s) {
 	size_t n = strlen(s);
@@ -518,9 +530,57 @@ nvmlReturn_t nvmlDeviceRegisterEvents(fake_gpu *dev, unsigned long long types, f
 	if (types & 8ULL) set->registered |= 1u << dev->index;
 	return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
-	(void)timeoutms;
-	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+/* Append one XID to a GPU's queue (1: queued); the caller holds event_lock. */
+static int queue_xid(unsigned int gpu, unsigned long long xid, const char *from) {
+	if (gpu >= gpu_count) {
+		fprintf(stderr, "fake-nvml: %s: no GPU %u (the profile has %u); XID %llu dropped\n", from, gpu, gpu_count, xid);
+		return 0;
+	}
+	if (gpus[gpu].n_xid_events >= MAX_EVENTS) {
+		fprintf(stderr, "fake-nvml: %s: GPU %u queue full; XID %llu dropped\n", from, gpu, xid);
+		return 0;
+	}
+	gpus[gpu].xid_events[gpus[gpu].n_xid_events++] = xid;
+	return 1;
+}
+
+/*
+ * xid_trigger=/path: when that file exists, claim it by renaming it to /path.delivered
+ * (so its events are queued exactly once, and a test can see that they were), then queue
+ * each `GPU_INDEX XID` line. Writers should create it atomically (write elsewhere, rename
+ * into place) so a half-written file is never read. The caller holds event_lock.
+ */
+static void poll_trigger(unsigned int timeoutms) {
+	const char *path = get("xid_trigger");
+	if (!path || !*path) return;
+	char claimed[4096];
+	snprintf(claimed, sizeof claimed, "%s.delivered", path);
+	if (rename(path, claimed) != 0) return; /* not there (yet) */
+	FILE *f = fopen(claimed, "r");
+	if (!f) {
+		fprintf(stderr, "fake-nvml: cannot read %s: %s\n", claimed, strerror(errno));
+		return;
+	}
+	char line[256];
+	while (fgets(line, sizeof line, f)) {
+		trim(line);
+		if (line[0] == '#' || line[0] == 0) continue;
+		unsigned int gpu;
+		unsigned long long xid;
+		if (sscanf(line, "%u %llu", &gpu, &xid) != 2) {
+			fprintf(stderr, "fake-nvml: %s: bad line \"%s\" (want GPU_INDEX XID)\n", path, line);
+			continue;
+		}
+		if (!queue_xid(gpu, xid, path)) continue;
+		/* Tests read this back from the process's stderr: it names the timeout of the
+		 * wait that was running, i.e. proof that the event arrived during a blocking wait. */
+		fprintf(stderr, "fake-nvml: queued XID %llu for GPU %u from %s during a %u ms wait\n", xid, gpu, path, timeoutms);
+	}
+	fclose(f);
+}
+
+/* Hand the first queued XID of a GPU registered on `set` to `data`; the caller holds event_lock. */
+static int pop_event(const fake_event_set *set, nvmlEventData_t *data) {
 	for (unsigned int i = 0; i < gpu_count; i++) {
 		if (!(set->registered & (1u << i)) || gpus[i].n_xid_events == 0) continue;
 		memset(data, 0, sizeof *data);
@@ -529,10 +589,62 @@ nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, uns
 		data->eventData = gpus[i].xid_events[0];
 		memmove(&gpus[i].xid_events[0], &gpus[i].xid_events[1], sizeof(unsigned long long) * (size_t)(gpus[i].n_xid_events - 1));
 		gpus[i].n_xid_events--;
-		return NVML_SUCCESS;
+		return 1;
 	}
-	/* Never blocks: nothing queued is a timeout, as if timeoutms passed. */
-	return NVML_ERROR_TIMEOUT;
+	return 0;
+}
+
+/*
+ * The first time a wait with a non-zero timeout starts, write that timeout to
+ * <xid_trigger>.armed (through a temporary name, so it is never read half-written): a test
+ * waits for it before writing the trigger, knowing the process now blocks in this call.
+ * The caller holds event_lock.
+ */
+static void arm_once(unsigned int timeoutms) {
+	static int armed;
+	const char *path = get("xid_trigger");
+	if (armed || timeoutms == 0 || !path || !*path) return;
+	armed = 1;
+	char tmp[4096], dst[4096];
+	snprintf(tmp, sizeof tmp, "%s.armed.tmp", path);
+	snprintf(dst, sizeof dst, "%s.armed", path);
+	FILE *f = fopen(tmp, "w");
+	if (!f) {
+		fprintf(stderr, "fake-nvml: cannot write %s: %s\n", tmp, strerror(errno));
+		return;
+	}
+	fprintf(f, "%u\n", timeoutms);
+	if (fclose(f) != 0 || rename(tmp, dst) != 0)
+		fprintf(stderr, "fake-nvml: cannot write %s: %s\n", dst, strerror(errno));
+}
+
+static long long now_ms(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Like the real call: an event queued for the set returns at once; otherwise wait up to
+ * `timeoutms` for one (0: do not wait) and return NVML_ERROR_TIMEOUT when none came. */
+nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
+	const long long deadline = now_ms() + timeoutms;
+	pthread_mutex_lock(&event_lock);
+	arm_once(timeoutms);
+	pthread_mutex_unlock(&event_lock);
+	for (;;) {
+		pthread_mutex_lock(&event_lock);
+		poll_trigger(timeoutms);
+		int got = pop_event(set, data);
+		pthread_mutex_unlock(&event_lock);
+		if (got) return NVML_SUCCESS;
+		long long left = deadline - now_ms();
+		if (left <= 0) return NVML_ERROR_TIMEOUT;
+		long long slice = left < WAIT_SLICE_MS ? left : WAIT_SLICE_MS;
+		struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)(slice * 1000000)};
+		while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+	}
 }
 nvmlReturn_t nvmlEventSetFree(fake_event_set *set) {
 	free(set);
