@@ -39,13 +39,33 @@ pub enum BundleCommand {
         /// Chunk slots across all files.
         #[arg(long)]
         concurrency: Option<usize>,
+        /// Most chunks of one file in flight.
+        #[arg(long)]
+        file_concurrency: Option<usize>,
         /// Bytes per ranged GET.
         #[arg(long)]
         chunk_size: Option<u64>,
+        /// Bytes to keep free on the cache filesystem [default: 10% of it, the kubelet's
+        /// nodefs.available hard-eviction threshold].
+        #[arg(long)]
+        reserve: Option<u64>,
+        /// An object_store option for the source, KEY=VALUE (repeatable), e.g.
+        /// aws_endpoint=http://127.0.0.1:9000 or aws_region=eu-west-1.
+        #[arg(long = "opt", value_name = "KEY=VALUE", value_parser = parse_opt)]
+        opts: Vec<(String, String)>,
         /// Re-hash every cached blob.
         #[arg(long)]
         verify_cache: bool,
     },
+}
+
+/// `KEY=VALUE` for `--opt`; the key is checked against the stores' options later, by
+/// `PrefetchOptions::validate`, which names an unknown one.
+fn parse_opt(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
 }
 
 /// Run a `bundle` subcommand; returns the exit code.
@@ -81,7 +101,10 @@ pub async fn run(cmd: BundleCommand) -> i32 {
             name,
             cache,
             concurrency,
+            file_concurrency,
             chunk_size,
+            reserve,
+            opts: source_options,
             verify_cache,
         } => {
             let (uri, digest) = if manifest.contains("://") {
@@ -115,8 +138,13 @@ pub async fn run(cmd: BundleCommand) -> i32 {
             let mut opts = PrefetchOptions {
                 cache_dir: cache,
                 verify_cache,
+                reserve_bytes: reserve,
+                source_options: source_options.into_iter().collect(),
                 ..Default::default()
             };
+            if let Some(c) = file_concurrency {
+                opts.file_concurrency = c;
+            }
             if let Some(c) = concurrency {
                 opts.concurrency = c;
             }
@@ -138,7 +166,13 @@ pub async fn run(cmd: BundleCommand) -> i32 {
                 }
                 Err(e) => {
                     eprintln!("error ({}): {e}", e.reason());
-                    exit::HELD
+                    // Options the user typed are bad input (2), like a bad config; anything
+                    // the sources, the manifest or the disk did is a failed fetch (1).
+                    if e.reason() == "OptionsInvalid" {
+                        exit::BAD_INPUT
+                    } else {
+                        exit::HELD
+                    }
                 }
             }
         }

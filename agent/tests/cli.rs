@@ -452,3 +452,63 @@ fn each_kubelet_side_fault_holds_with_its_reason() {
         );
     }
 }
+
+#[test]
+fn bundle_fetch_local_directory_with_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("model");
+    std::fs::create_dir_all(data.join("sub")).unwrap();
+    std::fs::write(data.join("weights.bin"), vec![7u8; 300_000]).unwrap();
+    std::fs::write(data.join("sub/config.json"), b"{}").unwrap();
+    let manifest = dir.path().join("manifest.yaml");
+    let base = format!("file://{}/", data.display());
+    let o = bin()
+        .args(["bundle", "create"])
+        .arg(&data)
+        .args(["--base-uri", &base, "--output"])
+        .arg(&manifest)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let cache = dir.path().join("cache");
+    let fetch = |extra: &[&str]| {
+        bin()
+            .args(["bundle", "fetch"])
+            .arg(&manifest)
+            .arg("--cache")
+            .arg(&cache)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    // A mistyped source option is bad input (2), named; nothing is fetched.
+    let o = fetch(&["--opt", "aws_regoin=eu-west-1", "--reserve", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("aws_regoin"), "{}", text(&o));
+    assert!(!cache.join("bundles/bundle/weights.bin").exists());
+    // Not KEY=VALUE: refused by the argument parser, naming the flag.
+    let o = fetch(&["--opt", "aws_region"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--opt"), "{}", text(&o));
+    // A reserve larger than any disk: refused before the first byte.
+    let o = fetch(&["--reserve", &u64::MAX.to_string()]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("DiskInsufficient"), "{}", text(&o));
+    // Valid options: verified into the bundle view.
+    let o = fetch(&[
+        "--reserve",
+        "0",
+        "--opt",
+        "aws_region=eu-west-1",
+        "--chunk-size",
+        "65536",
+        "--file-concurrency",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("verified: 300002 bytes fetched"), "{}", text(&o));
+    assert_eq!(
+        std::fs::read(cache.join("bundles/bundle/weights.bin")).unwrap(),
+        vec![7u8; 300_000]
+    );
+}

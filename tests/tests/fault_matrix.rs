@@ -407,6 +407,13 @@ fn scenarios() -> Vec<Scenario> {
                 let old = e.delete_object("nodes", NODE)?;
                 let mut fresh = reference_node(true).build();
                 fresh["metadata"]["labels"]["example.com/incarnation"] = json!("2");
+                // The builder stamps conditions with the current second; keep the old
+                // node's kubelet conditions so the before/after comparison does not flake
+                // when the recreation crosses a second boundary.
+                if let Some(c) = old["status"]["conditions"].as_array() {
+                    let kubelet: Vec<Value> = c.iter().filter(|c| c["type"] == "Ready").cloned().collect();
+                    fresh["status"]["conditions"] = json!(kubelet);
+                }
                 e.put_object(fresh)?;
                 anyhow::ensure!(old["metadata"]["uid"] != reference(e)?["metadata"]["uid"], "same uid");
                 Ok(())

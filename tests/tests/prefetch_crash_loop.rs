@@ -187,6 +187,10 @@ fn fetch_args(o: &Origin, cache: &Path) -> Vec<String> {
         &CONCURRENCY.to_string(),
         "--chunk-size",
         &CHUNK.to_string(),
+        // The default reserve is 10% of the filesystem: on a full build machine that alone
+        // can refuse a few MiB. Disk preflight has its own tests.
+        "--reserve",
+        "0",
     ]
     .iter()
     .map(|s| s.to_string())
