@@ -114,6 +114,16 @@ impl Retry {
         }
     }
 
+    /// The outcome of a write loop that ends with `node`.
+    fn outcome(&self, changed: bool, node: Node) -> UntaintOutcome {
+        UntaintOutcome {
+            changed,
+            attempts: self.attempts,
+            retries: self.retries,
+            node: Some(node),
+        }
+    }
+
     /// After a failed attempt: back off and return `Ok` to try again (with a fresh read),
     /// or the error when retrying cannot help or would pass the deadline.
     async fn after(&mut self, e: ApiError, what: &str) -> Result<(), ApiError> {
@@ -173,12 +183,7 @@ pub async fn remove_startup_taint(
         .await;
         match result {
             Ok(Err(node)) => {
-                return Ok(UntaintOutcome {
-                    changed: retry.attempts > 0 && retry.retries < retry.attempts,
-                    attempts: retry.attempts,
-                    retries: retry.retries,
-                    node: Some(node),
-                });
+                return Ok(retry.outcome(retry.attempts > 0 && retry.retries < retry.attempts, node));
             }
             Ok(Ok(node)) => {
                 retry.attempts += 1;
@@ -188,12 +193,7 @@ pub async fn remove_startup_taint(
                     known = Some(node);
                     continue;
                 }
-                return Ok(UntaintOutcome {
-                    changed: true,
-                    attempts: retry.attempts,
-                    retries: retry.retries,
-                    node: Some(node),
-                });
+                return Ok(retry.outcome(true, node));
             }
             Err(e) => retry.after(e, "taint removal").await?,
         }
@@ -226,21 +226,11 @@ pub async fn add_taint(
         .await;
         match result {
             Ok(Err(node)) => {
-                return Ok(UntaintOutcome {
-                    changed: false,
-                    attempts: retry.attempts,
-                    retries: retry.retries,
-                    node: Some(node),
-                });
+                return Ok(retry.outcome(false, node));
             }
             Ok(Ok(node)) => {
                 retry.attempts += 1;
-                return Ok(UntaintOutcome {
-                    changed: true,
-                    attempts: retry.attempts,
-                    retries: retry.retries,
-                    node: Some(node),
-                });
+                return Ok(retry.outcome(true, node));
             }
             Err(e) => retry.after(e, "adding the taint").await?,
         }
