@@ -401,3 +401,228 @@ pub fn log_lines(stderr: &str) -> Vec<Value> {
 pub fn log_count(stderr: &str, msg: &str) -> usize {
     log_lines(stderr).iter().filter(|l| l["message"] == msg).count()
 }
+
+/// splitmix64: a tiny seeded generator for kill points and the like, so a failing sequence
+/// can be replayed exactly from its seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n` (`0` when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+/// What a fault-matrix row must end in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expect {
+    /// Taint removed, exit 0, verdict and condition True/`Released`, a Normal Event.
+    Released,
+    /// Taint kept, exit 1; the verdict, the condition (False) and a Warning Event carry
+    /// this reason.
+    Held(&'static str),
+}
+
+impl Expect {
+    /// Whether the node must end released.
+    pub fn released(self) -> bool {
+        self == Expect::Released
+    }
+
+    /// The verdict's reason: `Released`, or the reason the node is held with.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Expect::Released => "Released",
+            Expect::Held(r) => r,
+        }
+    }
+
+    /// The agent's exit code under `--once`.
+    pub fn exit_code(self) -> i32 {
+        if self.released() { 0 } else { 1 }
+    }
+
+    /// The status of the agent's `TaintgateVerified` condition.
+    pub fn condition_status(self) -> &'static str {
+        if self.released() { "True" } else { "False" }
+    }
+
+    /// The type of the Event that carries the verdict.
+    pub fn event_type(self) -> &'static str {
+        if self.released() { "Normal" } else { "Warning" }
+    }
+}
+
+/// What one agent run of a fault-matrix row left behind.
+pub struct RowRun {
+    /// How the agent ended.
+    pub run: AgentRun,
+    /// Its JSON timeline.
+    pub timeline: Timeline,
+    /// The reference Node as stored afterwards.
+    pub after: Value,
+}
+
+impl RowRun {
+    /// `Err(msg)` followed by the agent's output, for a row's failure.
+    pub fn fail<T>(&self, msg: impl std::fmt::Display) -> Result<T, String> {
+        Err(format!("{msg}\n{}", self.run.text()))
+    }
+}
+
+/// Run the agent against `emu` (`--once` when `once`) with `profile` and `config`, run a
+/// row's concurrent `actions` while it runs, and wait for it (60 s at most). Fails when the
+/// actions failed, the agent did not finish, printed no timeline, or the Node is gone; the
+/// failure carries the agent's output.
+pub fn run_row_agent(
+    emu: &Emulator,
+    profile: &Path,
+    config: &Path,
+    once: bool,
+    actions: impl FnOnce(&RunningAgent) -> anyhow::Result<()>,
+) -> Result<RowRun, String> {
+    let args = agent_args(profile, config, emu, once);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let agent = RunningAgent::spawn(agent_command(&args).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let during = actions(&agent);
+    let run = agent.wait(Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let fail = |m: String| Err(format!("{m}\n{}", run.text()));
+    if let Err(e) = during {
+        return fail(format!("row actions failed: {e:#}"));
+    }
+    if run.timed_out {
+        return fail("agent did not finish within 60 s".into());
+    }
+    let Some(timeline) = run.timeline() else {
+        return fail("no JSON timeline on stdout".into());
+    };
+    let after = match reference(emu) {
+        Ok(a) => a,
+        Err(e) => return fail(e.to_string()),
+    };
+    Ok(RowRun { run, timeline, after })
+}
+
+/// Check the exit code and the verdict (reason, released) against `expect`.
+pub fn check_verdict(r: &RowRun, expect: Expect) -> Result<(), String> {
+    let (want_code, want_reason) = (expect.exit_code(), expect.reason());
+    if r.run.code != Some(want_code) {
+        return Err(format!("exit code {:?}, expected {want_code}", r.run.code));
+    }
+    let Some(verdict) = &r.timeline.verdict else {
+        return Err("no verdict".into());
+    };
+    if verdict.reason != want_reason || verdict.released != expect.released() {
+        return Err(format!(
+            "verdict {} ({}), expected {want_reason}",
+            verdict.reason, verdict.message
+        ));
+    }
+    Ok(())
+}
+
+/// Check the agent's `TaintgateVerified` condition on `after` against `expect`.
+pub fn check_verified_condition(after: &Value, expect: Expect) -> Result<(), String> {
+    let (want_status, want_reason) = (expect.condition_status(), expect.reason());
+    let got = crate::agent::condition(after, "TaintgateVerified").map(|c| (c["status"].clone(), c["reason"].clone()));
+    if got != Some((json!(want_status), json!(want_reason))) {
+        return Err(format!(
+            "TaintgateVerified condition {got:?}, expected {want_status}/{want_reason}"
+        ));
+    }
+    Ok(())
+}
+
+/// Check that an Event about the reference node carries the verdict (type and reason);
+/// other failed stages may add their own Warnings.
+pub fn check_verdict_event(emu: &Emulator, expect: Expect) -> Result<(), String> {
+    let (want_type, want_reason) = (expect.event_type(), expect.reason());
+    let events = emu.list_objects("events").map_err(|e| e.to_string())?;
+    if !events
+        .iter()
+        .any(|ev| ev["reason"] == want_reason && ev["type"] == want_type && ev["involvedObject"]["name"] == NODE)
+    {
+        return Err(format!("no {want_type}/{want_reason} Event among {events:?}"));
+    }
+    Ok(())
+}
+
+/// A row's result: its duration, `None` when skipped, or why it failed.
+pub type RowResult = Result<Option<Duration>, String>;
+
+/// The rows of a matrix to run: all of them, or those whose name contains the value of the
+/// environment variable `only_var`. Panics when names repeat or nothing matches.
+pub fn select_rows<'a, S>(all: &'a [S], name: impl Fn(&S) -> &'static str, only_var: &str) -> Vec<&'a S> {
+    let mut names: Vec<&str> = all.iter().map(&name).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), all.len(), "row names must be unique");
+    let only = std::env::var(only_var).unwrap_or_default();
+    let rows: Vec<&S> = all.iter().filter(|s| name(s).contains(&only)).collect();
+    assert!(!rows.is_empty(), "no row matches {only_var}={only:?}");
+    rows
+}
+
+/// How many rows run at once: the environment variable `var`, else `default` (at least 1).
+pub fn jobs_from_env(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|j| j.parse().ok())
+        .unwrap_or(default)
+        .max(1)
+}
+
+/// Run `rows` on `jobs` threads (a panicking row fails alone), print one PASS, SKIP or
+/// FAIL line per row in name order and the total time, and panic when any row failed.
+pub fn run_matrix<S: Sync>(
+    rows: &[&S],
+    jobs: usize,
+    name: impl Fn(&S) -> &'static str + Sync,
+    run: impl Fn(&S) -> RowResult + Sync,
+) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: std::sync::Mutex<Vec<(&str, RowResult)>> = std::sync::Mutex::new(Vec::new());
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.min(rows.len()) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let Some(s) = rows.get(i) else { break };
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(s)))
+                        .unwrap_or_else(|p| Err(format!("panicked: {p:?}")));
+                    results.lock().unwrap_or_else(|p| p.into_inner()).push((name(s), r));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    results.sort_by_key(|(n, _)| *n);
+    let mut failed = Vec::new();
+    for (name, r) in &results {
+        match r {
+            Ok(Some(d)) => eprintln!("PASS {name:<55} {:>6} ms", d.as_millis()),
+            Ok(None) => eprintln!("SKIP {name}"),
+            Err(e) => {
+                eprintln!("FAIL {name}: {e}\n");
+                failed.push(*name);
+            }
+        }
+    }
+    eprintln!("{} rows in {:?}", results.len(), started.elapsed());
+    assert!(
+        failed.is_empty(),
+        "{} of {} rows failed: {failed:?}",
+        failed.len(),
+        results.len()
+    );
+}

@@ -6,6 +6,8 @@
 //! real binary, so what they prove is what ships.
 
 pub mod agent;
+pub mod bundles;
+pub mod continuous;
 pub mod deploy;
 pub mod emulator;
 pub mod faults;

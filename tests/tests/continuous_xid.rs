@@ -11,61 +11,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use serde_json::{Value, json};
-use std::io::{Read, Write};
+use serde_json::json;
 use std::time::Duration;
-use taintgate_tests::agent::{NODE, TAINT, condition, reference_node};
+use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::continuous::*;
 use taintgate_tests::emulator::Emulator;
 use taintgate_tests::faults::*;
-
-const UNHEALTHY: &str = "taintgate.io/gpu-unhealthy:NoSchedule";
-const GPU_TAINT: &str = "nvidia.com/gpu:NoSchedule";
-const OTHER_TAINT: &str = "example.com/maintenance:PreferNoSchedule";
-
-/// The reference node, registered, with one more foreign taint after ours.
-fn node() -> Value {
-    let mut n = reference_node(true).build();
-    n["spec"]["taints"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({"key": "example.com/maintenance", "effect": "PreferNoSchedule"}));
-    n
-}
-
-fn events_with_reason(emu: &Emulator, reason: &str) -> Vec<Value> {
-    emu.list_objects("events")
-        .unwrap()
-        .into_iter()
-        .filter(|e| e["reason"] == reason && e["involvedObject"]["name"] == NODE)
-        .collect()
-}
-
-fn status_reason(node: &Value, type_: &str) -> (String, String) {
-    let c = condition(node, type_).unwrap_or_else(|| panic!("no {type_} condition on {node}"));
-    (
-        c["status"].as_str().unwrap_or("").to_string(),
-        c["reason"].as_str().unwrap_or("").to_string(),
-    )
-}
-
-/// `GET /metrics` over loopback.
-fn metrics(port: u16) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
 
 /// A resident agent released on a fresh emulator; returns what the scenario needs.
 struct Scenario {
     emu: Emulator,
-    agent: Option<RunningAgent>,
+    agent: ResidentAgent,
     metrics_port: u16,
     _dir: tempfile::TempDir,
 }
@@ -74,7 +30,7 @@ impl Scenario {
     fn start(xid: u32, config: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let emu = Emulator::start_blocking().unwrap();
-        emu.put_object(node()).unwrap();
+        emu.put_object(node_with_foreign_taint()).unwrap();
         let overlay = format!("faults: {{xid_after_release: [{{gpu: 2, xid: {xid}, after_ms: 0}}]}}");
         let profile = write_profile(dir.path(), "profile.yaml", "8gpu-two-domains", &overlay).unwrap();
         let config = write_config(dir.path(), "config.yaml", config).unwrap();
@@ -85,79 +41,33 @@ impl Scenario {
         let agent = RunningAgent::spawn(agent_command(&args).unwrap()).unwrap();
         Self {
             emu,
-            agent: Some(agent),
+            agent: ResidentAgent::new(agent),
             metrics_port: port,
             _dir: dir,
         }
     }
 
     /// Wait for the release (startup taint gone, Released Event written).
-    fn wait_released(&self) {
-        self.emu
-            .wait_for_blocking("nodes", NODE, |n| !has_startup_taint(n), Duration::from_secs(60))
-            .unwrap();
-        wait_until("the Released event", Duration::from_secs(30), || {
-            !events_with_reason(&self.emu, "Released").is_empty()
-        })
-        .unwrap();
+    fn wait_released(&mut self) {
+        self.agent.wait_released(&self.emu, Duration::from_secs(60));
     }
 
     /// SIGTERM the agent and return its run; it must exit 0 (released) on its own.
     fn stop(&mut self) -> AgentRun {
-        let agent = self.agent.take().unwrap();
-        agent.signal("TERM").unwrap();
-        let run = agent.wait(Duration::from_secs(30)).unwrap();
-        assert!(!run.timed_out, "agent ignored SIGTERM\n{}", run.text());
-        assert_eq!(run.code, Some(0), "{}", run.text());
-        let t = run.timeline().expect("JSON timeline on stdout");
-        assert_eq!(t.verdict.as_ref().map(|v| v.reason.as_str()), Some("Released"));
-        run
-    }
-}
-
-impl Drop for Scenario {
-    fn drop(&mut self) {
-        if let Some(a) = self.agent.take() {
-            let _ = a.signal("KILL");
-        }
+        self.agent.stop_released()
     }
 }
 
 #[test]
 fn continuous_mode_taints_the_node_on_a_fatal_xid_after_release() {
     let mut s = Scenario::start(79, "continuous: {enabled: true, xid_wait: 100ms}");
-    let node = s
-        .emu
-        .wait_for_blocking(
-            "nodes",
-            NODE,
-            |n| taints(n).iter().any(|t| t == UNHEALTHY),
-            Duration::from_secs(60),
-        )
-        .unwrap_or_else(|e| panic!("unhealthy taint never appeared: {e}"));
+    let node = wait_unhealthy_taint(&s.emu, Duration::from_secs(60));
     // Appended after the others, which are untouched and in order; no startup taint.
     assert_eq!(taints(&node), vec![GPU_TAINT, OTHER_TAINT, UNHEALTHY]);
     // The conditions are written right after the taint: wait for them.
-    let node = s
-        .emu
-        .wait_for_blocking(
-            "nodes",
-            NODE,
-            |n| {
-                condition(n, "AcceleratedHardwareReady").is_some_and(|c| c["reason"] == "XidFatal")
-                    && condition(n, "TaintgateVerified").is_some_and(|c| c["reason"] == "XidFatal")
-            },
-            Duration::from_secs(30),
-        )
-        .unwrap_or_else(|e| panic!("conditions never turned XidFatal: {e}"));
-    assert_eq!(
-        status_reason(&node, "TaintgateVerified"),
-        ("False".into(), "XidFatal".into())
-    );
-    assert_eq!(
-        status_reason(&node, "AcceleratedHardwareReady"),
-        ("False".into(), "XidFatal".into())
-    );
+    let node = wait_xid_fatal_conditions(&s.emu, Duration::from_secs(30));
+    assert_condition(&node, "TaintgateVerified", "False", "XidFatal");
+    assert_condition(&node, "AcceleratedHardwareReady", "False", "XidFatal");
     let msg = condition(&node, "TaintgateVerified").unwrap()["message"]
         .as_str()
         .unwrap()
@@ -166,10 +76,7 @@ fn continuous_mode_taints_the_node_on_a_fatal_xid_after_release() {
         msg.contains("GPU 2: XID 79") && msg.contains("taintgate.io/gpu-unhealthy"),
         "{msg}"
     );
-    wait_until("the XidFatal event", Duration::from_secs(30), || {
-        !events_with_reason(&s.emu, "XidFatal").is_empty()
-    })
-    .unwrap();
+    wait_for_event(&s.emu, "XidFatal");
     let ev = &events_with_reason(&s.emu, "XidFatal")[0];
     assert_eq!(ev["type"], "Warning");
     // The release happened first: one removal, and it precedes the taint's addition.
@@ -177,14 +84,7 @@ fn continuous_mode_taints_the_node_on_a_fatal_xid_after_release() {
     let removal = reqs.iter().position(|r| is_taint_removal(r, NODE)).expect("removal");
     let addition = reqs
         .iter()
-        .position(|r| {
-            r.method == "PATCH"
-                && r.path == format!("/api/v1/nodes/{NODE}")
-                && r.body.as_ref().and_then(Value::as_array).is_some_and(|ops| {
-                    ops.iter()
-                        .any(|op| op["op"] == "add" && op["value"]["key"] == "taintgate.io/gpu-unhealthy")
-                })
-        })
+        .position(|r| is_taint_addition(r, "taintgate.io/gpu-unhealthy"))
         .expect("the add patch");
     assert!(removal < addition);
     assert_eq!(taint_removals(&s.emu, NODE).len(), 1);
@@ -192,7 +92,7 @@ fn continuous_mode_taints_the_node_on_a_fatal_xid_after_release() {
     let add_ops = reqs[addition].body.as_ref().unwrap().as_array().unwrap();
     assert_eq!(add_ops[0]["op"], "test");
     assert_eq!(add_ops[0]["path"], "/spec/taints");
-    let m = metrics(s.metrics_port);
+    let m = metrics(s.metrics_port).unwrap();
     assert!(m.contains(r#"taintgate_xids_total{class="fatal",xid="79"} 1"#), "{m}");
     assert!(m.contains(r#"taintgate_failures_total{reason="XidFatal"} 1"#), "{m}");
 
@@ -231,17 +131,11 @@ fn continuous_mode_taints_the_node_on_a_fatal_xid_after_release() {
 fn a_warning_xid_after_release_is_only_reported() {
     let mut s = Scenario::start(92, "continuous: {enabled: true, xid_wait: 100ms}");
     s.wait_released();
-    wait_until("the XidWarning event", Duration::from_secs(30), || {
-        !events_with_reason(&s.emu, "XidWarning").is_empty()
-    })
-    .unwrap();
+    wait_for_event(&s.emu, "XidWarning");
     let run = s.stop();
     let after = reference(&s.emu).unwrap();
     assert_eq!(taints(&after), vec![GPU_TAINT, OTHER_TAINT], "{}", run.text());
-    assert_eq!(
-        status_reason(&after, "TaintgateVerified"),
-        ("True".into(), "Released".into())
-    );
+    assert_condition(&after, "TaintgateVerified", "True", "Released");
     assert!(events_with_reason(&s.emu, "XidFatal").is_empty());
     assert_eq!(log_count(&run.stderr, "XID after release (warning class)"), 1);
 }
@@ -250,23 +144,14 @@ fn a_warning_xid_after_release_is_only_reported() {
 fn without_continuous_mode_a_fatal_xid_is_reported_but_not_tainted() {
     let mut s = Scenario::start(79, "continuous: {enabled: false, xid_wait: 100ms}");
     s.wait_released();
-    wait_until("the XidFatal event", Duration::from_secs(30), || {
-        !events_with_reason(&s.emu, "XidFatal").is_empty()
-    })
-    .unwrap();
-    let m = metrics(s.metrics_port);
+    wait_for_event(&s.emu, "XidFatal");
+    let m = metrics(s.metrics_port).unwrap();
     assert!(m.contains(r#"taintgate_xids_total{class="fatal",xid="79"} 1"#), "{m}");
     let run = s.stop();
     let after = reference(&s.emu).unwrap();
     assert_eq!(taints(&after), vec![GPU_TAINT, OTHER_TAINT], "{}", run.text());
-    assert_eq!(
-        status_reason(&after, "TaintgateVerified"),
-        ("True".into(), "Released".into())
-    );
-    assert_eq!(
-        status_reason(&after, "AcceleratedHardwareReady"),
-        ("True".into(), "HardwareVerified".into())
-    );
+    assert_condition(&after, "TaintgateVerified", "True", "Released");
+    assert_condition(&after, "AcceleratedHardwareReady", "True", "HardwareVerified");
     let ev = &events_with_reason(&s.emu, "XidFatal")[0];
     assert!(
         ev["message"].as_str().unwrap().contains("continuous mode is off"),

@@ -19,18 +19,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::{Value, json};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-use taintgate_tests::agent::{NODE, TAINT, condition, reference_node};
+use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::continuous::*;
 use taintgate_tests::emulator::Emulator;
 use taintgate_tests::faults::*;
-
-const UNHEALTHY: &str = "taintgate.io/gpu-unhealthy:NoSchedule";
-const GPU_TAINT: &str = "nvidia.com/gpu:NoSchedule";
-const OTHER_TAINT: &str = "example.com/maintenance:PreferNoSchedule";
 
 /// The default `continuous.xid_wait` (the test does not set it): bounds the timeout of any
 /// single wait the agent asks NVML for.
@@ -55,61 +51,6 @@ fn fake_library() -> &'static Path {
     })
 }
 
-/// The reference node, registered, with one more foreign taint after ours.
-fn node() -> Value {
-    let mut n = reference_node(true).build();
-    n["spec"]["taints"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({"key": "example.com/maintenance", "effect": "PreferNoSchedule"}));
-    n
-}
-
-fn events_with_reason(emu: &Emulator, reason: &str) -> Vec<Value> {
-    emu.list_objects("events")
-        .unwrap()
-        .into_iter()
-        .filter(|e| e["reason"] == reason && e["involvedObject"]["name"] == NODE)
-        .collect()
-}
-
-fn status_reason(node: &Value, type_: &str) -> (String, String) {
-    let c = condition(node, type_).unwrap_or_else(|| panic!("no {type_} condition on {node}"));
-    (
-        c["status"].as_str().unwrap_or("").to_string(),
-        c["reason"].as_str().unwrap_or("").to_string(),
-    )
-}
-
-/// `GET /metrics` over loopback.
-fn metrics(port: u16) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
-/// Node PATCHes that add a taint with `key`.
-fn taint_additions(emu: &Emulator, key: &str) -> usize {
-    emu.requests()
-        .iter()
-        .filter(|r| {
-            r.method == "PATCH"
-                && r.path == format!("/api/v1/nodes/{NODE}")
-                && r.body
-                    .as_ref()
-                    .and_then(Value::as_array)
-                    .is_some_and(|ops| ops.iter().any(|op| op["op"] == "add" && op["value"]["key"] == key))
-        })
-        .count()
-}
-
 /// The timeouts (ms) of the waits during which the fake handed over `xid` for `gpu`, read
 /// from its stderr lines `fake-nvml: queued XID 79 for GPU 1 from ... during a 125 ms wait`.
 fn delivery_waits(stderr: &str, gpu: u32, xid: u32) -> Vec<u64> {
@@ -127,7 +68,7 @@ fn delivery_waits(stderr: &str, gpu: u32, xid: u32) -> Vec<u64> {
 /// A resident agent on the real NVML path (fake library), released on a fresh emulator.
 struct Scenario {
     emu: Emulator,
-    agent: Option<RunningAgent>,
+    agent: ResidentAgent,
     metrics_port: u16,
     /// The Node as stored before the agent started.
     before: Value,
@@ -140,7 +81,7 @@ impl Scenario {
     fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let emu = Emulator::start_blocking().unwrap();
-        emu.put_object(node()).unwrap();
+        emu.put_object(node_with_foreign_taint()).unwrap();
         let before = reference(&emu).unwrap();
 
         // Own copy of the library per test: the fake reads `profile.txt` beside itself.
@@ -192,7 +133,7 @@ impl Scenario {
         let agent = RunningAgent::spawn(cmd).unwrap();
         Self {
             emu,
-            agent: Some(agent),
+            agent: ResidentAgent::new(agent),
             metrics_port: port,
             before,
             trigger,
@@ -202,24 +143,12 @@ impl Scenario {
 
     /// Kill the agent and fail with its output.
     fn fail(&mut self, msg: &str) -> ! {
-        let agent = self.agent.take().expect("agent still running");
-        agent.signal("KILL").unwrap();
-        let run = agent.wait(Duration::from_secs(10)).unwrap();
-        panic!("{msg}\n{}", run.text());
+        self.agent.fail(msg)
     }
 
     /// Wait for the release (startup taint gone, Released Event written) and return the Node.
     fn wait_released(&mut self) -> Value {
-        let released = self
-            .emu
-            .wait_for_blocking("nodes", NODE, |n| !has_startup_taint(n), Duration::from_secs(90));
-        if let Err(e) = released {
-            self.fail(&format!("not released on the fake NVML: {e}"));
-        }
-        wait_until("the Released event", Duration::from_secs(30), || {
-            !events_with_reason(&self.emu, "Released").is_empty()
-        })
-        .unwrap();
+        self.agent.wait_released(&self.emu, Duration::from_secs(90));
         reference(&self.emu).unwrap()
     }
 
@@ -261,23 +190,10 @@ impl Scenario {
 
     /// SIGTERM the agent; it must exit 0 (released) with a Released timeline.
     fn stop(&mut self) -> AgentRun {
-        let agent = self.agent.take().unwrap();
-        agent.signal("TERM").unwrap();
-        let run = agent.wait(Duration::from_secs(30)).unwrap();
-        assert!(!run.timed_out, "agent ignored SIGTERM\n{}", run.text());
-        assert_eq!(run.code, Some(0), "{}", run.text());
+        let run = self.agent.stop_released();
         let t = run.timeline().expect("JSON timeline on stdout");
-        assert_eq!(t.verdict.as_ref().map(|v| v.reason.as_str()), Some("Released"));
         assert_eq!(t.gpu_backend, "nvml", "the real NVML backend ran");
         run
-    }
-}
-
-impl Drop for Scenario {
-    fn drop(&mut self) {
-        if let Some(a) = self.agent.take() {
-            let _ = a.signal("KILL");
-        }
     }
 }
 
@@ -287,10 +203,7 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
     let mut s = Scenario::start();
     let released = s.wait_released();
     assert_eq!(taints(&released), vec![GPU_TAINT, OTHER_TAINT]);
-    assert_eq!(
-        status_reason(&released, "TaintgateVerified"),
-        ("True".into(), "Released".into())
-    );
+    assert_condition(&released, "TaintgateVerified", "True", "Released");
     assert!(
         events_with_reason(&s.emu, "XidFatal").is_empty(),
         "an XID before any was injected"
@@ -306,45 +219,23 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
 
     let t0 = Instant::now();
     s.inject("1 79\n");
-    let node = s
-        .emu
-        .wait_for_blocking(
-            "nodes",
-            NODE,
-            |n| taints(n).iter().any(|t| t == UNHEALTHY),
-            Duration::from_secs(30),
-        )
-        .unwrap_or_else(|e| panic!("unhealthy taint never appeared: {e}"));
+    let node = wait_unhealthy_taint(&s.emu, Duration::from_secs(30));
     let latency = t0.elapsed();
     // Appended after the others, which are untouched and in order; no startup taint.
     assert_eq!(taints(&node), vec![GPU_TAINT, OTHER_TAINT, UNHEALTHY]);
     s.wait_delivered();
 
-    let node = s
-        .emu
-        .wait_for_blocking(
-            "nodes",
-            NODE,
-            |n| {
-                condition(n, "AcceleratedHardwareReady").is_some_and(|c| c["reason"] == "XidFatal")
-                    && condition(n, "TaintgateVerified").is_some_and(|c| c["reason"] == "XidFatal")
-            },
-            Duration::from_secs(30),
-        )
-        .unwrap_or_else(|e| panic!("conditions never turned XidFatal: {e}"));
+    let node = wait_xid_fatal_conditions(&s.emu, Duration::from_secs(30));
     for ty in ["TaintgateVerified", "AcceleratedHardwareReady"] {
-        assert_eq!(status_reason(&node, ty), ("False".into(), "XidFatal".into()), "{ty}");
+        assert_condition(&node, ty, "False", "XidFatal");
         let msg = condition(&node, ty).unwrap()["message"].as_str().unwrap().to_string();
         assert!(
             msg.contains("GPU 1: XID 79") && msg.contains("taintgate.io/gpu-unhealthy"),
             "{ty}: {msg}"
         );
     }
-    wait_until("the XidFatal event", Duration::from_secs(30), || {
-        !events_with_reason(&s.emu, "XidFatal").is_empty()
-    })
-    .unwrap();
-    let m = metrics(s.metrics_port);
+    wait_for_event(&s.emu, "XidFatal");
+    let m = metrics(s.metrics_port).unwrap();
     assert!(m.contains(r#"taintgate_xids_total{class="fatal",xid="79"} 1"#), "{m}");
 
     let t1 = Instant::now();
@@ -404,14 +295,11 @@ fn warning_xid_through_nvml_is_only_reported() {
     let t0 = Instant::now();
     // 92: warning class by default; 13: ignored by default (no Event, counted only).
     s.inject("3 92\n2 13\n");
-    wait_until("the XidWarning event", Duration::from_secs(30), || {
-        !events_with_reason(&s.emu, "XidWarning").is_empty()
-    })
-    .unwrap();
+    wait_for_event(&s.emu, "XidWarning");
     let latency = t0.elapsed();
     s.wait_delivered();
     wait_until("both XIDs counted", Duration::from_secs(30), || {
-        let m = metrics(s.metrics_port);
+        let m = metrics(s.metrics_port).unwrap();
         m.contains(r#"taintgate_xids_total{class="warn",xid="92"} 1"#)
             && m.contains(r#"taintgate_xids_total{class="ignore",xid="13"} 1"#)
     })
@@ -428,10 +316,7 @@ fn warning_xid_through_nvml_is_only_reported() {
     let after = reference(&s.emu).unwrap();
     assert_eq!(taints(&after), vec![GPU_TAINT, OTHER_TAINT], "{}", run.text());
     assert_eq!(taint_additions(&s.emu, "taintgate.io/gpu-unhealthy"), 0);
-    assert_eq!(
-        status_reason(&after, "TaintgateVerified"),
-        ("True".into(), "Released".into())
-    );
+    assert_condition(&after, "TaintgateVerified", "True", "Released");
     assert_eq!(status_reason(&after, "AcceleratedHardwareReady"), hw_at_release);
     assert_eq!(log_count(&run.stderr, "XID after release (warning class)"), 1);
     assert_eq!(log_count(&run.stderr, "fatal XID after release"), 0);

@@ -23,22 +23,6 @@ use taintgate_tests::faults::*;
 
 const ITERATIONS: usize = 50;
 
-/// splitmix64: a tiny seeded generator, so a failing sequence can be replayed exactly.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
 /// Wall-clock times of the agent's `stage passed` log lines.
 fn stage_passed_times(stderr: &str) -> Vec<SystemTime> {
     log_lines(stderr)

@@ -14,8 +14,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::{Value, json};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use taintgate::timeline::{Outcome, Timeline};
 use taintgate_tests::agent::{NODE, TAINT, condition, reference_node};
@@ -25,15 +23,6 @@ use taintgate_tests::faults::*;
 const OURS: &str = "taintgate.io/unverified:NoSchedule";
 const GPU_TAINT: &str = "nvidia.com/gpu:NoSchedule";
 const NODE_PATH: &str = "/api/v1/nodes/gpu-node-a";
-
-/// What a scenario must end in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Expect {
-    /// Taint removed, exit 0, condition True/Released.
-    Released,
-    /// Taint kept, exit 1, verdict and condition carry this reason.
-    Held(&'static str),
-}
 
 /// Everything a scenario's own check can look at.
 struct Ctx<'a> {
@@ -718,7 +707,7 @@ fn stable_view(node: &Value, hardware_type: &str) -> Value {
     })
 }
 
-fn run_scenario(s: &Scenario) -> Result<Duration, String> {
+fn run_scenario(s: &Scenario) -> RowResult {
     let start = Instant::now();
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let emu = Emulator::start_blocking().map_err(|e| e.to_string())?;
@@ -730,115 +719,70 @@ fn run_scenario(s: &Scenario) -> Result<Duration, String> {
     (s.setup)(&emu);
     let profile = write_profile(dir.path(), "profile.yaml", s.profile, s.profile_overlay).map_err(|e| e.to_string())?;
     let config = write_config(dir.path(), "config.yaml", s.config).map_err(|e| e.to_string())?;
-    let args = agent_args(&profile, &config, &emu, !s.resident);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let agent = RunningAgent::spawn(agent_command(&args).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
-    let during = (s.during)(&emu, &agent);
-    let run = agent.wait(Duration::from_secs(60)).map_err(|e| e.to_string())?;
-    let fail = |m: String| Err(format!("{m}\n{}", run.text()));
-    if let Err(e) = during {
-        return fail(format!("scenario actions failed: {e:#}"));
-    }
-    if run.timed_out {
-        return fail("agent did not finish within 60 s".into());
-    }
-    let Some(timeline) = run.timeline() else {
-        return fail("no JSON timeline on stdout".into());
-    };
-    let after = match reference(&emu) {
-        Ok(a) => a,
-        Err(e) => return fail(e.to_string()),
-    };
+    let r = run_row_agent(&emu, &profile, &config, !s.resident, |agent| (s.during)(&emu, agent))?;
+    let (run, timeline, after) = (&r.run, &r.timeline, &r.after);
 
     // Outcome: exit code, verdict, taints.
-    let (want_code, want_reason) = match s.expect {
-        Expect::Released => (0, "Released"),
-        Expect::Held(r) => (1, r),
-    };
-    if run.code != Some(want_code) {
-        return fail(format!("exit code {:?}, expected {want_code}", run.code));
+    if let Err(e) = check_verdict(&r, s.expect) {
+        return r.fail(e);
     }
-    let verdict = timeline
-        .verdict
-        .clone()
-        .unwrap_or_else(|| panic!("{}: no verdict", s.name));
-    if verdict.reason != want_reason || verdict.released != (s.expect == Expect::Released) {
-        return fail(format!(
-            "verdict {} ({}), expected {want_reason}",
-            verdict.reason, verdict.message
-        ));
-    }
-    let got_taints = taints(&after);
+    let got_taints = taints(after);
     if got_taints != s.final_taints {
-        return fail(format!("taints {got_taints:?}, expected {:?}", s.final_taints));
+        return r.fail(format!("taints {got_taints:?}, expected {:?}", s.final_taints));
     }
 
     // Reporting: our condition, the hardware condition, the Event.
-    let c = condition(&after, "TaintgateVerified");
+    let c = condition(after, "TaintgateVerified");
     if s.report {
-        let want_status = if s.expect == Expect::Released { "True" } else { "False" };
-        let got = c.map(|c| (c["status"].clone(), c["reason"].clone()));
-        if got != Some((json!(want_status), json!(want_reason))) {
-            return fail(format!(
-                "TaintgateVerified condition {got:?}, expected {want_status}/{want_reason}"
-            ));
+        if let Err(e) = check_verified_condition(after, s.expect) {
+            return r.fail(e);
         }
     } else if c.is_some() {
-        return fail(format!("no condition write could succeed, yet found {c:?}"));
+        return r.fail(format!("no condition write could succeed, yet found {c:?}"));
     }
     let (hw_type, hw_want) = s.hardware;
-    let hw = condition(&after, hw_type).map(|c| c["status"].as_str().unwrap_or("").to_string());
+    let hw = condition(after, hw_type).map(|c| c["status"].as_str().unwrap_or("").to_string());
     let hw_want = if s.report { hw_want } else { None };
     if hw.as_deref() != hw_want {
-        return fail(format!("{hw_type} condition {hw:?}, expected {hw_want:?}"));
+        return r.fail(format!("{hw_type} condition {hw:?}, expected {hw_want:?}"));
     }
-    if hw_type != "AcceleratedHardwareReady" && condition(&after, "AcceleratedHardwareReady").is_some() {
-        return fail("the default hardware condition was written although renamed".into());
+    if hw_type != "AcceleratedHardwareReady" && condition(after, "AcceleratedHardwareReady").is_some() {
+        return r.fail("the default hardware condition was written although renamed");
     }
-    let events = emu.list_objects("events").map_err(|e| e.to_string())?;
-    // One Event carries the verdict; other failed stages may add their own Warnings.
-    let want_type = if s.expect == Expect::Released {
-        "Normal"
-    } else {
-        "Warning"
-    };
-    if !events
-        .iter()
-        .any(|ev| ev["reason"] == want_reason && ev["type"] == want_type && ev["involvedObject"]["name"] == NODE)
-    {
-        return fail(format!("no {want_type}/{want_reason} Event among {events:?}"));
+    if let Err(e) = check_verdict_event(&emu, s.expect) {
+        return r.fail(e);
     }
 
     // Safety: nothing removed before the evidence, nothing else changed, no fleet-wide list.
-    if let Err(e) = check_no_early_untaint(&emu, NODE, &timeline) {
-        return fail(e);
+    if let Err(e) = check_no_early_untaint(&emu, NODE, timeline) {
+        return r.fail(e);
     }
     if let Some(b) = before
-        && stable_view(&after, s.hardware.0) != b
+        && stable_view(after, s.hardware.0) != b
     {
-        return fail(format!(
+        return r.fail(format!(
             "the node changed beyond the agent's own fields:\nbefore {b}\nafter  {}",
-            stable_view(&after, s.hardware.0)
+            stable_view(after, s.hardware.0)
         ));
     }
-    for r in emu.requests() {
-        if r.method == "GET"
-            && r.path == "/api/v1/nodes"
-            && !r.query.contains("fieldSelector=metadata.name%3Dgpu-node-a")
+    for req in emu.requests() {
+        if req.method == "GET"
+            && req.path == "/api/v1/nodes"
+            && !req.query.contains("fieldSelector=metadata.name%3Dgpu-node-a")
         {
-            return fail(format!("listed or watched all nodes: {r:?}"));
+            return r.fail(format!("listed or watched all nodes: {req:?}"));
         }
     }
     let ctx = Ctx {
         emu: &emu,
-        run: &run,
-        timeline: &timeline,
-        after: &after,
+        run,
+        timeline,
+        after,
     };
     if let Err(e) = (s.extra)(&ctx) {
-        return fail(e);
+        return r.fail(e);
     }
-    Ok(start.elapsed())
+    Ok(Some(start.elapsed()))
 }
 
 #[test]
@@ -849,51 +793,8 @@ fn fault_matrix() {
         "the matrix must keep at least 25 rows, has {}",
         all.len()
     );
-    let mut names: Vec<&str> = all.iter().map(|s| s.name).collect();
-    names.sort_unstable();
-    names.dedup();
-    assert_eq!(names.len(), all.len(), "scenario names must be unique");
-    let only = std::env::var("FAULT_MATRIX_ONLY").unwrap_or_default();
-    let rows: Vec<&Scenario> = all.iter().filter(|s| s.name.contains(&only)).collect();
-    assert!(!rows.is_empty(), "no scenario matches FAULT_MATRIX_ONLY={only:?}");
-    let jobs: usize = std::env::var("FAULT_MATRIX_JOBS")
-        .ok()
-        .and_then(|j| j.parse().ok())
-        .unwrap_or(3)
-        .max(1);
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<(&str, Result<Duration, String>)>> = Mutex::new(Vec::new());
-    std::thread::scope(|scope| {
-        for _ in 0..jobs.min(rows.len()) {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::SeqCst);
-                    let Some(s) = rows.get(i) else { break };
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_scenario(s)))
-                        .unwrap_or_else(|p| Err(format!("panicked: {p:?}")));
-                    results.lock().unwrap().push((s.name, r));
-                }
-            });
-        }
-    });
-    let mut results = results.into_inner().unwrap();
-    results.sort_by_key(|(n, _)| *n);
-    let mut failed = Vec::new();
-    for (name, r) in &results {
-        match r {
-            Ok(d) => eprintln!("PASS {name:<55} {:>6} ms", d.as_millis()),
-            Err(e) => {
-                eprintln!("FAIL {name}: {e}\n");
-                failed.push(*name);
-            }
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "{} of {} scenarios failed: {failed:?}",
-        failed.len(),
-        results.len()
-    );
+    let rows = select_rows(&all, |s| s.name, "FAULT_MATRIX_ONLY");
+    run_matrix(&rows, jobs_from_env("FAULT_MATRIX_JOBS", 3), |s| s.name, run_scenario);
 }
 
 /// The early-untaint detector every row relies on must itself be able to fail: a removal

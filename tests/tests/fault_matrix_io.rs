@@ -24,15 +24,17 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use taintgate::timeline::{Outcome, Timeline};
-use taintgate_prefetch::{BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchOptions, sha256_hex};
+use taintgate_prefetch::{BundleRef, CancellationToken, Manifest, ManifestFile, sha256_hex};
 use taintgate_tests::agent::{NODE, condition, reference_node};
+use taintgate_tests::bundles::{
+    FaultProxy, ProxyFault, ProxyStats, files_under, pseudo_random, publish_manifest, resumed_inside_a_chunk,
+    sha256_file, test_prefetch_options, write_origin_file,
+};
 use taintgate_tests::emulator::Emulator;
 use taintgate_tests::faults::*;
 use taintgate_tests::services::containerd::Containerd;
@@ -45,15 +47,6 @@ const MIB: u64 = 1 << 20;
 const OURS: &str = "taintgate.io/unverified:NoSchedule";
 const GPU_TAINT: &str = "nvidia.com/gpu:NoSchedule";
 const BUNDLE: &str = "llm";
-
-/// What a row must end in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Expect {
-    /// Taint removed, exit 0, the stage passed, condition True/Released.
-    Released,
-    /// Taint kept, exit 1; the stage, the verdict and the condition carry this reason.
-    Held(&'static str),
-}
 
 /// A service a row needs could not start: SKIP the row (FAIL under CI).
 #[derive(Debug)]
@@ -210,48 +203,18 @@ impl Scenario {
 
 // ------------------------------------------------------------------ fixtures
 
-/// Deterministic pseudo-random bytes (xorshift64*): incompressible, distinct per seed.
-fn pseudo_random(size: u64, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(size as usize + 8);
-    while (out.len() as u64) < size {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-    }
-    out.truncate(size as usize);
-    out
-}
-
 /// Write a file of pseudo-random bytes under `root`; its manifest entry (source: `source`
 /// when given, else the path relative to the manifest).
 fn origin_file(root: &Path, rel: &str, size: u64, seed: u64, source: Option<String>) -> anyhow::Result<ManifestFile> {
-    let data = pseudo_random(size, seed);
-    let path = root.join(rel);
-    if let Some(p) = path.parent() {
-        std::fs::create_dir_all(p)?;
-    }
-    std::fs::write(&path, &data)?;
-    Ok(ManifestFile {
-        path: rel.to_string(),
-        size,
-        sha256: sha256_hex(&data),
-        source,
-    })
+    Ok(write_origin_file(root, rel, size, seed, source)?.0)
 }
 
 /// Write the manifest listing `files` at `root/manifest.yaml`, served at `uri`.
 fn publish(root: &Path, uri: String, files: Vec<ManifestFile>) -> anyhow::Result<Bundle> {
     let m = Manifest { base_uri: None, files };
-    let yaml = m.to_yaml()?;
-    std::fs::write(root.join("manifest.yaml"), &yaml)?;
+    let reference = publish_manifest(root, "manifest.yaml", BUNDLE, uri, &m)?;
     Ok(Bundle {
-        reference: BundleRef {
-            name: BUNDLE.into(),
-            manifest_uri: uri,
-            manifest_sha256: sha256_hex(yaml.as_bytes()),
-        },
+        reference,
         files: m.files,
     })
 }
@@ -350,100 +313,6 @@ impl Mount {
 impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
-    }
-}
-
-/// What a [`FaultProxy`] does to the traffic it forwards.
-enum ProxyFault {
-    /// Reset each of the first `conns` connections (RST via `SO_LINGER` 0) once `after`
-    /// response bytes went through it, in the middle of a body.
-    Reset { after: usize, conns: usize },
-    /// Run an action once, when the first response bytes arrive from upstream and before
-    /// they are forwarded: the fault lands after the source answered and before the
-    /// engine has seen any of the body.
-    OnFirstResponse(Box<dyn Fn() -> Result<(), String> + Send + Sync>),
-}
-
-/// What a [`FaultProxy`] did.
-#[derive(Clone, Default)]
-struct ProxyStats {
-    /// Connections reset, or actions run.
-    fired: Arc<AtomicUsize>,
-    /// Failures of the action.
-    errors: Arc<Mutex<Vec<String>>>,
-}
-
-/// A loopback TCP proxy in front of `upstream` that injects a [`ProxyFault`]. Runs on its
-/// own runtime, stopped when dropped.
-struct FaultProxy {
-    port: u16,
-    stats: ProxyStats,
-    _rt: tokio::runtime::Runtime,
-}
-
-impl FaultProxy {
-    fn start(upstream: u16, fault: ProxyFault) -> anyhow::Result<Self> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()?;
-        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-        let port = listener.local_addr()?.port();
-        let stats = ProxyStats::default();
-        let fault = Arc::new(fault);
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let st = stats.clone();
-        rt.spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                let n = accepted.fetch_add(1, Ordering::SeqCst);
-                let (st, fault) = (st.clone(), fault.clone());
-                tokio::spawn(async move {
-                    let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
-                        return;
-                    };
-                    let mut sent = 0usize;
-                    let (mut a, mut b) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
-                    loop {
-                        tokio::select! {
-                            r = client.read(&mut a) => match r {
-                                Ok(0) | Err(_) => return,
-                                Ok(r) => if server.write_all(&a[..r]).await.is_err() { return },
-                            },
-                            r = server.read(&mut b) => match r {
-                                Ok(0) | Err(_) => return,
-                                Ok(r) => {
-                                    match &*fault {
-                                        ProxyFault::Reset { after, conns } if n < *conns && sent + r > *after => {
-                                            let _ = client.write_all(&b[..after - sent]).await;
-                                            // A reset, not an orderly close: what a crashed
-                                            // middlebox or a dropped route looks like.
-                                            let _ = client.set_zero_linger();
-                                            st.fired.fetch_add(1, Ordering::SeqCst);
-                                            return;
-                                        }
-                                        ProxyFault::OnFirstResponse(action) if st.fired.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_ok() => {
-                                            if let Err(e) = action() {
-                                                st.errors.lock().unwrap().push(e);
-                                            }
-                                        }
-                                        _ => {}
-                                    }
-                                    if client.write_all(&b[..r]).await.is_err() { return }
-                                    sent += r;
-                                }
-                            },
-                        }
-                    }
-                });
-            }
-        });
-        Ok(FaultProxy { port, stats, _rt: rt })
-    }
-
-    /// `http://127.0.0.1:<port>/<path>`.
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}/{path}", self.port)
     }
 }
 
@@ -676,16 +545,7 @@ fn setup_ro_cold(dir: &Path) -> anyhow::Result<World> {
 fn setup_ro_warm(dir: &Path) -> anyhow::Result<World> {
     let mut w = nginx_world(dir, "4m", 3 * MIB, direct, json!({}), Value::Null)?;
     let rw = w.cache().to_path_buf();
-    let opts = PrefetchOptions {
-        cache_dir: rw.clone(),
-        concurrency: 4,
-        file_concurrency: 4,
-        chunk_size: MIB,
-        retries: 1,
-        reserve_bytes: Some(0),
-        progress: false,
-        ..PrefetchOptions::default()
-    };
+    let opts = test_prefetch_options(&rw);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(taintgate_prefetch::prefetch_bundles(
         std::slice::from_ref(&w.bundle().reference),
@@ -821,14 +681,7 @@ fn check_reset(c: &Ctx) -> Result<(), String> {
         return Err(format!("bytesFetched {fetched}, expected exactly the file's {size}"));
     }
     let data = data_requests(c.world)?;
-    let mid_chunk = data.iter().any(|e| {
-        e.range
-            .strip_prefix("bytes=")
-            .and_then(|r| r.split('-').next())
-            .and_then(|s| s.parse::<u64>().ok())
-            .is_some_and(|start| start % MIB != 0)
-    });
-    if !mid_chunk {
+    if !resumed_inside_a_chunk(&data, MIB) {
         return Err(format!("no request resumed inside a chunk: {data:?}"));
     }
     if data.iter().any(|e| e.status != 206) {
@@ -1043,31 +896,6 @@ fn scenarios() -> Vec<Scenario> {
 
 // --------------------------------------------------------------- invariants
 
-fn sha256_file(p: &Path) -> Result<String, String> {
-    let bytes = std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
-    Ok(hex::encode(Sha256::digest(&bytes)))
-}
-
-/// Every regular file under `dir`, recursively (none when `dir` is absent).
-fn files_under(dir: &Path) -> Result<Vec<PathBuf>, String> {
-    let mut out = Vec::new();
-    let rd = match std::fs::read_dir(dir) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-        Err(e) => return Err(format!("listing {}: {e}", dir.display())),
-    };
-    for entry in rd {
-        let entry = entry.map_err(|e| e.to_string())?;
-        let ft = entry.file_type().map_err(|e| e.to_string())?;
-        if ft.is_dir() {
-            out.extend(files_under(&entry.path())?);
-        } else {
-            out.push(entry.path());
-        }
-    }
-    Ok(out)
-}
-
 /// Nothing lost, nothing unverified: every blob at a final path hashes to its name and
 /// has no stale marker; the bundle view holds exactly the manifest's files, each verified,
 /// when released, and nothing at all when held.
@@ -1139,9 +967,6 @@ fn stable_view(node: &Value) -> Value {
     })
 }
 
-/// A row's result: its duration, `None` when skipped, or why it failed.
-type RowResult = Result<Option<Duration>, String>;
-
 fn run_scenario(s: &Scenario) -> RowResult {
     let start = Instant::now();
     let dir = tempfile::Builder::new()
@@ -1167,53 +992,25 @@ fn run_scenario(s: &Scenario) -> RowResult {
     let before = stable_view(&initial);
     let profile = write_profile(dir.path(), "profile.yaml", "8gpu-two-domains", "").map_err(|e| e.to_string())?;
     let config = write_config(dir.path(), "config.yaml", &world.config).map_err(|e| e.to_string())?;
-    let args = agent_args(&profile, &config, &emu, !s.resident);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let agent = RunningAgent::spawn(agent_command(&args).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
-    let during = (s.during)(&world, &emu, &agent);
-    let run = agent.wait(Duration::from_secs(60)).map_err(|e| e.to_string())?;
-    let fail = |m: String| Err(format!("{m}\n{}", run.text()));
-    if let Err(e) = during {
-        return fail(format!("row actions failed: {e:#}"));
-    }
-    if run.timed_out {
-        return fail("agent did not finish within 60 s".into());
-    }
-    let Some(timeline) = run.timeline() else {
-        return fail("no JSON timeline on stdout".into());
-    };
-    let after = match reference(&emu) {
-        Ok(a) => a,
-        Err(e) => return fail(e.to_string()),
-    };
+    let r = run_row_agent(&emu, &profile, &config, !s.resident, |agent| {
+        (s.during)(&world, &emu, agent)
+    })?;
+    let (run, timeline, after) = (&r.run, &r.timeline, &r.after);
 
     // Outcome: exit code, verdict, the stage's own record, the other stages.
-    let (want_code, want_reason) = match s.expect {
-        Expect::Released => (0, "Released"),
-        Expect::Held(r) => (1, r),
-    };
-    let released = s.expect == Expect::Released;
-    if run.code != Some(want_code) {
-        return fail(format!("exit code {:?}, expected {want_code}", run.code));
-    }
-    let Some(verdict) = timeline.verdict.clone() else {
-        return fail("no verdict".into());
-    };
-    if verdict.reason != want_reason || verdict.released != released {
-        return fail(format!(
-            "verdict {} ({}), expected {want_reason}",
-            verdict.reason, verdict.message
-        ));
+    let released = s.expect.released();
+    if let Err(e) = check_verdict(&r, s.expect) {
+        return r.fail(e);
     }
     let Some(rec) = timeline.stage(s.stage) else {
-        return fail(format!("no {} stage in the timeline", s.stage));
+        return r.fail(format!("no {} stage in the timeline", s.stage));
     };
     let want_rec = match s.expect {
         Expect::Released => (Outcome::Passed, None),
         Expect::Held(r) => (Outcome::Failed, Some(r.to_string())),
     };
     if (rec.outcome, rec.reason.clone()) != want_rec {
-        return fail(format!(
+        return r.fail(format!(
             "{} stage {:?}/{:?} ({:?}), expected {want_rec:?}",
             s.stage, rec.outcome, rec.reason, rec.message
         ));
@@ -1221,7 +1018,7 @@ fn run_scenario(s: &Scenario) -> RowResult {
     // The fault is the only thing wrong on this node: every other required stage passed.
     for other in &timeline.stages {
         if other.required && other.stage != s.stage && other.stage != "untaint" && other.outcome != Outcome::Passed {
-            return fail(format!(
+            return r.fail(format!(
                 "stage {} ended {:?} ({:?}); only {} was faulted",
                 other.stage, other.outcome, other.reason, s.stage
             ));
@@ -1234,60 +1031,51 @@ fn run_scenario(s: &Scenario) -> RowResult {
     } else {
         vec![OURS, GPU_TAINT]
     };
-    let got_taints = taints(&after);
+    let got_taints = taints(after);
     if got_taints != want_taints {
-        return fail(format!("taints {got_taints:?}, expected {want_taints:?}"));
+        return r.fail(format!("taints {got_taints:?}, expected {want_taints:?}"));
     }
-    let want_status = if released { "True" } else { "False" };
-    let got = condition(&after, "TaintgateVerified").map(|c| (c["status"].clone(), c["reason"].clone()));
-    if got != Some((json!(want_status), json!(want_reason))) {
-        return fail(format!(
-            "TaintgateVerified condition {got:?}, expected {want_status}/{want_reason}"
-        ));
+    if let Err(e) = check_verified_condition(after, s.expect) {
+        return r.fail(e);
     }
     // Models, images: not hardware. The hardware condition says the GPUs are fine.
-    let hw = condition(&after, "AcceleratedHardwareReady").map(|c| c["status"].clone());
+    let hw = condition(after, "AcceleratedHardwareReady").map(|c| c["status"].clone());
     if hw != Some(json!("True")) {
-        return fail(format!("AcceleratedHardwareReady {hw:?}, expected True"));
+        return r.fail(format!("AcceleratedHardwareReady {hw:?}, expected True"));
     }
-    let events = emu.list_objects("events").map_err(|e| e.to_string())?;
-    let want_type = if released { "Normal" } else { "Warning" };
-    if !events
-        .iter()
-        .any(|ev| ev["reason"] == want_reason && ev["type"] == want_type && ev["involvedObject"]["name"] == NODE)
-    {
-        return fail(format!("no {want_type}/{want_reason} Event among {events:?}"));
+    if let Err(e) = check_verdict_event(&emu, s.expect) {
+        return r.fail(e);
     }
 
     // Safety: nothing removed before the evidence, nothing else on the Node changed,
     // nothing lost or unverified in the cache.
-    if let Err(e) = check_no_early_untaint(&emu, NODE, &timeline) {
-        return fail(e);
+    if let Err(e) = check_no_early_untaint(&emu, NODE, timeline) {
+        return r.fail(e);
     }
-    if stable_view(&after) != before {
-        return fail(format!(
+    if stable_view(after) != before {
+        return r.fail(format!(
             "the node changed beyond the agent's own fields:\nbefore {before}\nafter  {}",
-            stable_view(&after)
+            stable_view(after)
         ));
     }
     if let Some(p) = &world.proxy {
         let errors = p.errors.lock().unwrap().clone();
         if !errors.is_empty() {
-            return fail(format!("the fault proxy's action failed: {errors:?}"));
+            return r.fail(format!("the fault proxy's action failed: {errors:?}"));
         }
     }
     if world.cache.is_some()
         && let Err(e) = check_cache(&world, released)
     {
-        return fail(e);
+        return r.fail(e);
     }
     let ctx = Ctx {
         world: &world,
-        run: &run,
-        timeline: &timeline,
+        run,
+        timeline,
     };
     if let Err(e) = (s.extra)(&ctx) {
-        return fail(e);
+        return r.fail(e);
     }
     Ok(Some(start.elapsed()))
 }
@@ -1295,53 +1083,12 @@ fn run_scenario(s: &Scenario) -> RowResult {
 #[test]
 fn fault_matrix_io() {
     let all = scenarios();
-    let mut names: Vec<&str> = all.iter().map(|s| s.name).collect();
-    names.sort_unstable();
-    names.dedup();
-    assert_eq!(names.len(), all.len(), "row names must be unique");
-    let only = std::env::var("FAULT_MATRIX_IO_ONLY").unwrap_or_default();
-    let rows: Vec<&Scenario> = all.iter().filter(|s| s.name.contains(&only)).collect();
-    assert!(!rows.is_empty(), "no row matches FAULT_MATRIX_IO_ONLY={only:?}");
-    let jobs: usize = std::env::var("FAULT_MATRIX_IO_JOBS")
-        .ok()
-        .and_then(|j| j.parse().ok())
-        .unwrap_or(3)
-        .max(1);
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<(&str, RowResult)>> = Mutex::new(Vec::new());
-    let started = Instant::now();
-    std::thread::scope(|scope| {
-        for _ in 0..jobs.min(rows.len()) {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::SeqCst);
-                    let Some(s) = rows.get(i) else { break };
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_scenario(s)))
-                        .unwrap_or_else(|p| Err(format!("panicked: {p:?}")));
-                    results.lock().unwrap().push((s.name, r));
-                }
-            });
-        }
-    });
-    let mut results = results.into_inner().unwrap();
-    results.sort_by_key(|(n, _)| *n);
-    let mut failed = Vec::new();
-    for (name, r) in &results {
-        match r {
-            Ok(Some(d)) => eprintln!("PASS {name:<45} {:>6} ms", d.as_millis()),
-            Ok(None) => eprintln!("SKIP {name}"),
-            Err(e) => {
-                eprintln!("FAIL {name}: {e}\n");
-                failed.push(*name);
-            }
-        }
-    }
-    eprintln!("{} rows in {:?}", results.len(), started.elapsed());
-    assert!(
-        failed.is_empty(),
-        "{} of {} rows failed: {failed:?}",
-        failed.len(),
-        results.len()
+    let rows = select_rows(&all, |s| s.name, "FAULT_MATRIX_IO_ONLY");
+    run_matrix(
+        &rows,
+        jobs_from_env("FAULT_MATRIX_IO_JOBS", 3),
+        |s| s.name,
+        run_scenario,
     );
 }
 

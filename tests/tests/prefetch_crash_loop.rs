@@ -40,7 +40,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use taintgate_prefetch::{Manifest, ManifestFile, sha256_hex};
-use taintgate_tests::faults::{AgentRun, RunningAgent, agent_command, wait_until};
+use taintgate_tests::bundles::write_origin_file;
+use taintgate_tests::faults::{AgentRun, Rng, RunningAgent, agent_command, wait_until};
 use taintgate_tests::require_service;
 use taintgate_tests::services::nginx::{AccessEntry, Nginx};
 
@@ -61,36 +62,6 @@ const CONCURRENCY: u64 = 16;
 const BUNDLE: &str = "llm";
 /// Longest a run that is not killed may take.
 const RUN_LIMIT: Duration = Duration::from_secs(60);
-
-/// splitmix64: a tiny seeded generator, so a failing sequence can be replayed exactly.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
-/// Deterministic pseudo-random bytes (xorshift64*): incompressible, distinct per seed.
-fn pseudo_random(size: u64, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(size as usize + 8);
-    while (out.len() as u64) < size {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-    }
-    out.truncate(size as usize);
-    out
-}
 
 /// One file of the bundle and the path nginx logs its requests under.
 struct DataFile {
@@ -143,18 +114,10 @@ fn publish(root: &Path, nginx: &Nginx) -> Origin {
         ("config.json", 3_001, 4),
         ("weights/empty.bin", 0, 5),
     ] {
-        let data = pseudo_random(size, seed);
-        let path = root.join(rel);
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, &data).unwrap();
+        // Relative to the manifest: the rate-limited alias of the same root.
+        let (entry, data) = write_origin_file(root, rel, size, seed, Some(format!("slow/{rel}"))).unwrap();
         files.push(DataFile {
-            entry: ManifestFile {
-                path: rel.to_string(),
-                size,
-                sha256: sha256_hex(&data),
-                // Relative to the manifest: the rate-limited alias of the same root.
-                source: Some(format!("slow/{rel}")),
-            },
+            entry,
             uri: format!("/slow/{rel}"),
             data,
         });

@@ -14,63 +14,25 @@ use taintgate_prefetch::{
     BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchObserver, PrefetchOptions, prefetch_bundles,
     prefetch_bundles_observed, sha256_hex,
 };
+use taintgate_tests::bundles::{
+    self, ProxyFault, pseudo_random, resumed_inside_a_chunk, spawn_fault_proxy, write_origin_file,
+};
+// The options every test here starts from.
+use taintgate_tests::bundles::test_prefetch_options as opts;
 use taintgate_tests::require_service;
 use taintgate_tests::services::moto::Moto;
 use taintgate_tests::services::nginx::Nginx;
 
 const MIB: u64 = 1 << 20;
 
-/// Deterministic pseudo-random bytes (xorshift64*), so files are incompressible and
-/// distinct per seed.
-fn pseudo_random(size: u64, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(size as usize + 8);
-    while (out.len() as u64) < size {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-    }
-    out.truncate(size as usize);
-    out
-}
-
 /// Write a file of pseudo-random bytes under `root`, returning its manifest entry.
 fn write_file(root: &Path, rel: &str, size: u64, seed: u64) -> ManifestFile {
-    let data = pseudo_random(size, seed);
-    let path = root.join(rel);
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::write(&path, &data).unwrap();
-    ManifestFile {
-        path: rel.to_string(),
-        size,
-        sha256: sha256_hex(&data),
-        source: None,
-    }
+    write_origin_file(root, rel, size, seed, None).unwrap().0
 }
 
 /// Write `manifest` as YAML at `root/rel` and return a bundle reference pinning it.
 fn publish_manifest(root: &Path, rel: &str, name: &str, uri: String, manifest: &Manifest) -> BundleRef {
-    let yaml = manifest.to_yaml().unwrap();
-    std::fs::write(root.join(rel), &yaml).unwrap();
-    BundleRef {
-        name: name.into(),
-        manifest_uri: uri,
-        manifest_sha256: sha256_hex(yaml.as_bytes()),
-    }
-}
-
-fn opts(cache: &Path) -> PrefetchOptions {
-    PrefetchOptions {
-        cache_dir: cache.to_path_buf(),
-        concurrency: 4,
-        file_concurrency: 4,
-        chunk_size: MIB,
-        retries: 1,
-        reserve_bytes: Some(0),
-        progress: false,
-        ..PrefetchOptions::default()
-    }
+    bundles::publish_manifest(root, rel, name, uri, manifest).unwrap()
 }
 
 fn assert_bundle_matches(cache: &Path, bundle: &str, origin: &Path, m: &Manifest) {
@@ -660,53 +622,18 @@ fn bundle_ref_and_options_embed_in_yaml_config() {
     assert!(serde_yaml_ng::from_str::<PrefetchOptions>("concurency: 8\n").is_err());
 }
 
-/// A loopback TCP proxy in front of `upstream` that cuts the first `cuts` connections
-/// after `cut_after` response bytes (mid-body), as a connection reset would.
-async fn cutting_proxy(upstream: u16, cut_after: usize, cuts: usize) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let count = Arc::new(AtomicU64::new(0));
-    tokio::spawn(async move {
-        while let Ok((mut client, _)) = listener.accept().await {
-            let n = count.fetch_add(1, Ordering::SeqCst) as usize;
-            tokio::spawn(async move {
-                let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
-                    return;
-                };
-                let mut sent = 0usize;
-                let (mut a, mut b) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
-                loop {
-                    tokio::select! {
-                        r = client.read(&mut a) => match r {
-                            Ok(0) | Err(_) => return,
-                            Ok(r) => if server.write_all(&a[..r]).await.is_err() { return },
-                        },
-                        r = server.read(&mut b) => match r {
-                            Ok(0) | Err(_) => return,
-                            Ok(r) => {
-                                if n < cuts && sent + r > cut_after {
-                                    let _ = client.write_all(&b[..cut_after - sent]).await;
-                                    return; // both sockets dropped mid-body
-                                }
-                                if client.write_all(&b[..r]).await.is_err() { return }
-                                sent += r;
-                            }
-                        },
-                    }
-                }
-            });
-        }
-    });
-    port
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
     let origin = tempfile::tempdir().unwrap();
     let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
     let f = write_file(origin.path(), "model.bin", 4 * MIB, 81);
-    let proxy = cutting_proxy(nginx.port, 300_000, 3).await;
+    // Cut the first 3 connections after 300 000 response bytes (mid-body), as a
+    // connection reset would.
+    let fault = ProxyFault::Cut {
+        after: 300_000,
+        conns: 3,
+    };
+    let (proxy, _) = spawn_fault_proxy(nginx.port, fault).await.unwrap();
     let mut via_proxy = f.clone();
     via_proxy.source = Some(format!("http://127.0.0.1:{proxy}/model.bin"));
     let m = Manifest {
@@ -728,14 +655,7 @@ async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
         .filter(|e| e.uri == "/model.bin")
         .collect::<Vec<_>>();
     // Some re-request starts inside a chunk: only the missing range was asked for again.
-    let mid_chunk = data.iter().any(|e| {
-        e.range
-            .strip_prefix("bytes=")
-            .and_then(|r| r.split('-').next())
-            .and_then(|s| s.parse::<u64>().ok())
-            .is_some_and(|start| start % MIB != 0)
-    });
-    assert!(mid_chunk, "no resumed range request: {data:?}");
+    assert!(resumed_inside_a_chunk(&data, MIB), "no resumed range request: {data:?}");
     let sent: u64 = data.iter().map(|e| e.body_bytes).sum();
     eprintln!("requests {}, bytes sent {sent} for {}", data.len(), 4 * MIB);
 }

@@ -1,0 +1,253 @@
+//! Shared helpers for the model-bundle tests (prefetch end to end, the I/O fault matrix,
+//! the prefetch crash loop): deterministic origin files and pinned manifests, hashing and
+//! listing what a cache holds, reading nginx's access log for resumed ranges, and a
+//! loopback TCP proxy that injects a fault at an exact point of a download.
+
+use crate::services::nginx::AccessEntry;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use taintgate_prefetch::{BundleRef, Manifest, ManifestFile, PrefetchOptions, sha256_hex};
+
+/// Deterministic pseudo-random bytes (xorshift64*): incompressible, distinct per seed.
+pub fn pseudo_random(size: u64, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(size as usize + 8);
+    while (out.len() as u64) < size {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+    }
+    out.truncate(size as usize);
+    out
+}
+
+/// Write a file of [`pseudo_random`] bytes at `root/rel` (parents created) and return its
+/// manifest entry (source: `source` when given, else the path relative to the manifest)
+/// and its bytes.
+pub fn write_origin_file(
+    root: &Path,
+    rel: &str,
+    size: u64,
+    seed: u64,
+    source: Option<String>,
+) -> anyhow::Result<(ManifestFile, Vec<u8>)> {
+    let data = pseudo_random(size, seed);
+    let path = root.join(rel);
+    if let Some(p) = path.parent() {
+        std::fs::create_dir_all(p).map_err(|e| anyhow::anyhow!("creating {}: {e}", p.display()))?;
+    }
+    std::fs::write(&path, &data).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    let entry = ManifestFile {
+        path: rel.to_string(),
+        size,
+        sha256: sha256_hex(&data),
+        source,
+    };
+    Ok((entry, data))
+}
+
+/// Write `manifest` as YAML at `root/rel` and return a bundle reference named `name`,
+/// served at `uri`, pinning the manifest's sha256.
+pub fn publish_manifest(
+    root: &Path,
+    rel: &str,
+    name: &str,
+    uri: String,
+    manifest: &Manifest,
+) -> anyhow::Result<BundleRef> {
+    let yaml = manifest.to_yaml()?;
+    let path = root.join(rel);
+    std::fs::write(&path, &yaml).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    Ok(BundleRef {
+        name: name.into(),
+        manifest_uri: uri,
+        manifest_sha256: sha256_hex(yaml.as_bytes()),
+    })
+}
+
+/// Prefetch options for tests on a small bundle cached in `cache`: 1 MiB chunks, 4 chunks
+/// and 4 files at once, one retry, no disk reserve, no progress output.
+pub fn test_prefetch_options(cache: &Path) -> PrefetchOptions {
+    PrefetchOptions {
+        cache_dir: cache.to_path_buf(),
+        concurrency: 4,
+        file_concurrency: 4,
+        chunk_size: 1 << 20,
+        retries: 1,
+        reserve_bytes: Some(0),
+        progress: false,
+        ..PrefetchOptions::default()
+    }
+}
+
+/// The sha256 (lower-case hex) of the file at `p`.
+pub fn sha256_file(p: &Path) -> Result<String, String> {
+    let bytes = std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+    Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
+/// Every regular file under `dir`, recursively (none when `dir` is absent).
+pub fn files_under(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let mut out = Vec::new();
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(format!("listing {}: {e}", dir.display())),
+    };
+    for entry in rd {
+        let entry = entry.map_err(|e| format!("listing {}: {e}", dir.display()))?;
+        let ft = entry
+            .file_type()
+            .map_err(|e| format!("{}: {e}", entry.path().display()))?;
+        if ft.is_dir() {
+            out.extend(files_under(&entry.path())?);
+        } else {
+            out.push(entry.path());
+        }
+    }
+    Ok(out)
+}
+
+/// Whether some logged request asked for a range starting inside a `chunk`-sized chunk:
+/// only the missing part of a cut-off chunk was asked for again.
+pub fn resumed_inside_a_chunk(requests: &[AccessEntry], chunk: u64) -> bool {
+    requests.iter().any(|e| {
+        e.range
+            .strip_prefix("bytes=")
+            .and_then(|r| r.split('-').next())
+            .and_then(|s| s.parse::<u64>().ok())
+            .is_some_and(|start| start % chunk != 0)
+    })
+}
+
+/// What a fault proxy ([`spawn_fault_proxy`], [`FaultProxy`]) does to the traffic it
+/// forwards.
+pub enum ProxyFault {
+    /// Reset each of the first `conns` connections (RST via `SO_LINGER` 0) once `after`
+    /// response bytes went through it, in the middle of a body: what a crashed middlebox
+    /// or a dropped route looks like.
+    Reset {
+        /// Response bytes forwarded before the reset.
+        after: usize,
+        /// How many connections (the first ones) are reset.
+        conns: usize,
+    },
+    /// Like [`ProxyFault::Reset`], but both sockets are simply dropped (an orderly close).
+    Cut {
+        /// Response bytes forwarded before the cut.
+        after: usize,
+        /// How many connections (the first ones) are cut.
+        conns: usize,
+    },
+    /// Run an action once, when the first response bytes arrive from upstream and before
+    /// they are forwarded: the fault lands after the source answered and before the
+    /// client has seen any of the body.
+    OnFirstResponse(Box<dyn Fn() -> Result<(), String> + Send + Sync>),
+}
+
+/// What a fault proxy did.
+#[derive(Clone, Default)]
+pub struct ProxyStats {
+    /// Connections reset or cut, or actions run.
+    pub fired: Arc<AtomicUsize>,
+    /// Failures of the action.
+    pub errors: Arc<Mutex<Vec<String>>>,
+}
+
+impl ProxyStats {
+    /// How often the fault fired.
+    pub fn fired(&self) -> usize {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+/// Start a loopback TCP proxy in front of `127.0.0.1:upstream` on the current tokio
+/// runtime, injecting `fault`; returns its port and what it does. It serves until the
+/// runtime stops.
+pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Result<(u16, ProxyStats)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let stats = ProxyStats::default();
+    let fault = Arc::new(fault);
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let st = stats.clone();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let n = accepted.fetch_add(1, Ordering::SeqCst);
+            let (st, fault) = (st.clone(), fault.clone());
+            tokio::spawn(async move {
+                let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    return;
+                };
+                let mut sent = 0usize;
+                let (mut a, mut b) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
+                loop {
+                    tokio::select! {
+                        r = client.read(&mut a) => match r {
+                            Ok(0) | Err(_) => return,
+                            Ok(r) => if server.write_all(&a[..r]).await.is_err() { return },
+                        },
+                        r = server.read(&mut b) => match r {
+                            Ok(0) | Err(_) => return,
+                            Ok(r) => {
+                                match &*fault {
+                                    ProxyFault::Reset { after, conns } | ProxyFault::Cut { after, conns }
+                                        if n < *conns && sent + r > *after =>
+                                    {
+                                        let _ = client.write_all(&b[..after - sent]).await;
+                                        if matches!(*fault, ProxyFault::Reset { .. }) {
+                                            let _ = client.set_zero_linger();
+                                        }
+                                        st.fired.fetch_add(1, Ordering::SeqCst);
+                                        return;
+                                    }
+                                    ProxyFault::OnFirstResponse(action)
+                                        if st.fired.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_ok() =>
+                                    {
+                                        if let Err(e) = action() {
+                                            st.errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+                                        }
+                                    }
+                                    _ => {}
+                                }
+                                if client.write_all(&b[..r]).await.is_err() { return }
+                                sent += r;
+                            }
+                        },
+                    }
+                }
+            });
+        }
+    });
+    Ok((port, stats))
+}
+
+/// A [`spawn_fault_proxy`] on its own runtime, for tests without one; stopped when dropped.
+pub struct FaultProxy {
+    /// Port on 127.0.0.1.
+    pub port: u16,
+    /// What the proxy did.
+    pub stats: ProxyStats,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl FaultProxy {
+    /// Start a proxy in front of `127.0.0.1:upstream` injecting `fault`.
+    pub fn start(upstream: u16, fault: ProxyFault) -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let (port, stats) = rt.block_on(spawn_fault_proxy(upstream, fault))?;
+        Ok(FaultProxy { port, stats, _rt: rt })
+    }
+
+    /// `http://127.0.0.1:<port>/<path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}/{path}", self.port)
+    }
+}
