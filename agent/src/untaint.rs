@@ -158,10 +158,51 @@ async fn start_from(api: &dyn NodeApi, known: &mut Option<Node>) -> Result<Node,
     }
 }
 
+/// The write loop both taint changes share: plan a patch from the Node held (`None`: the
+/// Node is already as wanted), apply it, and retry conflicts (409), failed tests (422) and
+/// server errors with a fresh read until the deadline. A successful patch's response is
+/// planned again, so a change that needs several writes (a duplicate entry) continues from
+/// it without a read. `known` is used as the first view only when it needs a write: a view
+/// that already looks right may be stale, and "nothing to do" cannot be `test`ed.
+async fn write_loop(
+    api: &dyn NodeApi,
+    mut retry: Retry,
+    known: Option<Node>,
+    what: &str,
+    plan: impl Fn(&Node) -> Option<Patch>,
+) -> Result<UntaintOutcome, ApiError> {
+    let mut known = known.filter(|n| plan(n).is_some());
+    loop {
+        let result = async {
+            let node = start_from(api, &mut known).await?;
+            match plan(&node) {
+                None => Ok(Err(node)),
+                Some(patch) => api.json_patch(&patch).await.map(Ok),
+            }
+        }
+        .await;
+        match result {
+            // Changed by this call only if one of its writes succeeded before the Node
+            // was found as wanted (every attempt that failed counted as a retry).
+            Ok(Err(node)) => return Ok(retry.outcome(retry.attempts > retry.retries, node)),
+            Ok(Ok(node)) => {
+                retry.attempts += 1;
+                if plan(&node).is_some() {
+                    known = Some(node);
+                    continue;
+                }
+                return Ok(retry.outcome(true, node));
+            }
+            Err(e) => retry.after(e, what).await?,
+        }
+    }
+}
+
 /// Remove the configured startup taint from the Node, retrying until `deadline`.
 /// `known`: a Node this process already read. Used for the first attempt when it shows the
 /// taint; when it does not, the Node is read again, since absence cannot be `test`ed and a
-/// stale view could miss a taint put back since.
+/// stale view could miss a taint put back since. A duplicate entry (same key and effect,
+/// after a bad actor's write) is removed too, starting from the patch's response.
 pub async fn remove_startup_taint(
     api: &dyn NodeApi,
     taint: &TaintConfig,
@@ -170,34 +211,11 @@ pub async fn remove_startup_taint(
     backoff_max: Duration,
     known: Option<Node>,
 ) -> Result<UntaintOutcome, ApiError> {
-    let mut retry = Retry::new(deadline, backoff_min, backoff_max);
-    let mut known = known.filter(|n| taint_index(n, taint).is_some());
-    loop {
-        let result = async {
-            let node = start_from(api, &mut known).await?;
-            let Some(index) = taint_index(&node, taint) else {
-                return Ok(Err(node));
-            };
-            api.json_patch(&removal_patch(index, taint)).await.map(Ok)
-        }
-        .await;
-        match result {
-            Ok(Err(node)) => {
-                return Ok(retry.outcome(retry.attempts > 0 && retry.retries < retry.attempts, node));
-            }
-            Ok(Ok(node)) => {
-                retry.attempts += 1;
-                if taint_index(&node, taint).is_some() {
-                    // A duplicate entry (same key and effect) can exist after a bad actor's
-                    // write; loop to remove it too, starting from the patch's response.
-                    known = Some(node);
-                    continue;
-                }
-                return Ok(retry.outcome(true, node));
-            }
-            Err(e) => retry.after(e, "taint removal").await?,
-        }
-    }
+    let retry = Retry::new(deadline, backoff_min, backoff_max);
+    write_loop(api, retry, known, "taint removal", |n| {
+        taint_index(n, taint).map(|i| removal_patch(i, taint))
+    })
+    .await
 }
 
 /// Add `taint` to the Node unless an entry with its key and effect is there, retrying
@@ -212,29 +230,12 @@ pub async fn add_taint(
     backoff_max: Duration,
     known: Option<Node>,
 ) -> Result<UntaintOutcome, ApiError> {
-    let mut retry = Retry::new(deadline, backoff_min, backoff_max);
+    let retry = Retry::new(deadline, backoff_min, backoff_max);
     // Presence seen in an old copy may be gone now: only a view without it is a useful start.
-    let mut known = known.filter(|n| taint_index(n, taint).is_none());
-    loop {
-        let result = async {
-            let node = start_from(api, &mut known).await?;
-            if taint_index(&node, taint).is_some() {
-                return Ok(Err(node));
-            }
-            api.json_patch(&add_patch(&node, taint)).await.map(Ok)
-        }
-        .await;
-        match result {
-            Ok(Err(node)) => {
-                return Ok(retry.outcome(false, node));
-            }
-            Ok(Ok(node)) => {
-                retry.attempts += 1;
-                return Ok(retry.outcome(true, node));
-            }
-            Err(e) => retry.after(e, "adding the taint").await?,
-        }
-    }
+    write_loop(api, retry, known, "adding the taint", |n| {
+        taint_index(n, taint).is_none().then(|| add_patch(n, taint))
+    })
+    .await
 }
 
 #[cfg(test)]
