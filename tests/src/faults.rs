@@ -626,3 +626,9 @@ pub fn run_matrix<S: Sync>(
         results.len()
     );
 }
+
+/// The verdict's message, or "" when the run printed no verdict (the row's other checks
+/// report that).
+pub fn verdict_message(t: &Timeline) -> String {
+    t.verdict.as_ref().map(|v| v.message.clone()).unwrap_or_default()
+}

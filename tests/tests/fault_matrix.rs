@@ -295,12 +295,7 @@ fn scenarios() -> Vec<Scenario> {
             .held("UntaintFailed")
             .extra(|c| {
                 expect_statuses(c, &[403])?;
-                let msg = c
-                    .timeline
-                    .verdict
-                    .as_ref()
-                    .map(|v| v.message.clone())
-                    .unwrap_or_default();
+                let msg = verdict_message(c.timeline);
                 if !msg.contains("Forbidden") {
                     return Err(format!("verdict message should name the refusal: {msg}"));
                 }
@@ -497,12 +492,7 @@ fn scenarios() -> Vec<Scenario> {
             })
             .extra(|c| {
                 expect_statuses(c, &[422])?;
-                let msg = c
-                    .timeline
-                    .verdict
-                    .as_ref()
-                    .map(|v| v.message.clone())
-                    .unwrap_or_default();
+                let msg = verdict_message(c.timeline);
                 if !msg.contains("already absent") {
                     return Err(format!("expected an idempotent release: {msg}"));
                 }

@@ -718,17 +718,9 @@ fn check_no_data_request(c: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
-fn verdict_message(c: &Ctx) -> String {
-    c.timeline
-        .verdict
-        .as_ref()
-        .map(|v| v.message.clone())
-        .unwrap_or_default()
-}
-
 fn check_s3_refusal(c: &Ctx) -> Result<(), String> {
     // The store refused these credentials; the message names the object and says why.
-    let msg = verdict_message(c);
+    let msg = verdict_message(c.timeline);
     if !msg.contains("s3://models/llm/model.bin") || !msg.contains("InvalidAccessKeyId") {
         return Err(format!("verdict message should name the object and the refusal: {msg}"));
     }
@@ -770,7 +762,7 @@ fn check_disk_full(c: &Ctx) -> Result<(), String> {
     if fired(c) != 1 {
         return Err(format!("the disk was filled {} times, expected once", fired(c)));
     }
-    let msg = verdict_message(c);
+    let msg = verdict_message(c.timeline);
     if !msg.contains("No space left on device") {
         return Err(format!("verdict message should name the full disk: {msg}"));
     }
@@ -778,7 +770,7 @@ fn check_disk_full(c: &Ctx) -> Result<(), String> {
 }
 
 fn check_read_only(c: &Ctx) -> Result<(), String> {
-    let msg = verdict_message(c);
+    let msg = verdict_message(c.timeline);
     if !msg.contains("Read-only file system") || !msg.contains(&c.world.cache().display().to_string()) {
         return Err(format!("verdict message should name the read-only cache path: {msg}"));
     }
@@ -824,7 +816,7 @@ fn check_names_socket(c: &Ctx) -> Result<(), String> {
         .as_ref()
         .map(|i| i.socket.display().to_string())
         .unwrap_or_default();
-    let msg = verdict_message(c);
+    let msg = verdict_message(c.timeline);
     if socket.is_empty() || !msg.contains(&socket) {
         return Err(format!("verdict message should name the socket {socket}: {msg}"));
     }
