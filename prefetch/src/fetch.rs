@@ -159,6 +159,12 @@ struct ChunkCtx {
     label: String,
     /// Whether to persist the chunk map (pointless for one-chunk files).
     persist: bool,
+    /// One write at a time into this file. Buffered writes to one inode serialize in the
+    /// kernel anyway (ext4, xfs and tmpfs take the inode lock for the whole copy), and
+    /// blocked writers spin on that lock while its owner runs: on a 2-core node that burnt
+    /// the core the hasher needed and left a tail of queued writes after the last byte
+    /// arrived. Waiting here costs no CPU and no blocking-pool thread.
+    write_lock: tokio::sync::Mutex<()>,
 }
 
 /// A fetched (or re-read) chunk on its way to the hasher; holds its slot.
@@ -334,6 +340,7 @@ impl Engine {
             bundles: job.bundles.clone(),
             label: job.label.clone(),
             persist: n > 1,
+            write_lock: tokio::sync::Mutex::new(()),
         });
         // Stop this file's chunk tasks when the attempt ends for any reason.
         let _stop_chunks = ctx.cancel.clone().drop_guard();
@@ -593,7 +600,9 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
     let file = ctx.file.clone();
     let part = ctx.part.clone();
     let to_write = bufs.clone();
+    let turn = ctx.write_lock.lock().await;
     blocking(move || write_all_at(&file, &to_write, start).map_err(|e| PrefetchError::io("write", &part, e))).await?;
+    drop(turn);
     if let Ok(mut m) = ctx.map.lock() {
         m.set_done(i);
     }
