@@ -20,7 +20,6 @@
 
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use taintgate_tests::agent::{NODE, TAINT, condition};
@@ -35,21 +34,10 @@ const DEFAULT_XID_WAIT_MS: u64 = 1000;
 /// Compile the fake NVML library once per test process (`$CC`, default `cc`).
 fn fake_library() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/fake_nvml.c");
-        let dir = tempfile::tempdir().unwrap().keep();
-        let out = dir.join("libfake-nvml.so");
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let status = Command::new(&cc)
-            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {cc} to build the fake NVML: {e}"));
-        assert!(status.success(), "{cc} failed on {}", src.display());
-        out
-    })
+    LIB.get_or_init(|| compile_fake_nvml(&Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/fake_nvml.c")))
 }
+
+include!("../fake-nvml/compile.rs");
 
 /// The timeouts (ms) of the waits during which the fake handed over `xid` for `gpu`, read
 /// from its stderr lines `fake-nvml: queued XID 79 for GPU 1 from ... during a 125 ms wait`.

@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 use taintgate_validators::gpu::decide::{DriverExpectations, evaluate_driver, startup_record};
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
@@ -13,21 +12,10 @@ use taintgate_validators::gpu::{Gpu, GpuError, Interconnect, Inventory};
 /// Compile the fake once per test process.
 fn fake_library() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c");
-        let dir = tempfile::tempdir().unwrap().keep();
-        let out = dir.join("libfake-nvml.so");
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let status = Command::new(&cc)
-            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {cc} to build the fake NVML: {e}"));
-        assert!(status.success(), "{cc} failed on {}", src.display());
-        out
-    })
+    LIB.get_or_init(|| compile_fake_nvml(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c")))
 }
+
+include!("../../tests/fake-nvml/compile.rs");
 
 /// One fake node: its own copy of the library (so each test has its own NVML state) and
 /// its profile beside it.
