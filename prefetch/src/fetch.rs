@@ -3,7 +3,8 @@
 //! its offset into `<cache>/tmp/<digest>.part`, and sha256 computed inline in file order
 //! behind a bounded reorder window. Memory is bounded by the global chunk slots: a slot is
 //! taken before a chunk's request starts and given back only after the hasher consumed the
-//! chunk, so at most `concurrency × chunk_size` bytes are ever buffered.
+//! chunk, so at most `concurrency × chunk_size` bytes are ever buffered. Slots go to the
+//! largest file first (see [`crate::slots`]), and each file holds at most its window.
 //!
 //! Resume: every written chunk is recorded in a chunk map persisted next to the partial
 //! file. After a restart those chunks are read back from disk (and hashed in order) instead
@@ -24,6 +25,8 @@ use object_store::{GetOptions, GetRange, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::slots::{Slot, Slots};
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::Cache;
@@ -42,6 +45,8 @@ pub(crate) struct BlobJob {
     pub label: String,
     /// Indices of the bundles referencing it (for progress).
     pub bundles: Vec<usize>,
+    /// Priority for chunk slots: 0 for the largest file, counting up.
+    pub rank: u64,
 }
 
 /// What fetching one blob took.
@@ -64,7 +69,7 @@ pub(crate) struct Engine {
     pub file_window: usize,
     pub retries: u32,
     /// Global chunk slots (bounds requests in flight and buffered memory).
-    pub slots: Arc<Semaphore>,
+    pub slots: Arc<Slots>,
     pub progress: Arc<Progress>,
 }
 
@@ -170,7 +175,7 @@ struct ChunkCtx {
 /// A fetched (or re-read) chunk on its way to the hasher; holds its slot.
 struct HashItem {
     bufs: Vec<Bytes>,
-    _slot: OwnedSemaphorePermit,
+    _slot: (OwnedSemaphorePermit, Slot),
 }
 
 impl Engine {
@@ -370,15 +375,24 @@ impl Engine {
         });
 
         let slots = self.slots.clone();
+        let rank = job.rank;
+        // The file's window bounds every slot it holds, in flight or waiting to be
+        // hashed, so a file whose hasher lags still leaves `concurrency - window` slots to
+        // smaller files (and their hashers to the other cores), however high its rank.
+        let own = Arc::new(Semaphore::new(window));
         let ctx2 = ctx.clone();
-        // Slots are acquired sequentially in chunk order (`then`), so the lowest
-        // outstanding chunk of every file always holds one: no deadlock however the
-        // window and the global slots interleave.
+        // Slots are acquired sequentially in chunk order (`then`), the file's own before a
+        // global one, so the lowest outstanding chunk of every file always holds one: no
+        // deadlock however the windows and the global slots interleave.
         let mut stream = Box::pin(
             futures::stream::iter(0..n)
                 .then(move |i| {
-                    let slots = slots.clone();
-                    async move { (i, slots.acquire_owned().await) }
+                    let (slots, own) = (slots.clone(), own.clone());
+                    async move {
+                        let mine = own.acquire_owned().await;
+                        let global = slots.acquire(rank).await;
+                        (i, mine.map(|m| (m, global)))
+                    }
                 })
                 .map(move |(i, permit)| {
                     let ctx = ctx2.clone();

@@ -14,6 +14,7 @@ pub mod error;
 mod fetch;
 pub mod manifest;
 pub mod progress;
+mod slots;
 mod source;
 
 use std::collections::{BTreeMap, HashMap};
@@ -24,7 +25,6 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
 use serde::{Deserialize, Serialize};
-use tokio::sync::Semaphore;
 
 pub use error::PrefetchError;
 pub use manifest::{BundleRef, Manifest, ManifestFile, create_manifest, sha256_hex};
@@ -277,6 +277,7 @@ pub async fn prefetch_bundles_observed(
                             uri,
                             label: format!("{}/{}", b.name, f.path),
                             bundles: vec![bi],
+                            rank: 0,
                         },
                     );
                 }
@@ -315,7 +316,7 @@ pub async fn prefetch_bundles_observed(
         chunk_size: opts.chunk_size,
         file_window: opts.file_concurrency.min(opts.concurrency),
         retries: opts.retries,
-        slots: Arc::new(Semaphore::new(opts.concurrency)),
+        slots: Arc::new(slots::Slots::new(opts.concurrency)),
         progress: Arc::new(Progress::new(
             bundles
                 .iter()
@@ -364,7 +365,13 @@ pub async fn prefetch_bundles_observed(
     // Stop sibling downloads as soon as one fails (partials are kept for resume).
     let _stop_fetches = fetch_cancel.clone().drop_guard();
     let mut outcomes: HashMap<String, (fetch::BlobOutcome, Duration)> = HashMap::new();
-    let fetch_jobs: Vec<BlobJob> = to_fetch.iter().map(|p| p.job.clone()).collect();
+    // Chunk slots go to the largest file first (see `slots`).
+    let fetch_jobs: Vec<BlobJob> = (to_fetch.iter().enumerate())
+        .map(|(rank, p)| BlobJob {
+            rank: rank as u64,
+            ..p.job.clone()
+        })
+        .collect();
     let (run_engine, run_cancel) = (engine.clone(), fetch_cancel.clone());
     let mut running = futures::stream::iter(fetch_jobs.into_iter().map(move |job| {
         let engine = run_engine.clone();
