@@ -47,10 +47,11 @@ pub struct PrefetchOptions {
     /// Cache root (blobs, partial downloads, bundle views).
     pub cache_dir: PathBuf,
     /// Chunk slots across all files: requests in flight plus chunks waiting to be hashed.
-    /// Buffered memory is at most `concurrency × chunk_size`.
+    /// Buffered memory is at most `concurrency × chunk_size`. Slots go to the largest file
+    /// first.
     pub concurrency: usize,
-    /// Most chunks of one file in flight (its reorder window), so one huge file cannot take
-    /// every slot.
+    /// Most chunks of one file in flight or waiting to be hashed (its reorder window), so
+    /// one huge file cannot take every slot.
     pub file_concurrency: usize,
     /// Bytes per ranged GET. Sized to finish well inside `request_timeout_secs`.
     pub chunk_size: u64,
