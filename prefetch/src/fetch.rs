@@ -25,13 +25,12 @@ use object_store::{GetOptions, GetRange, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
-use crate::slots::{Slot, Slots};
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::Cache;
 use crate::error::PrefetchError;
 use crate::progress::Progress;
+use crate::slots::{Slot, Slots};
 use crate::source::{SourceObject, Sources, map_store_error};
 
 /// One unique blob to fetch (shared by every file with that digest).
