@@ -24,7 +24,6 @@ use futures::StreamExt;
 use object_store::{GetOptions, GetRange, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::Cache;
@@ -174,7 +173,7 @@ struct ChunkCtx {
 /// A fetched (or re-read) chunk on its way to the hasher; holds its slot.
 struct HashItem {
     bufs: Vec<Bytes>,
-    _slot: (OwnedSemaphorePermit, Slot),
+    _slot: Slot,
 }
 
 impl Engine {
@@ -375,23 +374,17 @@ impl Engine {
 
         let slots = self.slots.clone();
         let rank = job.rank;
-        // The file's window bounds every slot it holds, in flight or waiting to be
-        // hashed, so a file whose hasher lags still leaves `concurrency - window` slots to
-        // smaller files (and their hashers to the other cores), however high its rank.
-        let own = Arc::new(Semaphore::new(window));
         let ctx2 = ctx.clone();
-        // Slots are acquired sequentially in chunk order (`then`), the file's own before a
-        // global one, so the lowest outstanding chunk of every file always holds one: no
-        // deadlock however the windows and the global slots interleave.
+        // Slots are acquired sequentially in chunk order (`then`), so the lowest
+        // outstanding chunk of every file always holds one: no deadlock however the
+        // window and the global slots interleave. The pool also caps what one file holds,
+        // in flight or waiting to be hashed, at its window, so a file whose hasher lags
+        // still leaves `concurrency - window` slots to smaller files.
         let mut stream = Box::pin(
             futures::stream::iter(0..n)
                 .then(move |i| {
-                    let (slots, own) = (slots.clone(), own.clone());
-                    async move {
-                        let mine = own.acquire_owned().await;
-                        let global = slots.acquire(rank).await;
-                        (i, mine.map(|m| (m, global)))
-                    }
+                    let slots = slots.clone();
+                    async move { (i, slots.acquire(rank).await) }
                 })
                 .map(move |(i, permit)| {
                     let ctx = ctx2.clone();
@@ -401,14 +394,7 @@ impl Engine {
                 .buffered(window),
         );
         let mut result: Result<(), AttemptError> = Ok(());
-        while let Some((joined, permit)) = stream.next().await {
-            let permit = match permit {
-                Ok(p) => p,
-                Err(_) => {
-                    result = Err(PrefetchError::Cancelled.into());
-                    break;
-                }
-            };
+        while let Some((joined, slot)) = stream.next().await {
             let chunk = match joined {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
@@ -425,7 +411,7 @@ impl Engine {
                 out.bytes_resumed += bufs.iter().map(|b| b.len() as u64).sum::<u64>();
             }
             out.bytes_fetched += fetched;
-            if tx.send(HashItem { bufs, _slot: permit }).await.is_err() {
+            if tx.send(HashItem { bufs, _slot: slot }).await.is_err() {
                 break;
             }
         }

@@ -311,13 +311,14 @@ pub async fn prefetch_bundles_observed(
         .into_iter()
         .collect::<Result<_, _>>()?;
 
+    let file_window = opts.file_concurrency.min(opts.concurrency);
     let engine = Arc::new(Engine {
         cache: cache.clone(),
         sources,
         chunk_size: opts.chunk_size,
-        file_window: opts.file_concurrency.min(opts.concurrency),
+        file_window,
         retries: opts.retries,
-        slots: Arc::new(slots::Slots::new(opts.concurrency)),
+        slots: Arc::new(slots::Slots::new(opts.concurrency, file_window)),
         progress: Arc::new(Progress::new(
             bundles
                 .iter()
