@@ -43,8 +43,6 @@ pub(crate) struct BlobJob {
     pub label: String,
     /// Indices of the bundles referencing it (for progress).
     pub bundles: Vec<usize>,
-    /// Priority for chunk slots: 0 for the largest file, counting up.
-    pub rank: u64,
 }
 
 /// What fetching one blob took.
@@ -178,10 +176,12 @@ struct HashItem {
 
 impl Engine {
     /// Fetch, verify and commit one blob, retrying digest mismatches and transient
-    /// failures within the budget.
+    /// failures within the budget. `rank` is its priority for chunk slots: 0 for the
+    /// largest file of the run, counting up.
     pub async fn fetch_blob(
         self: Arc<Self>,
         job: BlobJob,
+        rank: u64,
         cancel: CancellationToken,
     ) -> Result<BlobOutcome, PrefetchError> {
         let start = Instant::now();
@@ -189,7 +189,7 @@ impl Engine {
         let mut delays = backoff(self.retries);
         loop {
             out.attempts += 1;
-            let result = self.clone().attempt(&job, &cancel, &mut out).await;
+            let result = self.clone().attempt(&job, rank, &cancel, &mut out).await;
             let delay = match result {
                 Ok(()) => {
                     out.duration = start.elapsed();
@@ -272,6 +272,7 @@ impl Engine {
     async fn attempt(
         self: Arc<Self>,
         job: &BlobJob,
+        rank: u64,
         cancel: &CancellationToken,
         out: &mut BlobOutcome,
     ) -> Result<(), AttemptError> {
@@ -373,7 +374,6 @@ impl Engine {
         });
 
         let slots = self.slots.clone();
-        let rank = job.rank;
         let ctx2 = ctx.clone();
         // Slots are acquired sequentially in chunk order (`then`), so the lowest
         // outstanding chunk of every file always holds one: no deadlock however the

@@ -278,7 +278,6 @@ pub async fn prefetch_bundles_observed(
                             uri,
                             label: format!("{}/{}", b.name, f.path),
                             bundles: vec![bi],
-                            rank: 0,
                         },
                     );
                 }
@@ -367,20 +366,15 @@ pub async fn prefetch_bundles_observed(
     // Stop sibling downloads as soon as one fails (partials are kept for resume).
     let _stop_fetches = fetch_cancel.clone().drop_guard();
     let mut outcomes: HashMap<String, (fetch::BlobOutcome, Duration)> = HashMap::new();
-    // Chunk slots go to the largest file first (see `slots`).
-    let fetch_jobs: Vec<BlobJob> = (to_fetch.iter().enumerate())
-        .map(|(rank, p)| BlobJob {
-            rank: rank as u64,
-            ..p.job.clone()
-        })
-        .collect();
+    let fetch_jobs: Vec<BlobJob> = to_fetch.iter().map(|p| p.job.clone()).collect();
     let (run_engine, run_cancel) = (engine.clone(), fetch_cancel.clone());
-    let mut running = futures::stream::iter(fetch_jobs.into_iter().map(move |job| {
+    // Ranked in this (largest-first) order: chunk slots go to the largest file first.
+    let mut running = futures::stream::iter(fetch_jobs.into_iter().zip(0u64..).map(move |(job, rank)| {
         let engine = run_engine.clone();
         let c = run_cancel.clone();
         tokio::spawn(async move {
             let d = job.digest.clone();
-            let r = engine.fetch_blob(job, c).await;
+            let r = engine.fetch_blob(job, rank, c).await;
             (d, r, start.elapsed())
         })
     }))
