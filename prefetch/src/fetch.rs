@@ -164,7 +164,8 @@ struct ChunkCtx {
     /// kernel anyway (ext4, xfs and tmpfs take the inode lock for the whole copy), and
     /// blocked writers spin on that lock while its owner runs: on a 2-core node that burnt
     /// the core the hasher needed and left a tail of queued writes after the last byte
-    /// arrived. Waiting here costs no CPU and no blocking-pool thread.
+    /// arrived. Waiting here costs no CPU and no blocking-pool thread; a chunk writing
+    /// bytes as they arrive only tries it and never waits.
     write_lock: tokio::sync::Mutex<()>,
 }
 
@@ -482,6 +483,9 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
     }
 
     let mut bufs: Vec<Bytes> = Vec::new();
+    // `bufs[..written]`, `written_bytes` long, are already in the file.
+    let mut written = 0usize;
+    let mut written_bytes = 0u64;
     let mut got = 0u64;
     let mut failures = 0u32;
     let mut delays = backoff(ctx.retries);
@@ -564,6 +568,21 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
                             got += n;
                             ctx.progress.fetched(&ctx.bundles, n);
                             bufs.push(b);
+                            // Write what just arrived while it is still in this core's
+                            // cache, on this worker (the engine's runtime is its own, see
+                            // `DataPlane`). Only when no other chunk of the file is writing:
+                            // a second writer would spin on the inode lock. Otherwise the
+                            // bytes wait for the next try, or for the chunk's end.
+                            if got - written_bytes >= HOT_WRITE
+                                && let Ok(turn) = ctx.write_lock.try_lock()
+                            {
+                                let pending = &bufs[written..];
+                                write_all_at(&ctx.file, pending, start + written_bytes)
+                                    .map_err(|e| PrefetchError::io("write", &ctx.part, e))?;
+                                drop(turn);
+                                written = bufs.len();
+                                written_bytes = got;
+                            }
                         }
                         Some(Err(e)) => {
                             body_err = Some(map_store_error(uri, e));
@@ -595,13 +614,19 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
         }
     }
 
-    // Write at the chunk's offset, then record it in the chunk map.
-    let file = ctx.file.clone();
-    let part = ctx.part.clone();
-    let to_write = bufs.clone();
-    let turn = ctx.write_lock.lock().await;
-    blocking(move || write_all_at(&file, &to_write, start).map_err(|e| PrefetchError::io("write", &part, e))).await?;
-    drop(turn);
+    // Write the rest at its offset, then record the chunk in the chunk map: only a chunk
+    // wholly on disk is ever marked, so a resumed download never trusts a torn one.
+    if written < bufs.len() {
+        let file = ctx.file.clone();
+        let part = ctx.part.clone();
+        let to_write = bufs[written..].to_vec();
+        let turn = ctx.write_lock.lock().await;
+        blocking(move || {
+            write_all_at(&file, &to_write, start + written_bytes).map_err(|e| PrefetchError::io("write", &part, e))
+        })
+        .await?;
+        drop(turn);
+    }
     if let Ok(mut m) = ctx.map.lock() {
         m.set_done(i);
     }
@@ -610,6 +635,10 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
     }
     Ok((bufs, got))
 }
+
+/// Bytes a chunk collects before it tries to write them while they are still in the
+/// core's cache.
+const HOT_WRITE: u64 = 512 * 1024;
 
 /// Vectored positional write of all buffers starting at `offset`.
 fn write_all_at(file: &File, bufs: &[Bytes], mut offset: u64) -> std::io::Result<()> {

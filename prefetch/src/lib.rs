@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
 use serde::{Deserialize, Serialize};
+use tracing::Instrument;
 
 pub use error::PrefetchError;
 pub use manifest::{BundleRef, Manifest, ManifestFile, create_manifest, sha256_hex};
@@ -211,7 +212,74 @@ struct PlannedBlob {
 }
 
 /// `prefetch_bundles` with a metrics observer.
+///
+/// The work runs on a runtime of its own (see [`DataPlane`]), whatever runtime the caller
+/// awaits this on; dropping the returned future stops it.
 pub async fn prefetch_bundles_observed(
+    bundles: &[BundleRef],
+    opts: &PrefetchOptions,
+    cancel: CancellationToken,
+    observer: Arc<dyn PrefetchObserver>,
+) -> Result<PrefetchReport, PrefetchError> {
+    let plane = DataPlane::start(&opts.cache_dir)?;
+    let (bundles, opts) = (bundles.to_vec(), opts.clone());
+    let root = opts.cache_dir.clone();
+    // The caller's span (the agent's `models` stage) stays the parent of the engine's logs.
+    let work = plane.spawn(
+        async move { prefetch_here(&bundles, &opts, cancel, observer).await }.instrument(tracing::Span::current()),
+    );
+    work.await
+        .map_err(|e| PrefetchError::io("download", root, std::io::Error::other(e)))?
+}
+
+/// The download engine's own multi-thread runtime, one per prefetch run.
+///
+/// The engine writes bytes into the page cache on the worker that received them, while
+/// they are still in that core's cache: a copy from cold memory (a whole chunk, written
+/// after its last byte arrived) cost several times more, and on a node whose fresh memory
+/// is slow it set the finish. Such a write blocks its worker for the copy, and on a disk
+/// whose dirty pages are throttled for longer; on a runtime of its own that only holds
+/// back the download itself, never the agent's API calls, timers and other stages.
+struct DataPlane {
+    handle: tokio::runtime::Handle,
+    /// `None` only once dropped.
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl DataPlane {
+    fn start(cache_dir: &Path) -> Result<Self, PrefetchError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .thread_name("taintgate-fetch")
+            .enable_all()
+            .build()
+            .map_err(|e| PrefetchError::io("start the download runtime", cache_dir, e))?;
+        Ok(Self {
+            handle: rt.handle().clone(),
+            rt: Some(rt),
+        })
+    }
+
+    fn spawn<F>(&self, work: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.handle.spawn(work)
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        // Drops every task (their cancellation guards stop the downloads) without
+        // blocking: a plain drop would panic when the caller is itself async.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// [`prefetch_bundles_observed`] on the current runtime.
+async fn prefetch_here(
     bundles: &[BundleRef],
     opts: &PrefetchOptions,
     cancel: CancellationToken,

@@ -687,6 +687,14 @@ fn check_reset(c: &Ctx) -> Result<(), String> {
     if data.iter().any(|e| e.status != 206) {
         return Err(format!("every data request must be a ranged 206: {data:?}"));
     }
+    // The digest was computed from the bytes in memory; the blob on disk must be the same
+    // bytes: what was written as it arrived, before and after each cut, landed at its offset.
+    let f = &c.world.bundle().files[0];
+    let blob = c.world.cache().join("blobs/sha256").join(&f.sha256);
+    let on_disk = std::fs::read(&blob).map_err(|e| format!("read {}: {e}", blob.display()))?;
+    if sha256_hex(&on_disk) != f.sha256 {
+        return Err(format!("{} does not hash to its name", blob.display()));
+    }
     Ok(())
 }
 
