@@ -6,6 +6,12 @@
 //! chunk, so at most `concurrency × chunk_size` bytes are ever buffered. Slots go to the
 //! largest file first (see [`crate::slots`]), and each file holds at most its window.
 //!
+//! Space: a partial file's blocks are reserved in full (`fallocate`) before its first
+//! request, as rclone and aria2c do. Another writer that fills the disk afterwards cannot
+//! make the download fail halfway, a disk that filled since the preflight fails the file
+//! before its first byte (`DiskInsufficient`), and on tmpfs the page-cache pages are
+//! allocated in one call instead of one by one under the file's write lock.
+//!
 //! Resume: every written chunk is recorded in a chunk map persisted next to the partial
 //! file. After a restart those chunks are read back from disk (and hashed in order) instead
 //! of being fetched again. A partial whose object changed since (different ETag) is thrown
@@ -259,15 +265,12 @@ impl Engine {
         Ok(())
     }
 
-    /// Bytes of `digest` already on disk from an earlier partial download (for the disk
-    /// preflight).
+    /// Bytes of `digest` that already have space on disk from an earlier partial download
+    /// that will be resumed (for the disk preflight): its written chunks, or the whole file
+    /// when its blocks were reserved.
     pub fn resumable_bytes(&self, digest: &str, size: u64) -> u64 {
-        match load_map(&self.cache.state_path(digest)) {
-            Some(m) if m.digest == digest && m.size == size && m.chunk_size == self.chunk_size => {
-                (m.done_count() as u64 * m.chunk_size).min(size)
-            }
-            _ => 0,
-        }
+        let (state, part) = (self.cache.state_path(digest), self.cache.part_path(digest));
+        resumable(&state, &part, digest, size, self.chunk_size)
     }
 
     async fn attempt(
@@ -299,6 +302,7 @@ impl Engine {
                     .open(&part)
                     .map_err(|e| PrefetchError::io("open", &part, e))?;
                 f.set_len(size).map_err(|e| PrefetchError::io("size", &part, e))?;
+                reserve(&f, size, &part)?;
                 Ok(f)
             })
             .await?
@@ -636,6 +640,49 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
     Ok((bufs, got))
 }
 
+/// See [`Engine::resumable_bytes`]: `state` is the chunk map, `part` the partial file.
+fn resumable(state: &std::path::Path, part: &std::path::Path, digest: &str, size: u64, chunk_size: u64) -> u64 {
+    match load_map(state) {
+        Some(m) if m.digest == digest && m.size == size && m.chunk_size == chunk_size => {
+            let written = m.done_count() as u64 * m.chunk_size;
+            let allocated = std::fs::metadata(part)
+                .map(|md| std::os::unix::fs::MetadataExt::blocks(&md).saturating_mul(512))
+                .unwrap_or(0);
+            written.max(allocated).min(size)
+        }
+        // Not resumable: the next attempt truncates the partial and starts over.
+        _ => 0,
+    }
+}
+
+/// Reserve the blocks of a partial file of `size` bytes before anything is fetched.
+/// `fallocate` mode 0 keeps bytes already written (a resumed partial) and only fills holes.
+/// A filesystem that cannot reserve (some network and FUSE filesystems) is written as
+/// before, allocating as the bytes arrive.
+fn reserve(file: &File, size: u64, part: &std::path::Path) -> Result<(), PrefetchError> {
+    use rustix::io::Errno;
+    if size == 0 {
+        return Ok(());
+    }
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, size) {
+        Ok(()) => Ok(()),
+        Err(Errno::NOSPC | Errno::DQUOT) => {
+            let dir = part.parent().unwrap_or(part);
+            let available = rustix::fs::fstatvfs(file)
+                .map(|st| st.f_bavail.saturating_mul(st.f_frsize))
+                .unwrap_or(0);
+            Err(PrefetchError::DiskInsufficient {
+                path: dir.to_path_buf(),
+                needed: size,
+                available,
+                reserve: 0,
+            })
+        }
+        Err(Errno::OPNOTSUPP | Errno::NOSYS) => Ok(()),
+        Err(e) => Err(PrefetchError::io("reserve space for", part, e.into())),
+    }
+}
+
 /// Bytes a chunk collects before it tries to write them while they are still in the
 /// core's cache.
 const HOT_WRITE: u64 = 512 * 1024;
@@ -724,6 +771,55 @@ mod tests {
         let j = serde_json::to_string(&m).unwrap();
         let back: ChunkMap = serde_json::from_str(&j).unwrap();
         assert!(back.is_done(10));
+    }
+
+    #[test]
+    fn reserve_allocates_the_whole_file_and_keeps_its_bytes() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.part");
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        let size = 3 * 1024 * 1024 + 17;
+        f.set_len(size).unwrap();
+        // A resumed partial: bytes already written in the middle must survive.
+        f.write_all_at(b"written before", 1 << 20).unwrap();
+        reserve(&f, size, &path).unwrap();
+        assert!(
+            f.metadata().unwrap().blocks() * 512 >= size,
+            "{} bytes allocated for a {size}-byte file",
+            f.metadata().unwrap().blocks() * 512
+        );
+        let mut back = [0u8; 14];
+        f.read_exact_at(&mut back, 1 << 20).unwrap();
+        assert_eq!(&back, b"written before");
+        reserve(&f, 0, &path).unwrap();
+    }
+
+    #[test]
+    fn resumable_space_counts_a_reserved_partial_in_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let (state, part) = (dir.path().join("d.state"), dir.path().join("d.part"));
+        let chunk = 1024 * 1024;
+        let size = 4 * chunk;
+        let mut m = ChunkMap::new("d", size, chunk);
+        m.set_done(0);
+        std::fs::write(&state, serde_json::to_vec(&m).unwrap()).unwrap();
+        let f = std::fs::File::create(&part).unwrap();
+        f.set_len(size).unwrap();
+        f.write_all_at(&vec![7u8; chunk as usize], 0).unwrap();
+        // Sparse (a filesystem that cannot reserve): only the written chunk is on disk.
+        assert_eq!(resumable(&state, &part, "d", size, chunk), chunk);
+        reserve(&f, size, &part).unwrap();
+        assert_eq!(resumable(&state, &part, "d", size, chunk), size);
+        // Another chunk size or digest: the partial is not reused, so nothing counts.
+        assert_eq!(resumable(&state, &part, "d", size, chunk / 2), 0);
+        assert_eq!(resumable(&state, &part, "e", size, chunk), 0);
     }
 
     #[test]

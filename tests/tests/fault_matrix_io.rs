@@ -502,31 +502,57 @@ fn setup_disk_small(dir: &Path) -> anyhow::Result<World> {
     Ok(w)
 }
 
-/// Row 6b: A cache disk with room for the bundle at the preflight, filled by another writer
-/// (4 MiB of its 8 MiB, or as much as is left) as soon as the origin starts answering.
+/// Row 6b: A cache disk (8 MiB) with room at the preflight for the bundle: a 6 MiB file
+/// through the proxy, then a 1 MiB one straight from nginx (one file at a time). As soon as
+/// the origin answers for the first file, another writer takes up to 4 MiB, as much as it
+/// can get, then gives back 256 KiB (room for the agent's small bookkeeping files).
 fn setup_disk_fills(dir: &Path) -> anyhow::Result<World> {
     let mnt = svc("tmpfs mount", Mount::tmpfs("8m", ""))?;
-    let filler = mnt.path().join("other-tenant.bin");
-    let mut w = proxied_world(dir, 6 * MIB, mnt.path().join("cache"), json!({}), |_| {
-        Ok(ProxyFault::OnFirstResponse(Box::new(move || fill(&filler, 4 * MIB))))
-    })?;
-    w.keep.push(Box::new(mnt));
-    Ok(w)
+    let filler = mnt.path().join(OTHER_TENANT);
+    let root = dir.join("origin");
+    std::fs::create_dir_all(&root)?;
+    let nginx = start_service("nginx", || Nginx::start(&root, "4m"))?;
+    let fault = ProxyFault::OnFirstResponse(Box::new(move || fill_then_free(&filler, 4 * MIB, 256 * 1024)));
+    let proxy = FaultProxy::start(nginx.port, fault)?;
+    let big = origin_file(&root, "model.bin", 6 * MIB, 0x5eed6, Some(proxy.url("model.bin")))?;
+    let small = origin_file(&root, "tokenizer.bin", MIB, 0x5eed1, None)?;
+    let bundle = publish(&root, nginx.url("manifest.yaml"), vec![big, small])?;
+    let cache = mnt.path().join("cache");
+    Ok(World {
+        config: models_config(
+            &bundle,
+            &cache,
+            json!({"concurrency": 1, "file_concurrency": 1}),
+            Value::Null,
+        ),
+        cache: Some(cache),
+        bundle: Some(bundle),
+        nginx: Some(nginx),
+        proxy: Some(proxy.stats.clone()),
+        keep: vec![Box::new(proxy), Box::new(mnt)],
+        ..World::default()
+    })
 }
 
-/// Write up to `size` bytes to `path`, stopping quietly when the disk is full.
-fn fill(path: &Path, size: u64) -> Result<(), String> {
+/// The other writer's file in row 6b, at the root of the small disk.
+const OTHER_TENANT: &str = "other-tenant.bin";
+
+/// Write up to `size` bytes to `path`, stopping quietly when the disk is full, then give
+/// `free` bytes back.
+fn fill_then_free(path: &Path, size: u64, free: u64) -> Result<(), String> {
     use std::io::Write;
     let mut f = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let block = vec![0xa5u8; 256 * 1024];
-    for _ in 0..size / block.len() as u64 {
+    let block = vec![0xa5u8; 64 * 1024];
+    let mut written = 0u64;
+    while written < size {
         match f.write_all(&block) {
-            Ok(()) => {}
+            Ok(()) => written += block.len() as u64,
             Err(e) if e.raw_os_error() == Some(28) => break,
             Err(e) => return Err(format!("filling {}: {e}", path.display())),
         }
     }
-    Ok(())
+    f.set_len(written.saturating_sub(free))
+        .map_err(|e| format!("truncating {}: {e}", path.display()))
 }
 
 /// Row 7a: The cache directory is on a read-only file system, cold.
@@ -770,9 +796,37 @@ fn check_disk_full(c: &Ctx) -> Result<(), String> {
     if fired(c) != 1 {
         return Err(format!("the disk was filled {} times, expected once", fired(c)));
     }
+    // The first file's blocks were reserved before its first request: the other writer got
+    // less than it asked for, and the file downloaded whole and verified.
+    let other = c
+        .world
+        .cache()
+        .parent()
+        .ok_or("cache has no parent")?
+        .join(OTHER_TENANT);
+    let taken = std::fs::metadata(&other)
+        .map_err(|e| format!("{}: {e}", other.display()))?
+        .len();
+    if taken >= 3 * MIB {
+        return Err(format!(
+            "the other writer kept {taken} bytes: the first file's space was not reserved before its download"
+        ));
+    }
+    let big = &c.world.bundle().files[0];
+    let blob = c.world.cache().join("blobs/sha256").join(&big.sha256);
+    let on_disk = std::fs::read(&blob).map_err(|e| format!("read {}: {e}", blob.display()))?;
+    if sha256_hex(&on_disk) != big.sha256 {
+        return Err(format!("{} does not hash to its name", blob.display()));
+    }
+    // The second file met the full disk when reserving, before its first byte.
     let msg = verdict_message(c.timeline);
-    if !msg.contains("No space left on device") {
-        return Err(format!("verdict message should name the full disk: {msg}"));
+    if !msg.contains(&c.world.cache().display().to_string()) {
+        return Err(format!("verdict message should name the cache: {msg}"));
+    }
+    let asked = c.world.nginx().requests().map_err(|e| e.to_string())?;
+    let second: Vec<_> = asked.iter().filter(|e| e.uri.ends_with("/tokenizer.bin")).collect();
+    if !second.is_empty() {
+        return Err(format!("bytes of the second file were requested: {second:?}"));
     }
     Ok(())
 }
@@ -873,9 +927,13 @@ fn scenarios() -> Vec<Scenario> {
         row("disk-too-small-refused-before-first-byte", "models", setup_disk_small)
             .held("DiskInsufficient")
             .extra(check_no_data_request),
-        row("disk-full-mid-download", "models", setup_disk_fills)
-            .held("CacheIoError")
-            .extra(check_disk_full),
+        row(
+            "disk-filled-by-another-writer-after-reservation",
+            "models",
+            setup_disk_fills,
+        )
+        .held("DiskInsufficient")
+        .extra(check_disk_full),
         row("disk-read-only-cache-cold", "models", setup_ro_cold)
             .held("CacheIoError")
             .extra(check_read_only),
@@ -898,7 +956,9 @@ fn scenarios() -> Vec<Scenario> {
 
 /// Nothing lost, nothing unverified: every blob at a final path hashes to its name and
 /// has no stale marker; the bundle view holds exactly the manifest's files, each verified,
-/// when released, and nothing at all when held.
+/// when released, and nothing at all when held. A held bundle may keep the blobs it
+/// verified before another file failed (they are reused by the next run); a held
+/// single-file bundle has none.
 fn check_cache(w: &World, released: bool) -> Result<(), String> {
     let cache = w.cache();
     let bundle = w.bundle();
@@ -943,7 +1003,7 @@ fn check_cache(w: &World, released: bool) -> Result<(), String> {
         if !present.is_empty() {
             return Err(format!("held, yet the bundle view holds {present:?}"));
         }
-        for f in &bundle.files {
+        for f in bundle.files.iter().filter(|_| bundle.files.len() == 1) {
             let blob = cache.join("blobs/sha256").join(&f.sha256);
             if blob.exists() {
                 return Err(format!("held, yet {} is at its final path {}", f.path, blob.display()));
