@@ -358,25 +358,32 @@ impl Engine {
             tracing::info!(file = %job.label, chunks_on_disk = resumed_chunks, chunks = n, "resuming partial download");
         }
 
-        // The hasher: consumes chunks strictly in file order on a blocking thread.
+        // The hasher: consumes chunks strictly in file order on a thread of its own. It is
+        // CPU-bound for as long as the file downloads (seconds for a large one), so it does
+        // not hold a thread of tokio's blocking pool, which the chunk writes use; tokio
+        // points long-running computations to plain threads.
         let window = self.file_window.max(1);
         let (tx, mut rx) = tokio::sync::mpsc::channel::<HashItem>(window);
         let progress = self.progress.clone();
         let bundles = job.bundles.clone();
-        let hasher = tokio::task::spawn_blocking(move || {
-            let mut h = Sha256::new();
-            let mut total = 0u64;
-            while let Some(item) = rx.blocking_recv() {
-                let mut len = 0u64;
-                for b in &item.bufs {
-                    h.update(b);
-                    len += b.len() as u64;
+        let (done, hasher) = tokio::sync::oneshot::channel();
+        let hash_thread = std::thread::Builder::new()
+            .name("taintgate-hash".into())
+            .spawn(move || {
+                let mut h = Sha256::new();
+                let mut total = 0u64;
+                while let Some(item) = rx.blocking_recv() {
+                    let mut len = 0u64;
+                    for b in &item.bufs {
+                        h.update(b);
+                        len += b.len() as u64;
+                    }
+                    total += len;
+                    progress.verified(&bundles, len);
                 }
-                total += len;
-                progress.verified(&bundles, len);
-            }
-            (total, hex::encode(h.finalize()))
-        });
+                let _ = done.send((total, hex::encode(h.finalize())));
+            });
+        hash_thread.map_err(|e| PrefetchError::io("start the hasher for", &part, e))?;
 
         let slots = self.slots.clone();
         let ctx2 = ctx.clone();
