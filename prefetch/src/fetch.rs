@@ -651,10 +651,12 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
 fn resumable(state: &std::path::Path, part: &std::path::Path, digest: &str, size: u64, chunk_size: u64) -> u64 {
     match load_map(state) {
         Some(m) if m.digest == digest && m.size == size && m.chunk_size == chunk_size => {
+            // A chunk map without its partial is not resumed either (see `attempt`).
+            let Ok(md) = std::fs::metadata(part) else {
+                return 0;
+            };
             let written = m.done_count() as u64 * m.chunk_size;
-            let allocated = std::fs::metadata(part)
-                .map(|md| std::os::unix::fs::MetadataExt::blocks(&md).saturating_mul(512))
-                .unwrap_or(0);
+            let allocated = std::os::unix::fs::MetadataExt::blocks(&md).saturating_mul(512);
             written.max(allocated).min(size)
         }
         // Not resumable: the next attempt truncates the partial and starts over.
@@ -827,6 +829,9 @@ mod tests {
         // Another chunk size or digest: the partial is not reused, so nothing counts.
         assert_eq!(resumable(&state, &part, "d", size, chunk / 2), 0);
         assert_eq!(resumable(&state, &part, "e", size, chunk), 0);
+        // The chunk map without its partial: nothing is on disk.
+        std::fs::remove_file(&part).unwrap();
+        assert_eq!(resumable(&state, &part, "d", size, chunk), 0);
     }
 
     #[test]
