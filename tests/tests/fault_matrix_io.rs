@@ -715,7 +715,11 @@ fn check_reset(c: &Ctx) -> Result<(), String> {
     }
     // The digest was computed from the bytes in memory; the blob on disk must be the same
     // bytes: what was written as it arrived, before and after each cut, landed at its offset.
-    let f = &c.world.bundle().files[0];
+    check_committed(c, &c.world.bundle().files[0])
+}
+
+/// `f`'s blob is at its final path and its bytes on disk hash to its name.
+fn check_committed(c: &Ctx, f: &ManifestFile) -> Result<(), String> {
     let blob = c.world.cache().join("blobs/sha256").join(&f.sha256);
     let on_disk = std::fs::read(&blob).map_err(|e| format!("read {}: {e}", blob.display()))?;
     if sha256_hex(&on_disk) != f.sha256 {
@@ -812,12 +816,7 @@ fn check_disk_full(c: &Ctx) -> Result<(), String> {
             "the other writer kept {taken} bytes: the first file's space was not reserved before its download"
         ));
     }
-    let big = &c.world.bundle().files[0];
-    let blob = c.world.cache().join("blobs/sha256").join(&big.sha256);
-    let on_disk = std::fs::read(&blob).map_err(|e| format!("read {}: {e}", blob.display()))?;
-    if sha256_hex(&on_disk) != big.sha256 {
-        return Err(format!("{} does not hash to its name", blob.display()));
-    }
+    check_committed(c, &c.world.bundle().files[0])?;
     // The second file met the full disk when reserving, before its first byte.
     let msg = verdict_message(c.timeline);
     if !msg.contains(&c.world.cache().display().to_string()) {
@@ -1003,7 +1002,7 @@ fn check_cache(w: &World, released: bool) -> Result<(), String> {
         if !present.is_empty() {
             return Err(format!("held, yet the bundle view holds {present:?}"));
         }
-        for f in bundle.files.iter().filter(|_| bundle.files.len() == 1) {
+        if let [f] = bundle.files.as_slice() {
             let blob = cache.join("blobs/sha256").join(&f.sha256);
             if blob.exists() {
                 return Err(format!("held, yet {} is at its final path {}", f.path, blob.display()));
