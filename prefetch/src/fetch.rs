@@ -677,9 +677,7 @@ fn reserve(file: &File, size: u64, part: &std::path::Path) -> Result<(), Prefetc
         Ok(()) => Ok(()),
         Err(Errno::NOSPC | Errno::DQUOT) => {
             let dir = part.parent().unwrap_or(part);
-            let available = rustix::fs::fstatvfs(file)
-                .map(|st| st.f_bavail.saturating_mul(st.f_frsize))
-                .unwrap_or(0);
+            let (available, _) = crate::disk_space(dir)?;
             Err(PrefetchError::DiskInsufficient {
                 path: dir.to_path_buf(),
                 needed: size,

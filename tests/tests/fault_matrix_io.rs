@@ -319,11 +319,13 @@ impl Drop for Mount {
 // -------------------------------------------------------------- row setups
 
 /// An nginx origin serving `model.bin` (`size` bytes) whose data requests go through a
-/// [`FaultProxy`] (the manifest comes straight from nginx), cached in `cache`. `fault`
+/// [`FaultProxy`] (the manifest comes straight from nginx), cached in `cache`. The files
+/// in `also` (name, size) follow it in the manifest, served straight from nginx. `fault`
 /// gets the origin directory.
 fn proxied_world(
     dir: &Path,
     size: u64,
+    also: &[(&str, u64)],
     cache: PathBuf,
     fetch: Value,
     fault: impl FnOnce(&Path) -> anyhow::Result<ProxyFault>,
@@ -332,8 +334,17 @@ fn proxied_world(
     std::fs::create_dir_all(&root)?;
     let nginx = start_service("nginx", || Nginx::start(&root, "4m"))?;
     let proxy = FaultProxy::start(nginx.port, fault(&root)?)?;
-    let f = origin_file(&root, "model.bin", size, size ^ 0x5eed, Some(proxy.url("model.bin")))?;
-    let bundle = publish(&root, nginx.url("manifest.yaml"), vec![f])?;
+    let mut files = vec![origin_file(
+        &root,
+        "model.bin",
+        size,
+        size ^ 0x5eed,
+        Some(proxy.url("model.bin")),
+    )?];
+    for &(name, n) in also {
+        files.push(origin_file(&root, name, n, n ^ 0x5eed1, None)?);
+    }
+    let bundle = publish(&root, nginx.url("manifest.yaml"), files)?;
     Ok(World {
         config: models_config(&bundle, &cache, fetch, Value::Null),
         cache: Some(cache),
@@ -347,12 +358,19 @@ fn proxied_world(
 
 /// Row 1: Connection reset mid-body on the first 3 connections.
 fn setup_reset(dir: &Path) -> anyhow::Result<World> {
-    proxied_world(dir, 4 * MIB + 4321, dir.join("cache"), json!({"retries": 3}), |_| {
-        Ok(ProxyFault::Reset {
-            after: 300_000,
-            conns: 3,
-        })
-    })
+    proxied_world(
+        dir,
+        4 * MIB + 4321,
+        &[],
+        dir.join("cache"),
+        json!({"retries": 3}),
+        |_| {
+            Ok(ProxyFault::Reset {
+                after: 300_000,
+                conns: 3,
+            })
+        },
+    )
 }
 
 /// Row 2: The object is replaced at the origin (same size, other bytes, later mtime: a new
@@ -362,6 +380,7 @@ fn setup_changed(dir: &Path) -> anyhow::Result<World> {
     proxied_world(
         dir,
         4 * MIB,
+        &[],
         dir.join("cache"),
         json!({"concurrency": 1, "file_concurrency": 1}),
         |root| {
@@ -509,29 +528,21 @@ fn setup_disk_small(dir: &Path) -> anyhow::Result<World> {
 fn setup_disk_fills(dir: &Path) -> anyhow::Result<World> {
     let mnt = svc("tmpfs mount", Mount::tmpfs("8m", ""))?;
     let filler = mnt.path().join(OTHER_TENANT);
-    let root = dir.join("origin");
-    std::fs::create_dir_all(&root)?;
-    let nginx = start_service("nginx", || Nginx::start(&root, "4m"))?;
-    let fault = ProxyFault::OnFirstResponse(Box::new(move || fill_then_free(&filler, 4 * MIB, 256 * 1024)));
-    let proxy = FaultProxy::start(nginx.port, fault)?;
-    let big = origin_file(&root, "model.bin", 6 * MIB, 0x5eed6, Some(proxy.url("model.bin")))?;
-    let small = origin_file(&root, "tokenizer.bin", MIB, 0x5eed1, None)?;
-    let bundle = publish(&root, nginx.url("manifest.yaml"), vec![big, small])?;
-    let cache = mnt.path().join("cache");
-    Ok(World {
-        config: models_config(
-            &bundle,
-            &cache,
-            json!({"concurrency": 1, "file_concurrency": 1}),
-            Value::Null,
-        ),
-        cache: Some(cache),
-        bundle: Some(bundle),
-        nginx: Some(nginx),
-        proxy: Some(proxy.stats.clone()),
-        keep: vec![Box::new(proxy), Box::new(mnt)],
-        ..World::default()
-    })
+    let one_at_a_time = json!({"concurrency": 1, "file_concurrency": 1});
+    let mut w = proxied_world(
+        dir,
+        6 * MIB,
+        &[("tokenizer.bin", MIB)],
+        mnt.path().join("cache"),
+        one_at_a_time,
+        |_| {
+            Ok(ProxyFault::OnFirstResponse(Box::new(move || {
+                fill_then_free(&filler, 4 * MIB, 256 * 1024)
+            })))
+        },
+    )?;
+    w.keep.push(Box::new(mnt));
+    Ok(w)
 }
 
 /// The other writer's file in row 6b, at the root of the small disk.
