@@ -3,7 +3,7 @@
 //! sha256), validation of untrusted manifests, and `create_manifest` for
 //! `taintgate bundle create`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
@@ -11,6 +11,14 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::PrefetchError;
+
+/// Largest file a manifest may list (1 PiB): far above any model file, and low enough that
+/// sums over a manifest's files cannot overflow.
+pub const MAX_FILE_SIZE: u64 = 1 << 50;
+
+/// Longest bundle-relative path, in bytes: the cache root and bundle name still fit in
+/// PATH_MAX (4096) after it.
+pub const MAX_PATH_BYTES: usize = 2048;
 
 /// A model bundle as the configuration names it: where its manifest lives and the sha256
 /// the manifest's bytes must have, so the manifest is pinned as tightly as the files.
@@ -119,9 +127,18 @@ impl Manifest {
             detail,
         };
         let mut files = HashSet::new();
-        let mut dirs = HashSet::new();
+        // Keyed by the lowercased path, so two paths that would be one file on a
+        // case-insensitive filesystem (or an ext4 casefold directory) are refused too.
+        let mut folded: HashMap<String, &str> = HashMap::new();
+        let mut dirs: HashMap<String, &str> = HashMap::new();
         for f in &self.files {
             validate_rel_path(&f.path).map_err(|d| invalid(format!("path {:?}: {d}", f.path)))?;
+            if f.size > MAX_FILE_SIZE {
+                return Err(invalid(format!(
+                    "path {:?}: size {} is larger than the {MAX_FILE_SIZE}-byte (1 PiB) limit",
+                    f.path, f.size
+                )));
+            }
             if !is_sha256_hex(&f.sha256) {
                 return Err(invalid(format!(
                     "path {:?}: sha256 {:?} is not a 64-character hex digest",
@@ -136,19 +153,36 @@ impl Manifest {
             if !files.insert(f.path.as_str()) {
                 return Err(invalid(format!("duplicate path {:?}", f.path)));
             }
-            let mut prefix = String::new();
-            for comp in f.path.split('/').take(f.path.split('/').count() - 1) {
-                if !prefix.is_empty() {
-                    prefix.push('/');
+            let key = f.path.to_lowercase();
+            if let Some(other) = folded.insert(key.clone(), &f.path) {
+                return Err(invalid(format!(
+                    "paths {other:?} and {:?} differ only in case: one file on a case-insensitive filesystem",
+                    f.path
+                )));
+            }
+            if let Some((parents, _)) = key.rsplit_once('/') {
+                let mut end = 0;
+                for comp in parents.split('/') {
+                    end += comp.len();
+                    dirs.entry(parents[..end].to_string()).or_insert(&f.path);
+                    end += 1;
                 }
-                prefix.push_str(comp);
-                dirs.insert(prefix.clone());
             }
         }
-        if let Some(clash) = files.iter().find(|p| dirs.contains(**p)) {
-            return Err(invalid(format!("path {clash:?} is both a file and a directory")));
+        if let Some((file, other)) = folded
+            .iter()
+            .find_map(|(key, file)| dirs.get(key).map(|other| (*file, *other)))
+        {
+            return Err(invalid(format!(
+                "path {file:?} is both a file and a directory (of {other:?})"
+            )));
         }
         Ok(())
+    }
+
+    /// Sum of the files' sizes (saturating; each is at most [`MAX_FILE_SIZE`] once valid).
+    pub fn total_size(&self) -> u64 {
+        self.files.iter().fold(0u64, |sum, f| sum.saturating_add(f.size))
     }
 
     /// Serialize as YAML (what `taintgate bundle create` writes).
@@ -210,11 +244,19 @@ pub(crate) fn validate_rel_path(p: &str) -> Result<(), String> {
     if p.contains('\0') || p.contains('\\') {
         return Err("NUL or backslash in path".into());
     }
+    if let Some(c) = p.chars().find(|c| c.is_control()) {
+        return Err(format!("control character {c:?} in path"));
+    }
+    if p.len() > MAX_PATH_BYTES {
+        return Err(format!("{} bytes long, over the {MAX_PATH_BYTES}-byte limit", p.len()));
+    }
     for comp in p.split('/') {
         match comp {
             "" => return Err("empty path component".into()),
             "." => return Err("'.' component".into()),
             ".." => return Err("'..' component escapes the bundle".into()),
+            // NAME_MAX: a longer name fails only at link time, after the download.
+            c if c.len() > 255 => return Err(format!("a component is {} bytes long, over 255", c.len())),
             _ => {}
         }
     }
@@ -382,6 +424,33 @@ mod tests {
             assert_eq!(err.reason(), "ManifestInvalid", "{bad:?}");
         }
         m(&["a/b", "a/c", "d"]).validate("t").unwrap();
+    }
+
+    #[test]
+    fn rejects_paths_that_collide_or_cannot_be_created() {
+        let long = "x".repeat(256);
+        let deep = vec!["d".repeat(200); 11].join("/");
+        for (bad, says) in [
+            (vec!["Model.bin", "model.bin"], "differ only in case"),
+            (vec!["A", "a/b"], "both a file and a directory"),
+            (vec!["x/A", "X/a/b"], "both a file and a directory"),
+            (vec!["a\tb"], "control character"),
+            (vec!["a\u{1b}[2Jb"], "control character"),
+            (vec![long.as_str()], "over 255"),
+            (vec![deep.as_str()], "over the 2048-byte limit"),
+        ] {
+            let err = m(&bad).validate("t").unwrap_err().to_string();
+            assert!(err.contains(says), "{bad:?}: {err}");
+        }
+        m(&["a/b", "A2/b", "ü/é"]).validate("t").unwrap();
+        m(&["x".repeat(255).as_str()]).validate("t").unwrap();
+
+        let mut huge = m(&["a", "b"]);
+        for f in &mut huge.files {
+            f.size = 1 << 63;
+        }
+        let err = huge.validate("t").unwrap_err().to_string();
+        assert!(err.contains("1 PiB"), "{err}");
     }
 
     #[test]
