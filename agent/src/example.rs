@@ -98,7 +98,7 @@ models:
     file_concurrency: 12        # chunks of one file in flight (its reorder window)
     chunk_size: 16777216        # 16 MiB ranged GETs, well inside the request timeout
     retries: 3
-    reserve_bytes: null         # null: keep 10% free (kubelet's nodefs.available<10%)
+    reserve_bytes: null         # null: keep 10% free (kubelet's default nodefs.available<10%)
     verify_cache: false         # true: re-hash every cached blob
     progress: true
     log_interval_secs: 5

@@ -10,10 +10,17 @@
 //! A blob is only ever renamed into `blobs/` after its sha256 matched, so nothing
 //! unverified is visible there. The marker lets a warm boot skip re-hashing when the blob's
 //! inode, size and mtime are unchanged; anything else (or `verify_cache`) forces a re-hash.
+//!
+//! One process at a time writes a cache: `<cache>/.lock` is held (`flock`) for a whole
+//! prefetch run, so the agent and a `taintgate bundle fetch` by hand never truncate each
+//! other's partial files. The cache's own directories must be real directories, and files
+//! it creates are opened without following symlinks, so a link planted inside the cache
+//! cannot make the agent write elsewhere.
 
 use std::fs;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -66,6 +73,35 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Pr
     move |e| PrefetchError::io(op, path, e)
 }
 
+/// Open `path` for writing, creating it, without following a symlink at its last
+/// component (`ELOOP` then). `truncate`: start it empty.
+pub(crate) fn open_nofollow(path: &Path, truncate: bool) -> Result<fs::File, PrefetchError> {
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(truncate)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
+        .map_err(io("open", path))
+}
+
+/// Write `bytes` to a new temporary file at `path` (see [`open_nofollow`]).
+pub(crate) fn write_nofollow(path: &Path, bytes: &[u8]) -> Result<(), PrefetchError> {
+    use std::io::Write;
+    open_nofollow(path, true)?.write_all(bytes).map_err(io("write", path))
+}
+
+/// Names of temporary links, unique within this process (the cache lock excludes others).
+static LINK_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// The exclusive lock on a cache, held for a prefetch run; released when dropped.
+#[derive(Debug)]
+pub(crate) struct CacheLock {
+    /// `None` on a read-only cache: nobody can write it, so there is nothing to exclude.
+    _file: Option<fs::File>,
+}
+
 impl Cache {
     /// Create (if needed) the directory layout under `root`.
     pub fn open(root: &Path) -> Result<Self, PrefetchError> {
@@ -75,7 +111,81 @@ impl Cache {
         for d in [c.blobs_dir(), c.markers_dir(), c.tmp_dir(), c.bundles_dir()] {
             fs::create_dir_all(&d).map_err(io("create directory", &d))?;
         }
+        // The root may be a symlink (a cache moved to another disk); what is inside is ours
+        // and must be real directories.
+        for d in [
+            c.root.join("blobs"),
+            c.blobs_dir(),
+            c.root.join("verified"),
+            c.markers_dir(),
+            c.tmp_dir(),
+            c.bundles_dir(),
+        ] {
+            let m = fs::symlink_metadata(&d).map_err(io("stat", &d))?;
+            if !m.is_dir() {
+                return Err(PrefetchError::io(
+                    "use",
+                    &d,
+                    std::io::Error::other(
+                        "not a directory (a symlink?): the cache's own directories must be real ones",
+                    ),
+                ));
+            }
+        }
         Ok(c)
+    }
+
+    /// Take the cache's exclusive lock without waiting: `None` while another process (or
+    /// another run in this one) holds it.
+    pub fn try_lock(&self) -> Result<Option<CacheLock>, PrefetchError> {
+        let path = self.root.join(".lock");
+        let file = match fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(&path)
+        {
+            Ok(f) => f,
+            // A warm cache on a read-only filesystem (an image-baked node) is still served.
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) => {
+                return Ok(Some(CacheLock { _file: None }));
+            }
+            Err(e) => return Err(PrefetchError::io("open", &path, e)),
+        };
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => Ok(Some(CacheLock { _file: Some(file) })),
+            Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
+            Err(e) => Err(PrefetchError::io("lock", &path, e.into())),
+        }
+    }
+
+    /// Remove what a killed run left in `tmp/` besides resumable partials and their chunk
+    /// maps: temporary links, manifests and chunk-map writes. Call with the lock held.
+    /// Best effort: a leftover that cannot be removed (a read-only cache) harms nothing.
+    pub fn sweep_tmp(&self) {
+        let dir = self.tmp_dir();
+        let Ok(entries) = fs::read_dir(&dir) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let resumable = name.ends_with(".part") || name.ends_with(".state");
+            if !resumable {
+                let p = entry.path();
+                let r = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    fs::remove_dir_all(&p)
+                } else {
+                    fs::remove_file(&p)
+                };
+                match r {
+                    Ok(()) => tracing::debug!(path = %p.display(), "removed a leftover temporary file"),
+                    Err(e) => {
+                        tracing::debug!(path = %p.display(), error = %e, "cannot remove a leftover temporary file")
+                    }
+                }
+            }
+        }
     }
 
     /// The cache root.
@@ -116,12 +226,26 @@ impl Cache {
     /// `verify` forces a re-hash even when the marker matches.
     pub fn check_blob(&self, digest: &str, size: u64, verify: bool) -> Result<BlobState, PrefetchError> {
         let blob = self.blob_path(digest);
-        let meta = match fs::metadata(&blob) {
+        let meta = match fs::symlink_metadata(&blob) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BlobState::Missing),
             Err(e) => return Err(PrefetchError::io("stat", &blob, e)),
         };
-        if !verify && meta.len() == size && self.marker_matches(digest, &meta) {
+        // Not a regular file (a symlink, a FIFO, a directory) or the wrong size: corrupt
+        // without reading it, which could block (a FIFO) or never end (`/dev/zero`).
+        let wrong = if !meta.is_file() {
+            Some(format!("is not a regular file ({:?})", meta.file_type()))
+        } else if meta.len() != size {
+            Some(format!("is {} bytes, expected {size}", meta.len()))
+        } else {
+            None
+        };
+        if let Some(wrong) = wrong {
+            tracing::warn!(blob = %blob.display(), "cached blob {wrong}; removing it so it is fetched again");
+            self.remove_blob(digest)?;
+            return Ok(BlobState::Corrupt);
+        }
+        if !verify && self.marker_matches(digest, &meta) {
             return Ok(BlobState::Marked);
         }
         let (n, actual) = hash_file(&blob)?;
@@ -156,14 +280,19 @@ impl Cache {
             .map_err(|e| PrefetchError::io("encode marker", &blob, std::io::Error::other(e)))?;
         let path = self.marker_path(digest);
         let tmp = self.markers_dir().join(format!(".{digest}.{}.tmp", std::process::id()));
-        fs::write(&tmp, bytes).map_err(io("write", &tmp))?;
+        write_nofollow(&tmp, &bytes)?;
         fs::rename(&tmp, &path).map_err(io("rename", &path))?;
         Ok(())
     }
 
-    fn remove_blob(&self, digest: &str) -> Result<(), PrefetchError> {
+    /// Remove a blob and its marker (a directory planted at the blob's path too).
+    pub fn remove_blob(&self, digest: &str) -> Result<(), PrefetchError> {
         for p in [self.marker_path(digest), self.blob_path(digest)] {
-            match fs::remove_file(&p) {
+            let r = match fs::symlink_metadata(&p) {
+                Ok(m) if m.is_dir() => fs::remove_dir_all(&p),
+                _ => fs::remove_file(&p),
+            };
+            match r {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(PrefetchError::io("remove", &p, e)),
@@ -241,11 +370,78 @@ impl Cache {
             Ok(m) if m.ino() == blob_meta.ino() && m.dev() == blob_meta.dev() => return Ok(target),
             Ok(_) | Err(_) => {}
         }
-        let tmp = dir.join(format!(".{file_name}.tg-link-{}", std::process::id()));
+        // Linked under tmp/ first (same filesystem), so no temporary name can collide with
+        // another path of the bundle, then renamed over the entry atomically.
+        let seq = LINK_SEQ.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.tmp_dir().join(format!("link-{}-{seq}", std::process::id()));
         let _ = fs::remove_file(&tmp);
         fs::hard_link(&blob, &tmp).map_err(io("hard-link", &tmp))?;
-        fs::rename(&tmp, &target).map_err(io("rename", &target))?;
+        if let Err(e) = fs::rename(&tmp, &target) {
+            let _ = fs::remove_file(&tmp);
+            return Err(PrefetchError::io("rename", &target, e));
+        }
         Ok(target)
+    }
+
+    /// Remove every entry of `<cache>/bundles/<bundle>` that is not one of `paths` (or a
+    /// directory above one): files of an earlier manifest, or anything planted there, so
+    /// the view holds exactly the verified files. Symlinks are removed, never followed.
+    /// Returns the removed paths.
+    pub fn prune_view(&self, bundle: &str, paths: &[&str]) -> Result<Vec<PathBuf>, PrefetchError> {
+        let files: std::collections::HashSet<&str> = paths.iter().copied().collect();
+        let mut dirs = std::collections::HashSet::new();
+        for p in paths {
+            let mut rest = *p;
+            while let Some((parent, _)) = rest.rsplit_once('/') {
+                dirs.insert(parent);
+                rest = parent;
+            }
+        }
+        let mut removed = Vec::new();
+        let base = self.bundles_dir().join(bundle);
+        let mut todo = vec![(base, String::new())];
+        while let Some((dir, rel)) = todo.pop() {
+            let entries = match fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(PrefetchError::io("list", &dir, e)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(io("list", &dir))?;
+                let path = entry.path();
+                let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                    // Not UTF-8: no manifest path can name it.
+                    remove_any(&path, false)?;
+                    removed.push(path);
+                    continue;
+                };
+                let r = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+                let kind = entry.file_type().map_err(io("stat", &path))?;
+                if kind.is_dir() && dirs.contains(r.as_str()) {
+                    todo.push((path, r));
+                } else if kind.is_file() && files.contains(r.as_str()) {
+                    continue;
+                } else {
+                    remove_any(&path, kind.is_dir())?;
+                    removed.push(path);
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
+
+/// Remove a file, symlink or (recursively, without following symlinks) a directory.
+fn remove_any(path: &Path, is_dir: bool) -> Result<(), PrefetchError> {
+    let r = if is_dir {
+        fs::remove_dir_all(path)
+    } else {
+        fs::remove_file(path)
+    };
+    match r {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(PrefetchError::io("remove", path, e)),
     }
 }
 
@@ -300,5 +496,120 @@ mod tests {
         let err = c.link_view("b", "evil/x", &d).unwrap_err();
         assert_eq!(err.reason(), "ManifestInvalid");
         assert!(!outside.path().join("x").exists());
+        // No temporary name was ever made inside the view.
+        let names: Vec<_> = fs::read_dir(c.bundles_dir().join("b/a/b"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["c.bin"]);
+    }
+
+    fn committed(c: &Cache, content: &[u8]) -> String {
+        let d = sha256_hex(content);
+        let tmp = c.part_path(&d);
+        fs::write(&tmp, content).unwrap();
+        c.commit_blob(&d, &tmp).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_blob_that_is_not_a_regular_file_of_its_size_is_corrupt_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        // A FIFO would block a reader forever: it must be removed without being opened.
+        let d = sha256_hex(b"fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            c.blob_path(&d),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from(0o600),
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.check_blob(&d, 4, true).unwrap(), BlobState::Corrupt);
+        assert!(fs::symlink_metadata(c.blob_path(&d)).is_err());
+        // A symlink to an endless file, and a directory.
+        let d = sha256_hex(b"zero");
+        std::os::unix::fs::symlink("/dev/zero", c.blob_path(&d)).unwrap();
+        assert_eq!(c.check_blob(&d, 4, false).unwrap(), BlobState::Corrupt);
+        let d = sha256_hex(b"dir");
+        fs::create_dir(c.blob_path(&d)).unwrap();
+        assert_eq!(c.check_blob(&d, 3, false).unwrap(), BlobState::Corrupt);
+        assert!(fs::symlink_metadata(c.blob_path(&d)).is_err());
+        // The wrong size, marker or not.
+        let d = committed(&c, b"hello");
+        assert_eq!(c.check_blob(&d, 6, false).unwrap(), BlobState::Corrupt);
+    }
+
+    #[test]
+    fn prune_keeps_exactly_the_manifest_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let d = committed(&c, b"x");
+        for p in ["keep/a.bin", "top.bin", "old/shard-2.bin", "keep/old.bin", "x"] {
+            c.link_view("b", p, &d).unwrap();
+        }
+        let view = c.bundles_dir().join("b");
+        let outside = tempfile::tempdir().unwrap();
+        fs::write(outside.path().join("precious"), b"p").unwrap();
+        std::os::unix::fs::symlink(outside.path(), view.join("keep/link")).unwrap();
+        let mut removed = c.prune_view("b", &["keep/a.bin", "top.bin", "x/y"]).unwrap();
+        removed.sort();
+        assert_eq!(
+            removed,
+            [
+                view.join("keep/link"),
+                view.join("keep/old.bin"),
+                view.join("old"),
+                view.join("x")
+            ]
+        );
+        assert!(view.join("keep/a.bin").is_file() && view.join("top.bin").is_file());
+        // The symlink went, not what it pointed to; and a file stands no more where the
+        // manifest needs a directory.
+        assert!(outside.path().join("precious").exists());
+        c.link_view("b", "x/y", &d).unwrap();
+        assert!(c.prune_view("b", &["keep/a.bin", "top.bin", "x/y"]).unwrap().is_empty());
+        assert!(c.prune_view("missing", &["a"]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn one_process_at_a_time_and_leftovers_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let held = c.try_lock().unwrap().expect("free cache");
+        // flock is per open file description: a second open, even in this process, waits.
+        assert!(c.try_lock().unwrap().is_none());
+        drop(held);
+        let _again = c.try_lock().unwrap().expect("released");
+
+        for name in ["d.part", "d.state", "d.state.tmp", "link-1-0", "e.manifest.7"] {
+            fs::write(c.tmp_dir().join(name), b"").unwrap();
+        }
+        c.sweep_tmp();
+        let mut left: Vec<_> = fs::read_dir(c.tmp_dir())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["d.part", "d.state"]);
+    }
+
+    #[test]
+    fn symlinked_cache_directories_and_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("verified")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("verified/sha256")).unwrap();
+        let err = Cache::open(dir.path()).unwrap_err();
+        assert_eq!(err.reason(), "CacheIoError");
+        assert!(err.to_string().contains("verified/sha256"), "{err}");
+
+        let target = outside.path().join("victim");
+        fs::write(&target, b"keep").unwrap();
+        let link = outside.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(write_nofollow(&link, b"overwritten").is_err());
+        assert_eq!(fs::read(&target).unwrap(), b"keep");
     }
 }

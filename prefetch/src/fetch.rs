@@ -206,6 +206,8 @@ impl Engine {
                     tracing::warn!(file = %job.label, uri = %job.uri, expected = %job.digest, %actual, attempt = out.attempts, "digest mismatch; discarding download");
                     self.progress.observer.retry("DigestMismatch");
                     self.discard(&job.digest)?;
+                    // What was read back from the partial is gone with it: nothing reused.
+                    out.bytes_resumed = 0;
                     if out.attempts > self.retries {
                         return Err(PrefetchError::DigestMismatch {
                             file: job.label.clone(),
@@ -220,6 +222,7 @@ impl Engine {
                 Err(AttemptError::Restart(why)) => {
                     tracing::info!(file = %job.label, uri = %job.uri, %why, "partial download is stale; starting over");
                     self.discard(&job.digest)?;
+                    out.bytes_resumed = 0;
                     if out.attempts > self.retries + 1 {
                         return Err(PrefetchError::SourceChanged {
                             uri: job.uri.clone(),
@@ -286,21 +289,31 @@ impl Engine {
         let src = self.sources.resolve(&job.uri)?;
         let n = chunks(job.size, self.chunk_size);
 
+        // Only a regular file is resumed; anything else at the partial's path (a symlink, a
+        // directory) is removed, and the file is opened without following a symlink.
+        let part_ok = match std::fs::symlink_metadata(&part) {
+            Ok(m) if m.is_file() => true,
+            Ok(m) => {
+                tracing::warn!(path = %part.display(), kind = ?m.file_type(), "removing a non-file at a partial download's path");
+                let r = if m.is_dir() {
+                    std::fs::remove_dir_all(&part)
+                } else {
+                    std::fs::remove_file(&part)
+                };
+                r.map_err(|e| PrefetchError::io("remove", &part, e))?;
+                false
+            }
+            Err(_) => false,
+        };
         let previous = load_map(&state_path)
-            .filter(|m| m.digest == *digest && m.size == job.size && m.chunk_size == self.chunk_size && part.exists());
+            .filter(|m| m.digest == *digest && m.size == job.size && m.chunk_size == self.chunk_size && part_ok);
         let resumed = previous.is_some();
         let map = previous.unwrap_or_else(|| ChunkMap::new(digest, job.size, self.chunk_size));
         let file = {
             let part = part.clone();
             let size = job.size;
             blocking(move || {
-                let f = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(!resumed)
-                    .open(&part)
-                    .map_err(|e| PrefetchError::io("open", &part, e))?;
+                let f = crate::cache::open_nofollow(&part, !resumed)?;
                 f.set_len(size).map_err(|e| PrefetchError::io("size", &part, e))?;
                 reserve(&f, size, &part)?;
                 Ok(f)
@@ -744,7 +757,7 @@ async fn persist_map(ctx: &Arc<ChunkCtx>) -> Result<(), PrefetchError> {
         let bytes = serde_json::to_vec(&*guard)
             .map_err(|e| PrefetchError::io("encode", &ctx.state_path, std::io::Error::other(e)))?;
         let tmp = ctx.state_path.with_extension("state.tmp");
-        std::fs::write(&tmp, bytes).map_err(|e| PrefetchError::io("write", &tmp, e))?;
+        crate::cache::write_nofollow(&tmp, &bytes)?;
         std::fs::rename(&tmp, &ctx.state_path).map_err(|e| PrefetchError::io("rename", &ctx.state_path, e))?;
         drop(guard);
         Ok(())

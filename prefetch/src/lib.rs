@@ -299,6 +299,23 @@ async fn prefetch_here(
     }
     let root = opts.cache_dir.clone();
     let cache = blocking(move || Cache::open(&root)).await?;
+    let _lock = lock_cache(&cache, &cancel).await?;
+    {
+        let c = cache.clone();
+        blocking(move || {
+            c.sweep_tmp();
+            Ok(())
+        })
+        .await?;
+    }
+    if opts.chunk_size > opts.request_timeout_secs.saturating_mul(MIN_CHUNK_RATE) {
+        tracing::warn!(
+            chunk_size = opts.chunk_size,
+            request_timeout_secs = opts.request_timeout_secs,
+            "a chunk needs more than 4 MiB/s per request to finish inside the request timeout; \
+             a slower source will time out on every chunk (lower chunk_size or raise request_timeout_secs)"
+        );
+    }
     let sources = Sources::new(
         Duration::from_secs(opts.request_timeout_secs),
         opts.concurrency,
@@ -311,7 +328,7 @@ async fn prefetch_here(
         if cancel.is_cancelled() {
             return Err(PrefetchError::Cancelled);
         }
-        manifests.push(load_manifest(&cache, &sources, b, opts.verify_cache).await?);
+        manifests.push(load_manifest(&cache, &sources, b).await?);
     }
 
     // 2. Unique blobs across bundles: a file shared by two bundles is fetched once.
@@ -390,7 +407,7 @@ async fn prefetch_here(
             bundles
                 .iter()
                 .zip(&manifests)
-                .map(|(b, m)| (b.name.clone(), m.files.iter().map(|f| f.size).sum()))
+                .map(|(b, m)| (b.name.clone(), m.total_size()))
                 .collect(),
             opts.progress,
             observer.clone(),
@@ -402,14 +419,14 @@ async fn prefetch_here(
         .iter()
         .filter(|p| matches!(p.state, BlobState::Missing | BlobState::Corrupt))
         .collect();
-    let needed: u64 = to_fetch
-        .iter()
-        .map(|p| {
+    // Saturating: sizes are capped per file, not per bundle.
+    let needed: u64 = to_fetch.iter().fold(0u64, |sum, p| {
+        sum.saturating_add(
             p.job
                 .size
-                .saturating_sub(engine.resumable_bytes(&p.job.digest, p.job.size))
-        })
-        .sum();
+                .saturating_sub(engine.resumable_bytes(&p.job.digest, p.job.size)),
+        )
+    });
     if needed > 0 {
         preflight_disk(cache.root(), needed, opts.reserve_bytes)?;
     }
@@ -489,6 +506,16 @@ async fn prefetch_here(
         let mut bytes_from_cache = 0;
         let mut cache_hits = 0;
         let mut duration = Duration::ZERO;
+        // The view holds exactly this manifest's files: a file an earlier manifest listed
+        // (an old shard a loader's glob would pick up) or anything else found there goes,
+        // first, so a leftover file cannot stand where this manifest needs a directory.
+        let (c2, name) = (cache.clone(), b.name.clone());
+        let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
+        let pruned =
+            blocking(move || c2.prune_view(&name, &paths.iter().map(String::as_str).collect::<Vec<_>>())).await?;
+        for p in &pruned {
+            tracing::info!(bundle = %b.name, path = %p.display(), "removed an entry the manifest does not list from the bundle view");
+        }
         for f in &m.files {
             let digest = f.sha256.to_ascii_lowercase();
             let plan = plan_by_digest.get(digest.as_str()).copied();
@@ -526,7 +553,7 @@ async fn prefetch_here(
         }
         total_fetched += bytes_fetched;
         total_cached += bytes_from_cache;
-        let bytes_total = m.files.iter().map(|f| f.size).sum();
+        let bytes_total = m.total_size();
         tracing::info!(bundle = %b.name, files = files.len(), bytes_total, bytes_fetched, bytes_from_cache, cache_hits, "bundle verified");
         reports.push(BundleReport {
             name: b.name.clone(),
@@ -550,28 +577,13 @@ async fn prefetch_here(
 }
 
 /// Fetch (or read from the cache) a bundle's manifest, check its pinned sha256, parse it.
-async fn load_manifest(
-    cache: &Cache,
-    sources: &Sources,
-    b: &BundleRef,
-    verify: bool,
-) -> Result<Manifest, PrefetchError> {
+async fn load_manifest(cache: &Cache, sources: &Sources, b: &BundleRef) -> Result<Manifest, PrefetchError> {
     let digest = b.manifest_sha256.to_ascii_lowercase();
-    // The manifest's size is unknown until fetched: look the blob up by digest and verify
-    // it (marker or re-hash) against its own on-disk size.
+    // A cached manifest is read whole anyway, so it is always hashed, whatever its marker
+    // says: the bytes parsed are the bytes checked.
     let (c, d) = (cache.clone(), digest.clone());
-    let cached = blocking(move || {
-        let p = c.blob_path(&d);
-        match std::fs::metadata(&p) {
-            Ok(meta) => Ok(Some((c.check_blob(&d, meta.len(), verify)?, p))),
-            Err(_) => Ok(None),
-        }
-    })
-    .await?;
-    if let Some((BlobState::Marked | BlobState::Rehashed, path)) = cached {
-        let bytes = tokio::fs::read(&path)
-            .await
-            .map_err(|e| PrefetchError::io("read", &path, e))?;
+    let cached = blocking(move || read_cached_manifest(&c, &d)).await?;
+    if let Some(bytes) = cached {
         return Manifest::parse(&bytes, &b.manifest_uri);
     }
     let src = sources.resolve(&b.manifest_uri)?;
@@ -603,12 +615,61 @@ async fn load_manifest(
     let (c, d) = (cache.clone(), digest.clone());
     blocking(move || {
         let tmp = c.tmp_dir().join(format!("{d}.manifest.{}", std::process::id()));
-        std::fs::write(&tmp, &bytes).map_err(|e| PrefetchError::io("write", &tmp, e))?;
+        cache::write_nofollow(&tmp, &bytes)?;
         c.commit_blob(&d, &tmp)
     })
     .await?;
     Ok(manifest)
 }
+
+/// The cached manifest blob `digest`, when it is there and hashes to its name. Anything
+/// else found there (another content, not a regular file, over the size limit) is removed
+/// so the manifest is fetched again.
+fn read_cached_manifest(cache: &Cache, digest: &str) -> Result<Option<Vec<u8>>, PrefetchError> {
+    use std::io::Read;
+    let path = cache.blob_path(digest);
+    let bytes = match std::fs::symlink_metadata(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(PrefetchError::io("stat", &path, e)),
+        Ok(m) if !m.is_file() => None,
+        Ok(_) => {
+            let mut bytes = Vec::new();
+            std::fs::File::open(&path)
+                .and_then(|f| f.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut bytes))
+                .map_err(|e| PrefetchError::io("read", &path, e))?;
+            (bytes.len() as u64 <= MAX_MANIFEST_BYTES && sha256_hex(&bytes) == digest).then_some(bytes)
+        }
+    };
+    if bytes.is_none() {
+        tracing::warn!(blob = %path.display(), "cached manifest does not hash to its pinned sha256; fetching it again");
+        cache.remove_blob(digest)?;
+    }
+    Ok(bytes)
+}
+
+/// Wait for the cache's exclusive lock (another `taintgate` may be prefetching into the same
+/// cache), logging once that it waits. Cancellable.
+async fn lock_cache(cache: &Cache, cancel: &CancellationToken) -> Result<cache::CacheLock, PrefetchError> {
+    let mut logged = false;
+    loop {
+        let c = cache.clone();
+        if let Some(lock) = blocking(move || c.try_lock()).await? {
+            return Ok(lock);
+        }
+        if !logged {
+            tracing::info!(cache = %cache.root().display(), "another process is prefetching into this cache; waiting for it");
+            logged = true;
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Err(PrefetchError::Cancelled),
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}
+
+/// The smallest per-request rate a chunk may need to finish inside the request timeout
+/// (4 MiB/s): slower than that, a chunk is too big for the timeout.
+const MIN_CHUNK_RATE: u64 = 4 << 20;
 
 /// Free bytes (for unprivileged users) and total bytes of the filesystem holding `path`.
 fn disk_space(path: &Path) -> Result<(u64, u64), PrefetchError> {
@@ -638,6 +699,33 @@ fn preflight_disk(path: &Path, needed: u64, reserve: Option<u64>) -> Result<(), 
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn a_cached_manifest_is_hashed_whatever_its_marker_says() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let text = b"files: []\n";
+        let d = sha256_hex(text);
+        assert!(read_cached_manifest(&c, &d).unwrap().is_none());
+        let tmp = c.part_path(&d);
+        std::fs::write(&tmp, text).unwrap();
+        c.commit_blob(&d, &tmp).unwrap();
+        assert_eq!(read_cached_manifest(&c, &d).unwrap().unwrap(), text);
+        // Rewritten in place, same size, mtime restored: the marker still matches, the
+        // bytes do not.
+        let blob = c.blob_path(&d);
+        let mtime = std::fs::metadata(&blob).unwrap().modified().unwrap();
+        std::fs::write(&blob, &b"files: [0]\n"[..text.len()]).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&blob)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert_eq!(c.check_blob(&d, text.len() as u64, false).unwrap(), BlobState::Marked);
+        assert!(read_cached_manifest(&c, &d).unwrap().is_none());
+        assert!(!blob.exists(), "the tampered copy is removed so it is fetched again");
+    }
 
     #[test]
     fn unknown_source_option_is_rejected_by_name() {

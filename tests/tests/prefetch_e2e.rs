@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use taintgate_prefetch::{
-    BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchObserver, PrefetchOptions, prefetch_bundles,
-    prefetch_bundles_observed, sha256_hex,
+    BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchError, PrefetchObserver, PrefetchOptions,
+    prefetch_bundles, prefetch_bundles_observed, sha256_hex,
 };
 use taintgate_tests::bundles::{
     self, ProxyFault, pseudo_random, resumed_inside_a_chunk, spawn_fault_proxy, write_origin_file,
@@ -21,7 +21,7 @@ use taintgate_tests::bundles::{
 use taintgate_tests::bundles::test_prefetch_options as opts;
 use taintgate_tests::require_service;
 use taintgate_tests::services::moto::Moto;
-use taintgate_tests::services::nginx::Nginx;
+use taintgate_tests::services::nginx::{AccessEntry, Nginx};
 
 const MIB: u64 = 1 << 20;
 
@@ -195,6 +195,21 @@ async fn verify_cache_detects_and_repairs_a_corrupted_blob() {
     assert_eq!(sha256_hex(&std::fs::read(&blob).unwrap()), digest);
 }
 
+/// nginx's access log once it stopped growing: a line is written just after its response
+/// went out, so a client that already acted on the response may look before it is there.
+fn settled_requests(nginx: &Nginx) -> Vec<AccessEntry> {
+    let mut log = nginx.requests().unwrap();
+    loop {
+        // Why a short sleep: another process's log file offers no event to wait on.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let again = nginx.requests().unwrap();
+        if again.len() == log.len() {
+            return again;
+        }
+        log = again;
+    }
+}
+
 /// Run a prefetch that must fail; return its reason and the cache dir.
 async fn expect_failure(b: &BundleRef, o: &PrefetchOptions) -> &'static str {
     match prefetch_bundles(std::slice::from_ref(b), o, CancellationToken::new()).await {
@@ -278,7 +293,17 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
     let b = publish_manifest(origin.path(), "msize.yaml", "msize", nginx.url("msize.yaml"), &m);
     assert_eq!(expect_failure(&b, &o).await, "SizeMismatch");
 
-    // Traversal, absolute and duplicate paths: refused before any data request.
+    // Traversal, absolute and duplicate paths: refused before any data request. Checked
+    // from nginx's log: each case adds no request but its manifest's GET (nothing for
+    // /good.bin, not even a HEAD).
+    let mut logged = settled_requests(&nginx).len();
+    let mut assert_only_manifest_requested = |name: &str| {
+        let log = settled_requests(&nginx);
+        let manifest = format!("/{name}.yaml");
+        let other: Vec<_> = log[logged..].iter().filter(|e| e.uri != manifest).collect();
+        assert!(other.is_empty(), "{name}: requests besides its manifest: {other:?}");
+        logged = log.len();
+    };
     for (i, bad) in ["../escape.bin", "/etc/owned", "a/../../x"].iter().enumerate() {
         let mut f = good.clone();
         f.path = bad.to_string();
@@ -296,6 +321,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
             &m,
         );
         assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+        assert_only_manifest_requested(&name);
     }
     let m = Manifest {
         base_uri: None,
@@ -303,13 +329,28 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
     };
     let b = publish_manifest(origin.path(), "mdup.yaml", "mdup", nginx.url("mdup.yaml"), &m);
     assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+    assert_only_manifest_requested("mdup");
+    // Not vacuous: nginx did log each refused bundle's manifest GET.
+    let log = settled_requests(&nginx);
+    for name in ["mtrav0", "mtrav1", "mtrav2", "mdup"] {
+        let manifest = format!("/{name}.yaml");
+        assert!(
+            log.iter()
+                .any(|e| e.method == "GET" && e.uri == manifest && e.status == 200),
+            "no GET of {manifest} logged: {log:?}"
+        );
+    }
     assert!(!cache.path().join("escape.bin").exists());
     assert!(!cache.path().join("bundles/escape.bin").exists());
 
-    // A symlink planted in a bundle view cannot redirect files outside the cache.
+    // A symlink planted in a bundle view cannot redirect files outside the cache: the view
+    // is the agent's, so the link is removed (never followed) and the view built in its
+    // place, with a real directory and a hard link to the verified blob.
     let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("keep.txt"), b"not the cache's").unwrap();
     std::fs::create_dir_all(cache.path().join("bundles/msym")).unwrap();
-    std::os::unix::fs::symlink(outside.path(), cache.path().join("bundles/msym/dir")).unwrap();
+    let planted = cache.path().join("bundles/msym/dir");
+    std::os::unix::fs::symlink(outside.path(), &planted).unwrap();
     let mut f = good.clone();
     f.path = "dir/good.bin".into();
     f.source = Some("good.bin".into());
@@ -318,8 +359,19 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
         files: vec![f],
     };
     let b = publish_manifest(origin.path(), "msym.yaml", "msym", nginx.url("msym.yaml"), &m);
-    assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+    prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap();
     assert!(!outside.path().join("good.bin").exists());
+    assert_eq!(
+        std::fs::read(outside.path().join("keep.txt")).unwrap(),
+        b"not the cache's"
+    );
+    assert!(
+        std::fs::symlink_metadata(&planted).unwrap().is_dir(),
+        "the link is gone"
+    );
+    assert_bundle_matches(cache.path(), "msym", origin.path(), &m);
 }
 
 /// Observer that fires `action` once when `threshold` bytes have been received.
@@ -506,17 +558,64 @@ async fn file_source_and_bundle_create() {
         manifest_sha256: sha256_hex(yaml.as_bytes()),
     };
     let cache = tempfile::tempdir().unwrap();
-    let r = prefetch_bundles(&[b], &opts(cache.path()), CancellationToken::new())
+    let r = prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
         .await
         .unwrap();
     assert_eq!(r.bytes_fetched, 3 * MIB + 11);
     assert_bundle_matches(cache.path(), "local", origin.path(), &m);
+
+    // Two runs on one cache at once (the agent and a `taintgate bundle fetch` by hand): the
+    // second waits for the first's lock instead of writing the same partial file, then
+    // finds everything cached.
+    let cache2 = tempfile::tempdir().unwrap();
+    let (o1, o2) = (opts(cache2.path()), opts(cache2.path()));
+    let (first, second) = tokio::join!(
+        prefetch_bundles(std::slice::from_ref(&b), &o1, CancellationToken::new()),
+        async {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            prefetch_bundles(std::slice::from_ref(&b), &o2, CancellationToken::new()).await
+        }
+    );
+    let (first, second) = (first.unwrap(), second.unwrap());
+    let mut fetched = [first.bytes_fetched, second.bytes_fetched];
+    fetched.sort();
+    assert_eq!(fetched, [0, 3 * MIB + 11], "one run fetched, the other found it cached");
+    assert_bundle_matches(cache2.path(), "local", origin.path(), &m);
+
+    // The next version of the bundle drops `a/x.bin` and adds `z.txt`: the view then holds
+    // exactly the new files (a loader globbing it must not find the old shard), and the
+    // kept file comes from the cache.
+    write_file(origin.path(), "z.txt", 20, 63);
+    std::fs::remove_dir_all(origin.path().join("a")).unwrap();
+    let m2 = taintgate_prefetch::create_manifest(origin.path(), Some(&base))
+        .await
+        .unwrap();
+    let yaml2 = m2.to_yaml().unwrap();
+    std::fs::write(manifest_dir.path().join("m2.yaml"), &yaml2).unwrap();
+    let b2 = BundleRef {
+        name: "local".into(),
+        manifest_uri: format!("file://{}/m2.yaml", manifest_dir.path().display()),
+        manifest_sha256: sha256_hex(yaml2.as_bytes()),
+    };
+    let r = prefetch_bundles(std::slice::from_ref(&b2), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!((r.bytes_fetched, r.bytes_from_cache), (20, 10));
+    let view = cache.path().join("bundles/local");
+    let mut listed: Vec<String> = std::fs::read_dir(&view)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    listed.sort();
+    assert_eq!(listed, ["y.txt", "z.txt"]);
+    assert_bundle_matches(cache.path(), "local", origin.path(), &m2);
 }
 
-/// Child half of the kill test: runs a prefetch described by `TG_PREFETCH_CHILD` and prints
-/// `FETCHED <bytes>` as bytes arrive, until the parent kills it. Ignored in normal runs.
+/// Child half of the kill tests: runs a prefetch described by `TG_PREFETCH_CHILD` and
+/// prints `FETCHED <bytes>` as bytes arrive, until the parent kills it. Ignored in normal
+/// runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "run only as the child process of kill_mid_download_and_resume"]
+#[ignore = "run only as the child process of the kill tests (fetch_in_child_then_kill)"]
 async fn kill_test_child() {
     let Ok(spec) = std::env::var("TG_PREFETCH_CHILD") else {
         return;
@@ -533,22 +632,10 @@ async fn kill_test_child() {
     println!("CHILD DONE {:?}", r.map(|r| r.bytes_fetched));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_mid_download_and_resume() {
-    let origin = tempfile::tempdir().unwrap();
-    let nginx = require_service!("nginx", Nginx::start(origin.path(), "3m"));
-    let size = 24 * MIB + 5;
-    let mut f = write_file(origin.path(), "model.bin", size, 71);
-    f.source = Some("slow/model.bin".into());
-    let m = Manifest {
-        base_uri: None,
-        files: vec![f],
-    };
-    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
-    let cache = tempfile::tempdir().unwrap();
-    let o = opts(cache.path());
-
-    let spec = serde_json::to_string(&(&b, &o)).unwrap();
+/// Run `b` with `o` in a child process ([`kill_test_child`]) and SIGKILL it once it reported
+/// at least `at` bytes received; returns the count it had reported then.
+fn fetch_in_child_then_kill(b: &BundleRef, o: &PrefetchOptions, at: u64) -> u64 {
+    let spec = serde_json::to_string(&(b, o)).unwrap();
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -568,7 +655,7 @@ async fn kill_mid_download_and_resume() {
         let line = line.unwrap();
         if let Some(n) = line.strip_prefix("FETCHED ") {
             let n: u64 = n.parse().unwrap();
-            if n >= 8 * MIB {
+            if n >= at {
                 child.kill().unwrap();
                 killed_at = Some(n);
                 break;
@@ -580,7 +667,25 @@ async fn kill_mid_download_and_resume() {
         );
     }
     child.wait().unwrap();
-    let killed_at = killed_at.expect("child never reported progress");
+    killed_at.expect("child never reported progress")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_mid_download_and_resume() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "3m"));
+    let size = 24 * MIB + 5;
+    let mut f = write_file(origin.path(), "model.bin", size, 71);
+    f.source = Some("slow/model.bin".into());
+    let m = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+    let o = opts(cache.path());
+
+    let killed_at = fetch_in_child_then_kill(&b, &o, 8 * MIB);
     assert!(killed_at < size, "killed too late to test resume");
 
     let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
@@ -608,6 +713,192 @@ async fn kill_mid_download_and_resume() {
         twice <= bound,
         "fetched {twice} bytes twice, more than one chunk per in-flight request ({bound})"
     );
+}
+
+/// A download killed halfway, ready for its restart.
+struct KilledDownload {
+    bundle: BundleRef,
+    manifest: Manifest,
+    cache: tempfile::TempDir,
+    size: u64,
+    digest: String,
+}
+
+/// Publish a 24 MiB `model.bin` (bytes from `seed`) in `origin`, served through nginx's
+/// rate-limited `/slow/`, and fetch it in a child process killed after 8 MiB: the cache
+/// keeps a partial and its chunk map, which names the object's ETag.
+fn kill_mid_download(origin: &Path, nginx: &Nginx, seed: u64) -> KilledDownload {
+    let size = 24 * MIB + 5;
+    let mut f = write_file(origin, "model.bin", size, seed);
+    f.source = Some("slow/model.bin".into());
+    let digest = f.sha256.clone();
+    let manifest = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let bundle = publish_manifest(origin, "manifest.yaml", "m", nginx.url("manifest.yaml"), &manifest);
+    let cache = tempfile::tempdir().unwrap();
+    let killed_at = fetch_in_child_then_kill(&bundle, &opts(cache.path()), 8 * MIB);
+    assert!(killed_at < size, "killed too late to test a restart");
+    // Something to resume: the partial and its chunk map are there.
+    let tmp = cache.path().join("tmp");
+    assert!(tmp.join(format!("{digest}.part")).exists(), "no partial after the kill");
+    assert!(
+        tmp.join(format!("{digest}.state")).exists(),
+        "no chunk map after the kill"
+    );
+    KilledDownload {
+        bundle,
+        manifest,
+        cache,
+        size,
+        digest,
+    }
+}
+
+/// Give the origin file a new identity (nginx's ETag is mtime and size: a new mtime is a
+/// new ETag), optionally with new bytes of the same size, written beside it and renamed.
+fn change_origin_object(path: &Path, new_bytes: Option<Vec<u8>>) {
+    let later = std::fs::metadata(path).unwrap().modified().unwrap() + std::time::Duration::from_secs(1000);
+    if let Some(bytes) = new_bytes {
+        let tmp = path.with_extension("new");
+        std::fs::write(&tmp, bytes).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+    }
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+}
+
+/// The If-Match value the resumed attempt sent and nginx refused with 412: exactly one,
+/// the old ETag, which the killed run had been sent data under (206).
+fn refused_old_etag(log: &[AccessEntry], uri: &str) -> String {
+    let data: Vec<&AccessEntry> = log.iter().filter(|e| e.uri == uri).collect();
+    let refused: std::collections::BTreeSet<&str> = data
+        .iter()
+        .filter(|e| e.status == 412)
+        .map(|e| e.if_match.as_str())
+        .collect();
+    assert_eq!(
+        refused.len(),
+        1,
+        "expected If-Match refusals (412) under exactly one ETag: {data:#?}"
+    );
+    let old = (*refused.first().unwrap()).to_string();
+    assert_ne!(old, "-", "a 412 without If-Match: {data:#?}");
+    assert!(
+        data.iter().any(|e| e.status == 206 && e.if_match == old),
+        "the refused ETag {old} never served the killed run: {data:#?}"
+    );
+    old
+}
+
+/// Killed mid-download; the object is touched (same bytes, new mtime, so a new ETag);
+/// restarted: the resumed attempt's If-Match is refused (412), the partial is discarded,
+/// the file is fetched again from byte 0 under the new ETag and verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_touched_between_kill_and_restart_is_fetched_again_from_zero() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "3m"));
+    let k = kill_mid_download(origin.path(), &nginx, 72);
+    change_origin_object(&origin.path().join("model.bin"), None);
+
+    let o = opts(k.cache.path());
+    let r = prefetch_bundles(std::slice::from_ref(&k.bundle), &o, CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("restart after the touch failed ({}): {e}", e.reason()));
+    let fr = &r.bundles[0].files[0];
+    eprintln!("restart: {fr:?}");
+    // One attempt on the stale partial (refused), one from zero: every byte fetched again.
+    assert_eq!(fr.attempts, 2, "{fr:?}");
+    assert_eq!(fr.bytes_fetched, k.size, "not fetched again in full: {fr:?}");
+    assert_eq!(
+        fr.bytes_resumed, 0,
+        "the stale partial was discarded, nothing of it reused: {fr:?}"
+    );
+    assert_eq!(fr.sha256, k.digest);
+
+    let log = settled_requests(&nginx);
+    let old = refused_old_etag(&log, "/slow/model.bin");
+    let data: Vec<&AccessEntry> = log.iter().filter(|e| e.uri == "/slow/model.bin").collect();
+    // The restarted download ran under a new ETag (its requests after the first response
+    // carry it), never the refused one again after the 412s...
+    assert!(
+        data.iter()
+            .any(|e| e.status == 206 && e.if_match != "-" && e.if_match != old),
+        "no data served under a new ETag: {data:#?}"
+    );
+    // ...and started over at byte 0: the first chunk was sent twice, once per run.
+    let first_chunk = format!("bytes=0-{}", MIB - 1);
+    let firsts = data
+        .iter()
+        .filter(|e| e.status == 206 && e.range == first_chunk)
+        .count();
+    assert_eq!(firsts, 2, "first chunk not fetched again: {data:#?}");
+
+    // What is committed hashes to its name; the partial and chunk map are gone.
+    let blob = k.cache.path().join("blobs/sha256").join(&k.digest);
+    assert_eq!(sha256_hex(&std::fs::read(&blob).unwrap()), k.digest);
+    assert_bundle_matches(k.cache.path(), "m", origin.path(), &k.manifest);
+    let tmp = k.cache.path().join("tmp");
+    assert!(!tmp.join(format!("{}.part", k.digest)).exists());
+    assert!(!tmp.join(format!("{}.state", k.digest)).exists());
+}
+
+/// Killed mid-download; the object is replaced by different bytes of the same size (new
+/// ETag); restarted: the stale partial is refused (412) and discarded, the new object is
+/// fetched whole and does not hash to the pinned digest, so the run fails with
+/// `DigestMismatch` (the object is consistent, just not the pinned one: not
+/// `SourceChanged`) naming the new bytes' digest, and nothing unverified is visible.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_replaced_between_kill_and_restart_fails_with_digest_mismatch() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "3m"));
+    let k = kill_mid_download(origin.path(), &nginx, 73);
+    let replacement = pseudo_random(k.size, 74);
+    let replacement_digest = sha256_hex(&replacement);
+    change_origin_object(&origin.path().join("model.bin"), Some(replacement));
+
+    let o = opts(k.cache.path());
+    assert_eq!(o.retries, 1);
+    let err = prefetch_bundles(std::slice::from_ref(&k.bundle), &o, CancellationToken::new())
+        .await
+        .expect_err("a replaced object must not verify");
+    eprintln!("failed as expected: {} ({err})", err.reason());
+    match &err {
+        PrefetchError::DigestMismatch {
+            expected,
+            actual,
+            attempts,
+            ..
+        } => {
+            assert_eq!(expected, &k.digest);
+            // The whole new object, from byte 0: never the old chunks stitched to new ones.
+            assert_eq!(
+                actual, &replacement_digest,
+                "the bytes hashed were not the new object's"
+            );
+            // The refused resume, then one full download within the budget of 1 retry.
+            assert_eq!(*attempts, 2, "{err}");
+        }
+        other => panic!("expected DigestMismatch, got {} ({other})", other.reason()),
+    }
+    let log = settled_requests(&nginx);
+    refused_old_etag(&log, "/slow/model.bin");
+
+    // Nothing unverified visible: no blob under either digest, no bundle view, no partial.
+    assert_no_blob(k.cache.path(), &k.digest);
+    assert_no_blob(k.cache.path(), &replacement_digest);
+    assert!(
+        !k.cache.path().join("bundles/m/model.bin").exists(),
+        "unverified file in the view"
+    );
+    let tmp = k.cache.path().join("tmp");
+    assert!(!tmp.join(format!("{}.part", k.digest)).exists(), "partial kept");
+    assert!(!tmp.join(format!("{}.state", k.digest)).exists(), "chunk map kept");
 }
 
 #[test]
