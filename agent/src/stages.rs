@@ -85,6 +85,8 @@ pub struct Context {
     /// again; its patch `test`s the entry it removes, so an outdated copy costs a 422 and a
     /// re-read, never a wrong write.
     pub node: std::sync::Mutex<Option<Node>>,
+    /// Receives the `models` stage's byte counts as they happen (the agent's metrics).
+    pub prefetch_observer: Arc<dyn taintgate_prefetch::PrefetchObserver>,
 }
 
 impl Context {
@@ -464,7 +466,11 @@ async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
     // node's cache and race the next pass on the same partial file. The partial and its
     // chunk map stay on disk for that pass to resume.
     let _stop_download = token.clone().drop_guard();
-    let report = tokio::spawn(async move { taintgate_prefetch::prefetch_bundles(&bundles, &opts, token).await })
+    let observer = ctx.prefetch_observer.clone();
+    let report =
+        tokio::spawn(
+            async move { taintgate_prefetch::prefetch_bundles_observed(&bundles, &opts, token, observer).await },
+        )
         .await
         .map_err(|e| StageFailure::permanent("InternalError", format!("prefetch task failed: {e}")))?
         .map_err(|e| StageFailure::permanent(e.reason(), e.to_string()))?;

@@ -8,6 +8,13 @@
 //! - `taintgate_prefetch_bytes_total{kind}`: bytes the prefetch stages fetched
 //!   (`kind="fetched"`) or found verified in the cache (`kind="cached"`), from the stage
 //!   evidence keys `bytesFetched` / `bytesCached`;
+//! - `taintgate_bundle_bytes_total{bundle,kind}`: bytes of each model bundle while the
+//!   `models` stage runs: received from the source (`fetched`), through sha256
+//!   (`verified`) or found verified in the cache (`cached`). Live, so a long cold download
+//!   shows its progress (and a stall) before the stage ends;
+//! - `taintgate_bundle_files_total{bundle}`: bundle files verified and linked;
+//! - `taintgate_prefetch_retries_total{reason}`: chunk requests and file attempts retried,
+//!   by the reason code of what failed;
 //! - `taintgate_release_seconds`: agent start to taint removal of the last release;
 //! - `taintgate_released`: 1 once the taint was removed by this process, else 0;
 //! - `taintgate_bootstraps_total{verdict}`: bootstrap passes by verdict reason;
@@ -65,6 +72,29 @@ pub struct KindLabels {
     pub kind: String,
 }
 
+/// Bundle byte labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BundleKindLabels {
+    /// Bundle name.
+    pub bundle: String,
+    /// `fetched`, `verified` or `cached`.
+    pub kind: &'static str,
+}
+
+/// Bundle label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BundleLabels {
+    /// Bundle name.
+    pub bundle: String,
+}
+
+/// A reason code label whose value is a static code.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryLabels {
+    /// Reason code of the failure that was retried.
+    pub reason: &'static str,
+}
+
 /// Verdict label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct VerdictLabels {
@@ -119,6 +149,9 @@ pub struct Metrics {
     stage_duration: Family<StageLabels, Histogram, fn() -> Histogram>,
     failures: Family<ReasonLabels, Counter>,
     prefetch_bytes: Family<KindLabels, Counter>,
+    bundle_bytes: Family<BundleKindLabels, Counter>,
+    bundle_files: Family<BundleLabels, Counter>,
+    prefetch_retries: Family<RetryLabels, Counter>,
     bootstraps: Family<VerdictLabels, Counter>,
     release_seconds: Gauge<f64, AtomicU64>,
     released: Gauge,
@@ -146,6 +179,9 @@ impl Metrics {
         );
         let failures = Family::<ReasonLabels, Counter>::default();
         let prefetch_bytes = Family::<KindLabels, Counter>::default();
+        let bundle_bytes = Family::<BundleKindLabels, Counter>::default();
+        let bundle_files = Family::<BundleLabels, Counter>::default();
+        let prefetch_retries = Family::<RetryLabels, Counter>::default();
         let bootstraps = Family::<VerdictLabels, Counter>::default();
         let release_seconds = Gauge::<f64, AtomicU64>::default();
         let released = Gauge::default();
@@ -166,6 +202,21 @@ impl Metrics {
             "taintgate_prefetch_bytes",
             "Bytes of model bundles and images fetched or found cached",
             prefetch_bytes.clone(),
+        );
+        registry.register(
+            "taintgate_bundle_bytes",
+            "Bytes of each model bundle as the models stage runs: received, verified or found cached",
+            bundle_bytes.clone(),
+        );
+        registry.register(
+            "taintgate_bundle_files",
+            "Model bundle files verified and linked into the bundle's view",
+            bundle_files.clone(),
+        );
+        registry.register(
+            "taintgate_prefetch_retries",
+            "Model prefetch requests and file attempts retried, by reason code",
+            prefetch_retries.clone(),
         );
         registry.register(
             "taintgate_bootstraps",
@@ -191,6 +242,9 @@ impl Metrics {
             stage_duration,
             failures,
             prefetch_bytes,
+            bundle_bytes,
+            bundle_files,
+            prefetch_retries,
             bootstraps,
             release_seconds,
             released,
@@ -264,6 +318,15 @@ impl Metrics {
         }
     }
 
+    fn bundle_bytes(&self, bundle: &str, kind: &'static str, n: u64) {
+        self.bundle_bytes
+            .get_or_create(&BundleKindLabels {
+                bundle: bundle.to_string(),
+                kind,
+            })
+            .inc_by(n);
+    }
+
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> Result<String, MetricsError> {
         let mut s = String::new();
@@ -291,6 +354,30 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, &'static str) {
         (StatusCode::OK, "released\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not released\n")
+    }
+}
+
+/// The `models` stage reports into the metrics as bytes arrive (called from the download
+/// engine's threads; each call is an atomic add behind a read lock).
+impl taintgate_prefetch::PrefetchObserver for Metrics {
+    fn bytes_fetched(&self, bundle: &str, n: u64) {
+        self.bundle_bytes(bundle, "fetched", n);
+    }
+    fn bytes_verified(&self, bundle: &str, n: u64) {
+        self.bundle_bytes(bundle, "verified", n);
+    }
+    fn bytes_from_cache(&self, bundle: &str, n: u64) {
+        self.bundle_bytes(bundle, "cached", n);
+    }
+    fn file_done(&self, bundle: &str, _path: &str, _size: u64) {
+        self.bundle_files
+            .get_or_create(&BundleLabels {
+                bundle: bundle.to_string(),
+            })
+            .inc();
+    }
+    fn retry(&self, reason: &'static str) {
+        self.prefetch_retries.get_or_create(&RetryLabels { reason }).inc();
     }
 }
 
@@ -384,6 +471,28 @@ mod tests {
                 at_ms: 7200,
                 at: Timestamp::UNIX_EPOCH,
             }),
+        }
+    }
+
+    #[test]
+    fn the_download_engine_reports_into_bundle_counters() {
+        use taintgate_prefetch::PrefetchObserver;
+        let m = Metrics::new();
+        m.bytes_fetched("llama", 1000);
+        m.bytes_fetched("llama", 24);
+        m.bytes_verified("llama", 1024);
+        m.bytes_from_cache("mistral", 7);
+        m.file_done("llama", "a.bin", 1024);
+        m.retry("SourceUnavailable");
+        let text = m.encode().unwrap();
+        for want in [
+            r#"taintgate_bundle_bytes_total{bundle="llama",kind="fetched"} 1024"#,
+            r#"taintgate_bundle_bytes_total{bundle="llama",kind="verified"} 1024"#,
+            r#"taintgate_bundle_bytes_total{bundle="mistral",kind="cached"} 7"#,
+            r#"taintgate_bundle_files_total{bundle="llama"} 1"#,
+            r#"taintgate_prefetch_retries_total{reason="SourceUnavailable"} 1"#,
+        ] {
+            assert!(text.contains(want), "missing {want:?} in\n{text}");
         }
     }
 
