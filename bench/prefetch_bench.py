@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Loopback benchmark of taintgate's bundle prefetch against rclone, aria2c, curl (HTTP,
-nginx origin) and s5cmd, rclone (S3, moto origin).
+"""Loopback benchmark of taintgate's bundle prefetch (`taintgate bundle fetch`) against
+rclone, aria2c, curl (HTTP, nginx origin) and s5cmd, rclone (S3, moto origin).
 
 Competitors do not verify what they download, so each is reported raw and "verified":
 raw download time plus the fastest available sha256 pass over what it wrote
@@ -9,9 +9,17 @@ raw download time plus the fastest available sha256 pass over what it wrote
 Everything lives under --data (default /tmp/tg-bench) and --dest (default /dev/shm/tg-bench,
 a tmpfs, so every tool writes to memory and the disk is not what is measured; taintgate
 still fsyncs every blob). Medians of --repeats runs are reported.
+
+A competitor that is not installed gets a "not installed" row (and a warning), never a
+silently missing one. Every tool's output, HTTP and S3, is hashed and checked against the
+manifest; a wrong or missing file fails the run naming the tool.
+
+`--small` is a smoke test (tiny data set, one command to prove every invocation works); its
+figures mean nothing.
 """
 
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -24,9 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 MIB = 1 << 20
 GIB = 1 << 30
+
+NOT_INSTALLED = "not installed"
 
 
 def log(*a):
@@ -53,11 +64,20 @@ def wait_tcp(port, timeout=30):
 
 
 def gen_file(path, size):
-    """Incompressible data fast: AES-CTR keystream from openssl."""
+    """Incompressible data fast: AES-CTR keystream from openssl (os.urandom without it)."""
     if os.path.exists(path) and os.path.getsize(path) == size:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
+    if not shutil.which("openssl"):
+        with open(tmp, "wb") as out:
+            left = size
+            while left:
+                chunk = os.urandom(min(left, 8 * MIB))
+                out.write(chunk)
+                left -= len(chunk)
+        os.rename(tmp, path)
+        return
     with open(tmp, "wb") as out, open("/dev/zero", "rb") as zero:
         enc = subprocess.Popen(
             ["openssl", "enc", "-aes-128-ctr", "-pbkdf2", "-nosalt", "-pass", "pass:" + os.path.basename(path)],
@@ -111,9 +131,30 @@ def run(cmd, **kw):
 LAST_CPU = 0.0
 
 
+def py_hash(root):
+    """sha256 of every file under root with Python's hashlib (it releases the GIL, so one
+    thread per core), for checking outputs when openssl is not installed. Returns
+    (seconds, {relpath: digest})."""
+    def one(path):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 * MIB):
+                h.update(chunk)
+        return os.path.relpath(path, root), h.hexdigest()
+    global LAST_CPU
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        digests = dict(ex.map(one, all_files(root)))
+    LAST_CPU = 0.0
+    return time.perf_counter() - t, digests
+
+
 def openssl_hash(root):
     """Fastest available sha256 pass: openssl, one process per file, all cores. Returns
-    (seconds, {relpath: digest})."""
+    (seconds, {relpath: digest}). Without openssl, hashlib's digests (for the check only;
+    the "+ openssl sha256" rows then say it is not installed)."""
+    if not shutil.which("openssl"):
+        return py_hash(root)
     files = all_files(root)
     c0 = child_cpu()
     t = time.perf_counter()
@@ -172,6 +213,70 @@ def drop_dir(p):
     shutil.rmtree(p, ignore_errors=True)
 
 
+def manifest_digests(text):
+    """{path: sha256} of a manifest written by `taintgate bundle create`."""
+    expected, cur = {}, None
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("- path:"):
+            cur = s.split(":", 1)[1].strip()
+        elif s.startswith("sha256:") and cur:
+            expected[cur] = s.split(":", 1)[1].strip()
+    if not expected:
+        raise RuntimeError("the manifest lists no file digests")
+    return expected
+
+
+def check(label, expected, digests):
+    """Fail the run, naming the tool, when what it wrote differs from the manifest."""
+    bad = [p for p, d in expected.items() if digests.get(p) != d]
+    if bad:
+        missing = [p for p in bad if p not in digests]
+        raise RuntimeError(f"{label}: {len(bad)} of {len(expected)} files wrong or missing "
+                           f"({len(missing)} missing), e.g. {bad[:3]}; it wrote {sorted(digests)[:3]}...")
+
+
+def create_manifest(engine, root, base_uri, path):
+    """`taintgate bundle create` (manifest to a file; its sha256 goes to stderr). Returns
+    the expected digests."""
+    run([engine, "bundle", "create", root, "--base-uri", base_uri, "--output", path])
+    with open(path) as f:
+        return manifest_digests(f.read())
+
+
+def fetch_cmd(engine, manifest, cache, *flags):
+    """`taintgate bundle fetch` with `--reserve 0`, as the bench always ran the engine: no
+    free-space reserve on the tmpfs destination, so the preflight never refuses a run."""
+    return [engine, "bundle", "fetch", manifest, "--cache", cache, "--reserve", "0", *flags]
+
+
+def check_fetch_output(out):
+    """`taintgate bundle fetch` exits 0 only after verifying, and says so on stdout."""
+    if not out.startswith(b"verified:"):
+        raise RuntimeError(f"taintgate bundle fetch printed {out[:200]!r}, not a verified report")
+
+
+def without_flags(argv, names):
+    """argv minus `--name VALUE` / `--name=VALUE` for each name: a row that sets one of these
+    itself (the sweep, one GET per file) must not get a clap 'used multiple times' error
+    from --engine-args, nor have its own value overridden."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif a.split("=", 1)[0] in names:
+            pass
+        else:
+            out.append(a)
+    return out
+
+
+def not_installed(tool, why="", rows=f"its rows say '{NOT_INSTALLED}'"):
+    log(f"warning: {tool} is not installed{why}; {rows}")
+
+
 class Nginx:
     def __init__(self, root, workdir):
         self.port = free_port()
@@ -190,6 +295,8 @@ http {{
 }}
 """)
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        if not os.path.exists(nginx):
+            raise RuntimeError("nginx is not installed (the HTTP origin); run bench/run.sh, which installs it")
         self.proc = subprocess.Popen([nginx, "-c", conf, "-p", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_tcp(self.port)
 
@@ -207,6 +314,8 @@ http {{
 class Moto:
     def __init__(self, venv):
         self.port = free_port()
+        if not os.path.exists(os.path.join(venv, "bin", "moto_server")):
+            raise RuntimeError(f"moto_server not in {venv} (the S3 origin); run bench/run.sh, or pass --skip-s3")
         self.proc = subprocess.Popen([os.path.join(venv, "bin", "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_tcp(self.port)
@@ -229,32 +338,70 @@ def median_runs(name, repeats, fn):
     return statistics.median(times)
 
 
+# rclone's "tuned" HTTP variant: more parallel files, more streams per big file, and
+# multi-thread download from 64 MiB (defaults: 4 transfers, 8 checkers, 4 streams, 250 MiB).
+#
+# The set used until now also had `--http-no-head` (and `--buffer-size 16M`, rclone's
+# default, so a no-op), and `--http-no-head` is what made it 3.5x slower than the defaults
+# (14.6 s vs 4.15 s in the README table). Without HEAD requests the http backend does not
+# know any file's size (it only reads the links of nginx's index), and rclone 1.60 then
+# copies every file as a stream of unknown length (`-vv` logs "Copied (Rcat, new)" and an
+# md5 of the stream, not "Starting multi-thread copy"): the 3 GiB file comes down over one
+# connection and is hashed on the way, whatever --multi-thread-streams says. Measured by
+# hand on loopback nginx on the 2-core VM (rclone 1.60.1, median of 5 runs, the VM loaded by
+# other work): 512 MiB + 128 x 4 MiB took 2.08 s with the defaults, 5.97 s with the old
+# set and 1.83 s with the old set minus `--http-no-head`, i.e. the flags below; on 512 MiB
+# + 32 x 4 MiB, `--http-no-head` alone took 3.70 s against the defaults' 1.38 s. In four such comparisons (two data sets) these
+# flags beat the defaults' median three times (1.07 vs 1.38, 1.83 vs 2.08, 1.84 vs 1.91 s)
+# and lost once (1.40 vs 1.22 s); `--multi-thread-streams 8` and `--transfers 8` variants
+# were no better. On two loaded cores every set without `--http-no-head` is within the
+# noise of the defaults: the loopback run is CPU-bound, so more parallelism buys little.
+RCLONE_TUNED = ["--transfers", "16", "--checkers", "16", "--multi-thread-streams", "16", "--multi-thread-cutoff", "64M"]
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine", required=True, help="taintgate prefetch engine (prefetch/examples/fetch)")
-    ap.add_argument("--data", default="/tmp/tg-bench")
+    ap.add_argument("--engine", required=True,
+                    help="the taintgate binary (target/release/taintgate); runs `bundle create` and `bundle fetch`")
+    ap.add_argument("--data", default=None, help="data set directory [/tmp/tg-bench; /tmp/tg-bench-small with --small]")
     ap.add_argument("--dest", default="/dev/shm/tg-bench")
     ap.add_argument("--repeats", type=int, default=int(os.environ.get("REPEATS", "3")))
-    ap.add_argument("--big-gib", type=float, default=3.0)
-    ap.add_argument("--small-count", type=int, default=200)
-    ap.add_argument("--small-mib", type=int, default=5)
-    ap.add_argument("--s3-big-mib", type=int, default=192)
-    ap.add_argument("--s3-small-count", type=int, default=16)
-    ap.add_argument("--s3-small-mib", type=int, default=4)
+    ap.add_argument("--small", action="store_true",
+                    help="smoke test: 64 MiB + 8 x 1 MiB over HTTP, 8 MiB + 4 x 1 MiB over S3, no warm-up round, "
+                         "page cache left alone, 256 MiB fill-rate probe; proves every command works, measures nothing")
+    ap.add_argument("--big-gib", type=float, default=None, help="HTTP big file [3; 0.0625 with --small]")
+    ap.add_argument("--small-count", type=int, default=None, help="HTTP small files [200; 8 with --small]")
+    ap.add_argument("--small-mib", type=int, default=None, help="HTTP small file MiB [5; 1 with --small]")
+    ap.add_argument("--s3-big-mib", type=int, default=None, help="S3 big file MiB [192; 8 with --small]")
+    ap.add_argument("--s3-small-count", type=int, default=None, help="S3 small files [16; 4 with --small]")
+    ap.add_argument("--s3-small-mib", type=int, default=None, help="S3 small file MiB [4; 1 with --small]")
     ap.add_argument("--skip-s3", action="store_true")
-    ap.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="run one discarded round first")
-    ap.add_argument("--drop-caches", type=int, choices=(0, 1), default=1,
-                    help="drop the page cache before the run (needs root; see drop_page_cache)")
+    ap.add_argument("--warmup", type=int, choices=(0, 1), default=None, help="run one discarded round first [1; 0 with --small]")
+    ap.add_argument("--drop-caches", type=int, choices=(0, 1), default=None,
+                    help="drop the page cache before the run (needs root; see drop_page_cache) [1; 0 with --small]")
     ap.add_argument("--only", default="", help="comma list of tools to run (debug)")
-    ap.add_argument("--engine-args", default="", help="extra args for the engine (tuning)")
+    ap.add_argument("--engine-args", default="", help="extra args for `taintgate bundle fetch` (tuning)")
     ap.add_argument("--sweep", default="",
                     help="tune the engine's defaults: space-separated CONCURRENCY:FILE_CONCURRENCY:CHUNK_MIB "
                          "variants, each run as one more taintgate row in the same round-robin")
     args = ap.parse_args()
+    defaults = dict(data=("/tmp/tg-bench", "/tmp/tg-bench-small"), big_gib=(3.0, 1 / 16), small_count=(200, 8),
+                    small_mib=(5, 1), s3_big_mib=(192, 8), s3_small_count=(16, 4), s3_small_mib=(4, 1),
+                    warmup=(1, 0), drop_caches=(1, 0))
+    for k, (full, small) in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, small if args.small else full)
+    fill_size = 256 * MIB if args.small else GIB
+    if not os.access(args.engine, os.X_OK):
+        sys.exit(f"error: --engine {args.engine} is not an executable (build it: cargo build --release -p taintgate)")
     venv = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
     only = set(filter(None, args.only.split(",")))
     want = lambda t: not only or t in only
     extra = args.engine_args.split()
+    have_openssl = bool(shutil.which("openssl"))
+    if not have_openssl:
+        not_installed("openssl", " (outputs are still checked, with Python's hashlib)",
+                      f"the '+ openssl sha256' rows say 'openssl {NOT_INSTALLED}' and the hash overlap is not measured")
 
     http_root = os.path.join(args.data, "http")
     make_dataset(http_root, int(args.big_gib * GIB), args.small_count, args.small_mib * MIB)
@@ -265,24 +412,14 @@ def main():
     manifest = os.path.join(work, "manifest.yaml")
 
     nginx = Nginx(http_root, os.path.join(work, "nginx"))
-    rows = []  # (tool, mode, seconds, cpu seconds or None)
+    rows = []  # (tool, mode, seconds or a note, cpu seconds or None)
     raws = {}
     hash_only = None
+    samples = {}  # (tool, mode) -> list of (download wall, download cpu, hash wall, hash cpu)
     hash_only_samples, warm_samples, fill_samples = [], [], []
     try:
-        _, out = run([args.engine, "create", http_root, "--base-uri", nginx.url("")])
-        with open(manifest, "wb") as f:
-            f.write(out)
-        expected = {}
-        m = out.decode()
-        # Expected digests, for checking what competitors wrote.
-        cur = None
-        for line in m.splitlines():
-            s = line.strip()
-            if s.startswith("- path:"):
-                cur = s.split(":", 1)[1].strip()
-            elif s.startswith("sha256:") and cur:
-                expected[cur] = s.split(":", 1)[1].strip()
+        # Expected digests, for checking what every tool wrote.
+        expected = create_manifest(args.engine, http_root, nginx.url(""), manifest)
         # Free memory, then warm the origin's page cache so every tool reads from memory.
         if args.drop_caches:
             drop_page_cache()
@@ -290,55 +427,62 @@ def main():
 
         dest = lambda tool: os.path.join(args.dest, tool)
 
-        def check(root, digests):
-            bad = [p for p, d in expected.items() if digests.get(p) != d]
-            if bad:
-                raise RuntimeError(f"{root}: {len(bad)} files wrong, e.g. {bad[:3]}")
-
         # Every tool as (name, mode, command, output dir, verifies inline). Repeats run
         # round-robin so load from anything else on the machine hits every tool alike.
-        tools = []
+        # A tool that is not installed gets its rows in `missing` instead.
+        tools, missing = [], []
         if want("taintgate"):
             tools.append(("taintgate", "verified (inline)",
-                          lambda: [args.engine, "fetch", manifest, "--cache", dest("tg"), "--reserve", "0", *extra],
+                          lambda: fetch_cmd(args.engine, manifest, dest("tg"), *extra),
                           os.path.join(dest("tg"), "bundles", "bundle"), True))
+            sweep_extra = without_flags(extra, {"--concurrency", "--file-concurrency", "--chunk-size"})
             for v in args.sweep.split():
                 c, fc, mib = (int(x) for x in v.split(":"))
                 tools.append(("taintgate", f"verified, concurrency {c}, file {fc}, chunk {mib} MiB",
-                              lambda c=c, fc=fc, mib=mib: [
-                                  args.engine, "fetch", manifest, "--cache", dest("tg"), "--reserve", "0",
+                              lambda c=c, fc=fc, mib=mib: fetch_cmd(
+                                  args.engine, manifest, dest("tg"),
                                   "--concurrency", str(c), "--file-concurrency", str(fc),
-                                  "--chunk-size", str(mib * MIB), *extra],
+                                  "--chunk-size", str(mib * MIB), *sweep_extra),
                               os.path.join(dest("tg"), "bundles", "bundle"), "sweep"))
-        if want("rclone") and shutil.which("rclone"):
-            tools.append(("rclone", "defaults",
-                          lambda: ["rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone")],
-                          dest("rclone"), False))
-            tools.append(("rclone", "tuned",
-                          lambda: ["rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone"),
-                                   "--http-no-head", "--transfers", "16", "--checkers", "16",
-                                   "--multi-thread-streams", "16", "--multi-thread-cutoff", "64M", "--buffer-size", "16M"],
-                          dest("rclone"), False))
-        if want("aria2c") and shutil.which("aria2c"):
-            urls = os.path.join(work, "aria2.txt")
-            with open(urls, "w") as f:
-                for p in expected:
-                    f.write(f"{nginx.url(p)}\n  out={p}\n")
-            tools.append(("aria2c", "-x16 -j16",
-                          lambda: ["aria2c", "-x16", "-s16", "-j16", "-i", urls, "-d", dest("aria2c"),
-                                   "--file-allocation=none", "--allow-overwrite=true", "--auto-file-renaming=false",
-                                   "--console-log-level=warn", "--summary-interval=0", "--download-result=hide"],
-                          dest("aria2c"), False))
+        if want("rclone"):
+            if shutil.which("rclone"):
+                tools.append(("rclone", "defaults",
+                              lambda: ["rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone")],
+                              dest("rclone"), False))
+                tools.append(("rclone", "tuned (16 transfers, 16 streams from 64M)",
+                              lambda: ["rclone", "copy", "--http-url", nginx.url(""), ":http:", dest("rclone"),
+                                       *RCLONE_TUNED],
+                              dest("rclone"), False))
+            else:
+                not_installed("rclone")
+                missing += [("rclone", "defaults"), ("rclone", "tuned")]
+        if want("aria2c"):
+            if shutil.which("aria2c"):
+                urls = os.path.join(work, "aria2.txt")
+                with open(urls, "w") as f:
+                    for p in expected:
+                        f.write(f"{nginx.url(p)}\n  out={p}\n")
+                tools.append(("aria2c", "-x16 -j16",
+                              lambda: ["aria2c", "-x16", "-s16", "-j16", "-i", urls, "-d", dest("aria2c"),
+                                       "--file-allocation=none", "--allow-overwrite=true", "--auto-file-renaming=false",
+                                       "--console-log-level=warn", "--summary-interval=0", "--download-result=hide"],
+                              dest("aria2c"), False))
+            else:
+                not_installed("aria2c")
+                missing.append(("aria2c", "-x16 -j16"))
         if want("curl"):
-            cfg = os.path.join(work, "curl.cfg")
-            with open(cfg, "w") as f:
-                for p in expected:
-                    f.write(f'url = "{nginx.url(p)}"\noutput = "{os.path.join(dest("curl"), p)}"\n')
-            tools.append(("curl", "--parallel 16",
-                          lambda: ["curl", "-sS", "-f", "--parallel", "--parallel-max", "16", "--create-dirs", "-K", cfg],
-                          dest("curl"), False))
+            if shutil.which("curl"):
+                cfg = os.path.join(work, "curl.cfg")
+                with open(cfg, "w") as f:
+                    for p in expected:
+                        f.write(f'url = "{nginx.url(p)}"\noutput = "{os.path.join(dest("curl"), p)}"\n')
+                tools.append(("curl", "--parallel 16",
+                              lambda: ["curl", "-sS", "-f", "--parallel", "--parallel-max", "16", "--create-dirs", "-K", cfg],
+                              dest("curl"), False))
+            else:
+                not_installed("curl")
+                missing.append(("curl", "--parallel 16"))
 
-        samples = {}  # (tool, mode) -> list of (download wall, download cpu, hash wall, hash cpu)
         # One discarded round first: the first runs after the data set is written (tmpfs
         # pages, the origin's page cache, binaries) were measured up to 2.5x slower here,
         # and in round-robin order that penalty would land on whichever tool runs first.
@@ -350,23 +494,26 @@ def main():
             log(f"  warm-up {tool} {mode}: {dt:.2f} s (discarded)")
             drop_dir(base)
         for rep in range(args.repeats):
-            fill_samples.append(fill_rate(args.dest))
+            fill_samples.append(fill_rate(args.dest, fill_size))
             log(f"  round {rep + 1}: page-cache fill rate {fill_samples[-1]:.2f} GB/s")
             for tool, mode, cmd_fn, out_dir, inline in tools:
                 base = dest("tg") if tool == "taintgate" else dest(tool)
                 drop_dir(base)
                 os.makedirs(base, exist_ok=True)
-                dt, _ = run(cmd_fn())
+                dt, out = run(cmd_fn())
                 dcpu = LAST_CPU
+                if tool == "taintgate":
+                    check_fetch_output(out)
                 ht, dg = openssl_hash(out_dir)  # also checks what was written
                 hcpu = LAST_CPU
-                check(f"{tool} {mode}", dg)
+                check(f"HTTP {tool} {mode}", expected, dg)
                 if inline == "sweep":
                     ht, hcpu = 0.0, 0.0
                 elif inline:
                     hash_only_samples.append(ht)
                     ht, hcpu = 0.0, 0.0
-                    wt, _ = run(cmd_fn())  # warm restart: everything cached
+                    wt, out = run(cmd_fn())  # warm restart: everything cached
+                    check_fetch_output(out)
                     warm_samples.append(wt)
                 samples.setdefault((tool, mode), []).append((dt, dcpu, ht, hcpu))
                 log(f"  run {rep + 1} {tool} {mode}: download {dt:.2f} s ({dcpu:.1f} cpu-s)"
@@ -382,17 +529,21 @@ def main():
                 rows.append((tool, "warm restart (all cached)", med(warm_samples), None))
             else:
                 rows.append((tool, f"{mode}, download only", med([x[0] for x in xs]), med([x[1] for x in xs])))
-                rows.append((tool, f"{mode} + openssl sha256", med([x[0] + x[2] for x in xs]),
-                             med([x[1] + x[3] for x in xs])))
+                if have_openssl:
+                    rows.append((tool, f"{mode} + openssl sha256", med([x[0] + x[2] for x in xs]),
+                                 med([x[1] + x[3] for x in xs])))
+                else:
+                    rows.append((tool, f"{mode} + openssl sha256", "openssl " + NOT_INSTALLED, None))
                 raws[f"{tool} {mode}"] = med([x[0] for x in xs])
-        if hash_only_samples:
+        rows += [(tool, mode, NOT_INSTALLED, None) for tool, mode in missing]
+        if hash_only_samples and have_openssl:
             hash_only = med(hash_only_samples)
     finally:
         nginx.stop()
 
     s3rows = []
     if not args.skip_s3:
-        s3rows = s3_bench(args, venv, work, extra)
+        s3rows = s3_bench(args, venv, work, extra, want)
 
     print_table(rows, total, "HTTP (nginx on loopback)")
     tg_t = next((r[2] for r in rows if r[0] == "taintgate" and r[1] == "verified (inline)"), None)
@@ -408,14 +559,27 @@ def main():
                 best = min(xs[r][0] for xs in raw_runs)
                 print(f"  round {r + 1}: page-cache fill {fill:.2f} GB/s, taintgate {tg_runs[r][0]:.2f} s / "
                       f"fastest download-only {best:.2f} s = {tg_runs[r][0] / max(best, hash_only):.2f}")
+    elif tg_t and not have_openssl:
+        print("\nhash overlap: not measured (openssl not installed)")
     if s3rows:
         s3_total = (args.s3_big_mib + args.s3_small_count * args.s3_small_mib) * MIB
         print_table(s3rows, s3_total,
                     "S3 (moto on loopback; moto caps near 30 MB/s, so this measures request overhead, not throughput)")
+    if args.small:
+        print("\n(--small: a smoke test of every command on a tiny data set; these figures mean nothing)")
     shutil.rmtree(work, ignore_errors=True)
 
 
-def s3_bench(args, venv, work, extra):
+def put_object(url, path):
+    """PUT one file into moto (setup, not measured). Content-Type matters: without it moto
+    parses the body as a form (very slow)."""
+    with open(path, "rb") as f:
+        req = urllib.request.Request(url, data=f, method="PUT", headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(os.path.getsize(path))})
+        urllib.request.urlopen(req).close()
+
+
+def s3_bench(args, venv, work, extra, want):
     root = os.path.join(args.data, "s3")
     make_dataset(root, args.s3_big_mib * MIB, args.s3_small_count, args.s3_small_mib * MIB)
     moto = Moto(venv)
@@ -426,70 +590,86 @@ def s3_bench(args, venv, work, extra):
                AWS_DEFAULT_REGION="us-east-1")
     s5cmd = os.path.join(venv, "bin", "s5cmd")
     try:
-        subprocess.run(["curl", "-sS", "-f", "-X", "PUT", f"{moto.endpoint}/bench"], check=True, stdout=subprocess.DEVNULL)
-        files = all_files(root)
-        for f in files:
-            rel = os.path.relpath(f, root)
-            # Content-Type matters: without it moto parses the body as a form (very slow).
-            subprocess.run(["curl", "-sS", "-f", "-X", "PUT", "-H", "Content-Type: application/octet-stream",
-                            "-T", f, f"{moto.endpoint}/bench/{rel}"], check=True, stdout=subprocess.DEVNULL)
-        _, out = run([args.engine, "create", root, "--base-uri", "s3://bench"])
+        urllib.request.urlopen(urllib.request.Request(f"{moto.endpoint}/bench", method="PUT")).close()
+        for f in all_files(root):
+            put_object(f"{moto.endpoint}/bench/{os.path.relpath(f, root)}", f)
         manifest = os.path.join(work, "s3-manifest.yaml")
-        with open(manifest, "wb") as fh:
-            fh.write(out)
+        expected = create_manifest(args.engine, root, "s3://bench", manifest)
         dest = lambda t: os.path.join(args.dest, "s3-" + t)
         opts = ["--opt", f"aws_endpoint={moto.endpoint}", "--opt", "aws_allow_http=true",
                 "--opt", "aws_access_key_id=testing", "--opt", "aws_secret_access_key=testing",
                 "--opt", "aws_region=us-east-1"]
+        tg_view = os.path.join(dest("tg"), "bundles", "bundle")
 
-        def tg():
+        def tg_run(label, cmd):
             drop_dir(dest("tg"))
-            return run([args.engine, "fetch", manifest, "--cache", dest("tg"), "--reserve", "0", *opts, *extra])[0]
-        rows.append(("taintgate", "verified (inline)", median_runs("s3 taintgate", args.repeats, tg)))
-        drop_dir(dest("tg"))
+            dt, out = run(cmd)
+            check_fetch_output(out)
+            check(f"S3 taintgate {label}", expected, openssl_hash(tg_view)[1])
+            return dt
 
-        # moto re-reads the whole object for every ranged GET (its S3 key's `value`), so a
-        # chunked download pays once per chunk; one GET per file shows how much of the gap
-        # is that (real S3 serves ranges independently).
-        def tg_one_get():
+        if want("taintgate"):
+            rows.append(("taintgate", "verified (inline)", median_runs(
+                "s3 taintgate", args.repeats,
+                lambda: tg_run("verified", fetch_cmd(args.engine, manifest, dest("tg"), *opts, *extra)))))
             drop_dir(dest("tg"))
-            return run([args.engine, "fetch", manifest, "--cache", dest("tg"), "--reserve", "0", *opts, *extra,
-                        "--chunk-size", str(args.s3_big_mib * MIB)])[0]
-        rows.append(("taintgate", "verified, one GET per file (chunk = file)",
-                     median_runs("s3 taintgate one GET per file", args.repeats, tg_one_get)))
-        drop_dir(dest("tg"))
+
+            # moto re-reads the whole object for every ranged GET (its S3 key's `value`), so a
+            # chunked download pays once per chunk; one GET per file shows how much of the gap
+            # is that (real S3 serves ranges independently).
+            one_get = fetch_cmd(args.engine, manifest, dest("tg"), *opts, *without_flags(extra, {"--chunk-size"}),
+                                "--chunk-size", str(args.s3_big_mib * MIB))
+            rows.append(("taintgate", "verified, one GET per file (chunk = file)", median_runs(
+                "s3 taintgate one GET per file", args.repeats, lambda: tg_run("one GET per file", one_get))))
+            drop_dir(dest("tg"))
 
         def comp(tool, cmd):
+            """A competitor: download, then hash and check what it wrote against the manifest
+            (a wrong or missing file fails the run, as over HTTP)."""
             raw, ver = [], []
             for i in range(args.repeats):
                 drop_dir(dest(tool))
                 os.makedirs(dest(tool), exist_ok=True)
                 dt, _ = run(cmd, env=env)
-                ht, _ = openssl_hash(dest(tool))
+                ht, dg = openssl_hash(dest(tool))
+                check(f"S3 {tool}", expected, dg)
                 log(f"  s3 {tool} run {i + 1}: download {dt:.2f} s + hash {ht:.2f} s")
                 raw.append(dt)
                 ver.append(dt + ht)
             drop_dir(dest(tool))
             rows.append((tool, "download only", statistics.median(raw)))
-            rows.append((tool, "+ openssl sha256", statistics.median(ver)))
+            rows.append((tool, "+ openssl sha256",
+                         statistics.median(ver) if shutil.which("openssl") else "openssl " + NOT_INSTALLED))
 
-        if os.path.exists(s5cmd):
-            comp("s5cmd", [s5cmd, "--endpoint-url", moto.endpoint, "cp", "s3://bench/*", dest("s5cmd") + "/"])
-        if shutil.which("rclone"):
-            comp("rclone", ["rclone", "copy", f":s3,provider=Other,endpoint='{moto.endpoint}',access_key_id=testing,secret_access_key=testing:bench",
-                            dest("rclone"), "--transfers", "16", "--multi-thread-streams", "16"])
+        if want("s5cmd"):
+            if os.path.exists(s5cmd):
+                comp("s5cmd", [s5cmd, "--endpoint-url", moto.endpoint, "cp", "s3://bench/*", dest("s5cmd") + "/"])
+            else:
+                not_installed("s5cmd", f" (looked for {s5cmd})")
+                rows.append(("s5cmd", "cp", NOT_INSTALLED))
+        if want("rclone"):
+            if shutil.which("rclone"):
+                comp("rclone", ["rclone", "copy", f":s3,provider=Other,endpoint='{moto.endpoint}',access_key_id=testing,secret_access_key=testing:bench",
+                                dest("rclone"), "--transfers", "16", "--multi-thread-streams", "16"])
+            else:
+                not_installed("rclone")
+                rows.append(("rclone", "copy", NOT_INSTALLED))
     finally:
         moto.stop()
     return rows
 
 
 def print_table(rows, total, title):
+    """Rows are (tool, mode, seconds[, cpu seconds]); seconds may be a note ("not installed")."""
     rows = [r if len(r) == 4 else (*r, None) for r in rows]
     tg = next((r[2] for r in rows if r[0] == "taintgate" and r[1] == "verified (inline)"), None)
     print(f"\n### {title}: {total / GIB:.2f} GiB, median of runs\n")
     print("| tool | mode | seconds | GB/s | ratio vs taintgate verified | CPU seconds |")
     print("|---|---|---:|---:|---:|---:|")
     for tool, mode, t, cpu in rows:
+        if isinstance(t, str):
+            print(f"| {tool} | {mode} | {t} | - | - | - |")
+            continue
         ratio = f"{t / tg:.2f}x" if tg else "-"
         cpu_s = "-" if cpu is None else f"{cpu:.1f}"
         print(f"| {tool} | {mode} | {t:.2f} | {total / t / 1e9:.2f} | {ratio} | {cpu_s} |")

@@ -15,16 +15,23 @@ command -v curl    >/dev/null 2>&1 || need_apt+=(curl)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 
+# Root runs apt-get itself; anyone else through sudo (the venv below stays theirs).
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 if [ "${#need_apt[@]}" -gt 0 ]; then
+    if [ -n "$SUDO" ] && ! command -v sudo >/dev/null 2>&1; then
+        echo "install-test-deps-prefetch: missing ${need_apt[*]}; run as root or install sudo" >&2
+        exit 2
+    fi
     echo "install-test-deps-prefetch: apt-get install ${need_apt[*]}"
-    export DEBIAN_FRONTEND=noninteractive
     # Other install scripts may hold the dpkg lock: wait for it rather than fail.
-    apt-get -o DPkg::Lock::Timeout=600 update -qq
-    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need_apt[@]}"
+    $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+        --no-install-recommends "${need_apt[@]}"
+    # nginx-light enables its default site on install; the tests start their own instances
+    # with their own config, so the system service is not wanted.
+    if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now nginx >/dev/null 2>&1 || true; fi
 fi
-# nginx-light enables its default site on install; the tests start their own instances
-# with their own config, so the system service is not wanted.
-if command -v systemctl >/dev/null 2>&1; then systemctl disable --now nginx >/dev/null 2>&1 || true; fi
 
 VENV="$ROOT/.venv"
 if [ ! -x "$VENV/bin/python" ]; then
