@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn bin() -> Command {
@@ -453,14 +453,12 @@ fn each_kubelet_side_fault_holds_with_its_reason() {
     }
 }
 
-#[test]
-fn bundle_fetch_local_directory_with_options() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("model");
-    std::fs::create_dir_all(data.join("sub")).unwrap();
-    std::fs::write(data.join("weights.bin"), vec![7u8; 300_000]).unwrap();
-    std::fs::write(data.join("sub/config.json"), b"{}").unwrap();
-    let manifest = dir.path().join("manifest.yaml");
+/// `taintgate bundle create` over `dir/model` (which the caller filled), served from
+/// `file://`; returns the cache path (`dir/cache`) and a `bundle fetch` of the manifest
+/// into that cache, with extra arguments.
+fn local_bundle(dir: &Path) -> (PathBuf, impl Fn(&[&str]) -> Output) {
+    let data = dir.join("model");
+    let manifest = dir.join("manifest.yaml");
     let base = format!("file://{}/", data.display());
     let o = bin()
         .args(["bundle", "create"])
@@ -470,8 +468,8 @@ fn bundle_fetch_local_directory_with_options() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let cache = dir.path().join("cache");
-    let fetch = |extra: &[&str]| {
+    let cache = dir.join("cache");
+    let fetch = move |extra: &[&str]| {
         bin()
             .args(["bundle", "fetch"])
             .arg(&manifest)
@@ -481,6 +479,17 @@ fn bundle_fetch_local_directory_with_options() {
             .output()
             .unwrap()
     };
+    (dir.join("cache"), fetch)
+}
+
+#[test]
+fn bundle_fetch_local_directory_with_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("model");
+    std::fs::create_dir_all(data.join("sub")).unwrap();
+    std::fs::write(data.join("weights.bin"), vec![7u8; 300_000]).unwrap();
+    std::fs::write(data.join("sub/config.json"), b"{}").unwrap();
+    let (cache, fetch) = local_bundle(dir.path());
     // A mistyped source option is bad input (2), named; nothing is fetched.
     let o = fetch(&["--opt", "aws_regoin=eu-west-1", "--reserve", "0"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
@@ -526,27 +535,9 @@ fn bundle_fetch_verify_cache_repairs_a_corrupted_blob() {
         .collect();
     let digest = taintgate_prefetch::sha256_hex(&weights);
     std::fs::write(data.join("weights.bin"), &weights).unwrap();
-    let manifest = dir.path().join("manifest.yaml");
-    let base = format!("file://{}/", data.display());
-    let o = bin()
-        .args(["bundle", "create"])
-        .arg(&data)
-        .args(["--base-uri", &base, "--output"])
-        .arg(&manifest)
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let cache = dir.path().join("cache");
+    let (cache, fetch_any) = local_bundle(dir.path());
     let fetch = |extra: &[&str]| {
-        let o = bin()
-            .args(["bundle", "fetch"])
-            .arg(&manifest)
-            .arg("--cache")
-            .arg(&cache)
-            .args(["--reserve", "0"])
-            .args(extra)
-            .output()
-            .unwrap();
+        let o = fetch_any(&[&["--reserve", "0"], extra].concat());
         assert_eq!(o.status.code(), Some(0), "{}", text(&o));
         text(&o)
     };

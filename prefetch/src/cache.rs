@@ -446,10 +446,32 @@ fn remove_any(path: &Path, is_dir: bool) -> Result<(), PrefetchError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::manifest::sha256_hex;
+
+    /// Commit `content` as a verified blob; returns its digest.
+    pub(crate) fn committed(c: &Cache, content: &[u8]) -> String {
+        let d = sha256_hex(content);
+        let tmp = c.part_path(&d);
+        fs::write(&tmp, content).unwrap();
+        c.commit_blob(&d, &tmp).unwrap();
+        d
+    }
+
+    /// Rewrite a file in place (same inode) and put its mtime back, as bit rot or a careful
+    /// tamperer would leave it: its verified-marker still matches.
+    pub(crate) fn rewrite_keeping_mtime(path: &Path, bytes: &[u8]) {
+        let mtime = fs::metadata(path).unwrap().modified().unwrap();
+        fs::write(path, bytes).unwrap();
+        fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+    }
 
     #[test]
     fn commit_check_and_corruption() {
@@ -464,14 +486,7 @@ mod tests {
         assert_eq!(c.check_blob(&d, 5, true).unwrap(), BlobState::Rehashed);
         // Same-size corruption with the mtime restored: only a forced re-hash sees it.
         let blob = c.blob_path(&d);
-        let mtime = fs::metadata(&blob).unwrap().modified().unwrap();
-        fs::write(&blob, b"jello").unwrap();
-        fs::File::options()
-            .write(true)
-            .open(&blob)
-            .unwrap()
-            .set_modified(mtime)
-            .unwrap();
+        rewrite_keeping_mtime(&blob, b"jello");
         assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Marked);
         assert_eq!(c.check_blob(&d, 5, true).unwrap(), BlobState::Corrupt);
         assert!(!blob.exists());
@@ -502,14 +517,6 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["c.bin"]);
-    }
-
-    fn committed(c: &Cache, content: &[u8]) -> String {
-        let d = sha256_hex(content);
-        let tmp = c.part_path(&d);
-        fs::write(&tmp, content).unwrap();
-        c.commit_blob(&d, &tmp).unwrap();
-        d
     }
 
     #[test]

@@ -707,21 +707,12 @@ mod tests {
         let text = b"files: []\n";
         let d = sha256_hex(text);
         assert!(read_cached_manifest(&c, &d).unwrap().is_none());
-        let tmp = c.part_path(&d);
-        std::fs::write(&tmp, text).unwrap();
-        c.commit_blob(&d, &tmp).unwrap();
+        assert_eq!(cache::tests::committed(&c, text), d);
         assert_eq!(read_cached_manifest(&c, &d).unwrap().unwrap(), text);
         // Rewritten in place, same size, mtime restored: the marker still matches, the
         // bytes do not.
         let blob = c.blob_path(&d);
-        let mtime = std::fs::metadata(&blob).unwrap().modified().unwrap();
-        std::fs::write(&blob, &b"files: [0]\n"[..text.len()]).unwrap();
-        std::fs::File::options()
-            .write(true)
-            .open(&blob)
-            .unwrap()
-            .set_modified(mtime)
-            .unwrap();
+        cache::tests::rewrite_keeping_mtime(&blob, &b"files: [0]\n"[..text.len()]);
         assert_eq!(c.check_blob(&d, text.len() as u64, false).unwrap(), BlobState::Marked);
         assert!(read_cached_manifest(&c, &d).unwrap().is_none());
         assert!(!blob.exists(), "the tampered copy is removed so it is fetched again");
