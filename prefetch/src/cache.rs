@@ -73,17 +73,21 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Pr
     move |e| PrefetchError::io(op, path, e)
 }
 
-/// Open `path` for writing, creating it, without following a symlink at its last
-/// component (`ELOOP` then). `truncate`: start it empty.
-pub(crate) fn open_nofollow(path: &Path, truncate: bool) -> Result<fs::File, PrefetchError> {
-    fs::OpenOptions::new()
-        .read(true)
+/// Options to open a file for writing, creating it, without following a symlink at its
+/// last component (`ELOOP` then). `truncate`: start it empty.
+fn nofollow_options(truncate: bool) -> fs::OpenOptions {
+    let mut o = fs::OpenOptions::new();
+    o.read(true)
         .write(true)
         .create(true)
         .truncate(truncate)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)
-        .map_err(io("open", path))
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32);
+    o
+}
+
+/// Open `path` with [`nofollow_options`].
+pub(crate) fn open_nofollow(path: &Path, truncate: bool) -> Result<fs::File, PrefetchError> {
+    nofollow_options(truncate).open(path).map_err(io("open", path))
 }
 
 /// Write `bytes` to a new temporary file at `path` (see [`open_nofollow`]).
@@ -139,14 +143,7 @@ impl Cache {
     /// another run in this one) holds it.
     pub fn try_lock(&self) -> Result<Option<CacheLock>, PrefetchError> {
         let path = self.root.join(".lock");
-        let file = match fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(&path)
-        {
+        let file = match nofollow_options(false).open(&path) {
             Ok(f) => f,
             // A warm cache on a read-only filesystem (an image-baked node) is still served.
             Err(e) if e.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) => {
@@ -173,16 +170,9 @@ impl Cache {
             let resumable = name.ends_with(".part") || name.ends_with(".state");
             if !resumable {
                 let p = entry.path();
-                let r = if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                    fs::remove_dir_all(&p)
-                } else {
-                    fs::remove_file(&p)
-                };
-                match r {
+                match remove_any(&p, entry.file_type().is_ok_and(|t| t.is_dir())) {
                     Ok(()) => tracing::debug!(path = %p.display(), "removed a leftover temporary file"),
-                    Err(e) => {
-                        tracing::debug!(path = %p.display(), error = %e, "cannot remove a leftover temporary file")
-                    }
+                    Err(e) => tracing::debug!(error = %e, "cannot remove a leftover temporary file"),
                 }
             }
         }
@@ -288,15 +278,7 @@ impl Cache {
     /// Remove a blob and its marker (a directory planted at the blob's path too).
     pub fn remove_blob(&self, digest: &str) -> Result<(), PrefetchError> {
         for p in [self.marker_path(digest), self.blob_path(digest)] {
-            let r = match fs::symlink_metadata(&p) {
-                Ok(m) if m.is_dir() => fs::remove_dir_all(&p),
-                _ => fs::remove_file(&p),
-            };
-            match r {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(PrefetchError::io("remove", &p, e)),
-            }
+            remove_any(&p, fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()))?;
         }
         Ok(())
     }
@@ -431,8 +413,9 @@ impl Cache {
     }
 }
 
-/// Remove a file, symlink or (recursively, without following symlinks) a directory.
-fn remove_any(path: &Path, is_dir: bool) -> Result<(), PrefetchError> {
+/// Remove a file, symlink or (recursively, without following symlinks) a directory; one
+/// already gone is fine.
+pub(crate) fn remove_any(path: &Path, is_dir: bool) -> Result<(), PrefetchError> {
     let r = if is_dir {
         fs::remove_dir_all(path)
     } else {

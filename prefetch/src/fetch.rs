@@ -295,12 +295,7 @@ impl Engine {
             Ok(m) if m.is_file() => true,
             Ok(m) => {
                 tracing::warn!(path = %part.display(), kind = ?m.file_type(), "removing a non-file at a partial download's path");
-                let r = if m.is_dir() {
-                    std::fs::remove_dir_all(&part)
-                } else {
-                    std::fs::remove_file(&part)
-                };
-                r.map_err(|e| PrefetchError::io("remove", &part, e))?;
+                crate::cache::remove_any(&part, m.is_dir())?;
                 false
             }
             Err(_) => false,
