@@ -124,6 +124,19 @@ impl PrefetchOptions {
         }
         Ok(())
     }
+
+    /// A warning when a chunk cannot finish inside the request timeout unless each request
+    /// gets more than 4 MiB/s: a slower source would then time out on every chunk. Not an
+    /// error, since a fast store (in-region S3) does much better than that.
+    pub fn chunk_timeout_warning(&self) -> Option<String> {
+        (self.chunk_size > self.request_timeout_secs.saturating_mul(MIN_CHUNK_RATE)).then(|| {
+            format!(
+                "chunk_size {} needs more than 4 MiB/s per request to finish inside request_timeout_secs {}; \
+                 a slower source times out on every chunk (lower chunk_size or raise request_timeout_secs)",
+                self.chunk_size, self.request_timeout_secs
+            )
+        })
+    }
 }
 
 /// Evidence for one file of a bundle.
@@ -308,12 +321,11 @@ async fn prefetch_here(
         })
         .await?;
     }
-    if opts.chunk_size > opts.request_timeout_secs.saturating_mul(MIN_CHUNK_RATE) {
+    if let Some(w) = opts.chunk_timeout_warning() {
         tracing::warn!(
             chunk_size = opts.chunk_size,
             request_timeout_secs = opts.request_timeout_secs,
-            "a chunk needs more than 4 MiB/s per request to finish inside the request timeout; \
-             a slower source will time out on every chunk (lower chunk_size or raise request_timeout_secs)"
+            "{w}"
         );
     }
     let sources = Sources::new(
@@ -716,6 +728,20 @@ mod tests {
         assert_eq!(c.check_blob(&d, text.len() as u64, false).unwrap(), BlobState::Marked);
         assert!(read_cached_manifest(&c, &d).unwrap().is_none());
         assert!(!blob.exists(), "the tampered copy is removed so it is fetched again");
+    }
+
+    #[test]
+    fn a_chunk_too_big_for_the_request_timeout_is_warned_about() {
+        let mut o = PrefetchOptions::default();
+        assert_eq!(o.chunk_timeout_warning(), None, "the defaults fit");
+        o.chunk_size = 1 << 30;
+        let w = o.chunk_timeout_warning().unwrap();
+        assert!(
+            w.contains("chunk_size 1073741824") && w.contains("request_timeout_secs 30"),
+            "{w}"
+        );
+        o.request_timeout_secs = 256;
+        assert_eq!(o.chunk_timeout_warning(), None);
     }
 
     #[test]
