@@ -112,11 +112,9 @@ impl Cache {
         let c = Cache {
             root: root.to_path_buf(),
         };
-        for d in [c.blobs_dir(), c.markers_dir(), c.tmp_dir(), c.bundles_dir()] {
-            fs::create_dir_all(&d).map_err(io("create directory", &d))?;
-        }
+        fs::create_dir_all(root).map_err(io("create directory", root))?;
         // The root may be a symlink (a cache moved to another disk); what is inside is ours
-        // and must be real directories.
+        // and must be real directories, each checked before anything is created in it.
         for d in [
             c.root.join("blobs"),
             c.blobs_dir(),
@@ -125,15 +123,21 @@ impl Cache {
             c.tmp_dir(),
             c.bundles_dir(),
         ] {
-            let m = fs::symlink_metadata(&d).map_err(io("stat", &d))?;
-            if !m.is_dir() {
-                return Err(PrefetchError::io(
-                    "use",
-                    &d,
-                    std::io::Error::other(
-                        "not a directory (a symlink?): the cache's own directories must be real ones",
-                    ),
-                ));
+            match fs::symlink_metadata(&d) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(PrefetchError::io(
+                        "use",
+                        &d,
+                        std::io::Error::other(
+                            "not a directory (a symlink?): the cache's own directories must be real ones",
+                        ),
+                    ));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    fs::create_dir(&d).map_err(io("create directory", &d))?;
+                }
+                Err(e) => return Err(PrefetchError::io("stat", &d, e)),
             }
         }
         Ok(c)
@@ -145,8 +149,15 @@ impl Cache {
         let path = self.root.join(".lock");
         let file = match nofollow_options(false).open(&path) {
             Ok(f) => f,
-            // A warm cache on a read-only filesystem (an image-baked node) is still served.
-            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) => {
+            // A warm cache this process cannot write (a read-only filesystem on an
+            // image-baked node, a root-owned cache checked by a user) is still served: a
+            // writer is what the lock excludes, and this process writes nothing there.
+            Err(e)
+                if [rustix::io::Errno::ROFS, rustix::io::Errno::ACCESS]
+                    .iter()
+                    .any(|c| e.raw_os_error() == Some(c.raw_os_error())) =>
+            {
+                tracing::debug!(path = %path.display(), error = %e, "cache lock not taken: the cache is not writable here");
                 return Ok(Some(CacheLock { _file: None }));
             }
             Err(e) => return Err(PrefetchError::io("open", &path, e)),
@@ -154,6 +165,11 @@ impl Cache {
         match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => Ok(Some(CacheLock { _file: Some(file) })),
             Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
+            // A filesystem without flock (some NFS mounts): run as before, unexcluded.
+            Err(e @ (rustix::io::Errno::NOLCK | rustix::io::Errno::OPNOTSUPP)) => {
+                tracing::warn!(path = %path.display(), error = %e, "the cache's filesystem cannot lock; two prefetches into it at once are not excluded");
+                Ok(Some(CacheLock { _file: None }))
+            }
             Err(e) => Err(PrefetchError::io("lock", &path, e.into())),
         }
     }
@@ -393,7 +409,7 @@ impl Cache {
                 let path = entry.path();
                 let Some(name) = entry.file_name().to_str().map(str::to_string) else {
                     // Not UTF-8: no manifest path can name it.
-                    remove_any(&path, false)?;
+                    remove_any(&path, entry.file_type().is_ok_and(|t| t.is_dir()))?;
                     removed.push(path);
                     continue;
                 };
@@ -561,6 +577,17 @@ pub(crate) mod tests {
         c.link_view("b", "x/y", &d).unwrap();
         assert!(c.prune_view("b", &["keep/a.bin", "top.bin", "x/y"]).unwrap().is_empty());
         assert!(c.prune_view("missing", &["a"]).unwrap().is_empty());
+        // A directory whose name is not UTF-8 (no manifest path can name it) goes too.
+        let odd = view.join(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(
+            b"old-\xff",
+        ));
+        fs::create_dir(&odd).unwrap();
+        fs::write(odd.join("f"), b"").unwrap();
+        assert_eq!(
+            c.prune_view("b", &["keep/a.bin", "top.bin", "x/y"]).unwrap(),
+            [odd.clone()]
+        );
+        assert!(!odd.exists());
     }
 
     #[test]
@@ -594,6 +621,14 @@ pub(crate) mod tests {
         let err = Cache::open(dir.path()).unwrap_err();
         assert_eq!(err.reason(), "CacheIoError");
         assert!(err.to_string().contains("verified/sha256"), "{err}");
+        // Refused before anything is created through the link.
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("blobs")).unwrap();
+        assert_eq!(Cache::open(dir.path()).unwrap_err().reason(), "CacheIoError");
+        assert!(
+            !outside.path().join("sha256").exists(),
+            "created through the planted link"
+        );
 
         let target = outside.path().join("victim");
         fs::write(&target, b"keep").unwrap();

@@ -237,9 +237,11 @@ pub async fn prefetch_bundles_observed(
     let plane = DataPlane::start(&opts.cache_dir)?;
     let (bundles, opts) = (bundles.to_vec(), opts.clone());
     let root = opts.cache_dir.clone();
+    let held = plane.held.clone();
     // The caller's span (the agent's `models` stage) stays the parent of the engine's logs.
     let work = plane.spawn(
-        async move { prefetch_here(&bundles, &opts, cancel, observer).await }.instrument(tracing::Span::current()),
+        async move { prefetch_here(&bundles, &opts, cancel, observer, &held).await }
+            .instrument(tracing::Span::current()),
     );
     work.await
         .map_err(|e| PrefetchError::io("download", root, std::io::Error::other(e)))?
@@ -253,11 +255,33 @@ pub async fn prefetch_bundles_observed(
 /// is slow it set the finish. Such a write blocks its worker for the copy, and on a disk
 /// whose dirty pages are throttled for longer; on a runtime of its own that only holds
 /// back the download itself, never the agent's API calls, timers and other stages.
+///
+/// It also keeps the cache's lock until the runtime is gone: a run cancelled (a stage
+/// deadline, a sibling's failure) leaves blocking work finishing on its own, a chunk's
+/// write or a blob's fsync and rename, and the next run must not take the lock and open
+/// the same partial before that work has landed.
 struct DataPlane {
     handle: tokio::runtime::Handle,
     /// `None` only once dropped.
     rt: Option<tokio::runtime::Runtime>,
+    /// The cache lock, once the run took it; released after the runtime shut down.
+    held: HeldLock,
 }
+
+/// A runtime that, when dropped without being taken, stops in the background instead of
+/// blocking (which panics inside another runtime).
+struct StopInBackground(Option<tokio::runtime::Runtime>);
+
+impl Drop for StopInBackground {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Where a run leaves its cache lock for its [`DataPlane`] to release.
+type HeldLock = Arc<std::sync::Mutex<Option<cache::CacheLock>>>;
 
 impl DataPlane {
     fn start(cache_dir: &Path) -> Result<Self, PrefetchError> {
@@ -269,6 +293,7 @@ impl DataPlane {
         Ok(Self {
             handle: rt.handle().clone(),
             rt: Some(rt),
+            held: HeldLock::default(),
         })
     }
 
@@ -283,10 +308,21 @@ impl DataPlane {
 
 impl Drop for DataPlane {
     fn drop(&mut self) {
-        // Drops every task (their cancellation guards stop the downloads) without
-        // blocking: a plain drop would panic when the caller is itself async.
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
+        // Drops every task (their cancellation guards stop the downloads) on a thread of
+        // its own: a plain drop here would panic when the caller is itself async. Dropping
+        // a runtime waits for its blocking work; only then does the cache lock go.
+        let (mut rt, held) = (StopInBackground(self.rt.take()), self.held.clone());
+        let stop = move || {
+            drop(rt.0.take());
+            drop(held.lock().map(|mut h| h.take()));
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("taintgate-fetch-stop".into())
+            .spawn(stop)
+        {
+            // Never started (the closure, and with it the runtime, were dropped unrun): the
+            // runtime was stopped in the background and the lock released at once.
+            tracing::warn!(error = %e, "cannot start a thread to stop the download runtime");
         }
     }
 }
@@ -297,6 +333,7 @@ async fn prefetch_here(
     opts: &PrefetchOptions,
     cancel: CancellationToken,
     observer: Arc<dyn PrefetchObserver>,
+    held: &HeldLock,
 ) -> Result<PrefetchReport, PrefetchError> {
     let start = Instant::now();
     opts.validate()?;
@@ -312,7 +349,10 @@ async fn prefetch_here(
     }
     let root = opts.cache_dir.clone();
     let cache = blocking(move || Cache::open(&root)).await?;
-    let _lock = lock_cache(&cache, &cancel).await?;
+    let lock = lock_cache(&cache, &cancel).await?;
+    if let Ok(mut h) = held.lock() {
+        *h = Some(lock);
+    }
     {
         let c = cache.clone();
         blocking(move || {
@@ -524,7 +564,17 @@ async fn prefetch_here(
         let (c2, name) = (cache.clone(), b.name.clone());
         let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
         let pruned =
-            blocking(move || c2.prune_view(&name, &paths.iter().map(String::as_str).collect::<Vec<_>>())).await?;
+            match blocking(move || c2.prune_view(&name, &paths.iter().map(String::as_str).collect::<Vec<_>>())).await {
+                // A read-only cache cannot be pruned, and need not be: nothing there changed
+                // since it was built. Its view is served as it is.
+                Err(PrefetchError::Io { source, .. })
+                    if source.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) =>
+                {
+                    tracing::debug!(bundle = %b.name, "read-only cache: the bundle view is not pruned");
+                    Vec::new()
+                }
+                other => other?,
+            };
         for p in &pruned {
             tracing::info!(bundle = %b.name, path = %p.display(), "removed an entry the manifest does not list from the bundle view");
         }
@@ -674,7 +724,7 @@ async fn lock_cache(cache: &Cache, cancel: &CancellationToken) -> Result<cache::
         }
         tokio::select! {
             _ = cancel.cancelled() => return Err(PrefetchError::Cancelled),
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
     }
 }
