@@ -468,7 +468,15 @@ fn setup_403_s3(dir: &Path) -> anyhow::Result<World> {
 /// `/slow/` at 256 KiB/s each. nginx lets a request send one second's worth at once and
 /// counts whole seconds, so each chunk takes between 2 and 3 s.
 fn setup_slow_ok(dir: &Path) -> anyhow::Result<World> {
-    nginx_world(dir, "256k", 4 * MIB, slow, json!({}), json!({"deadline": "20s"}))
+    // Progress lines every second, so the slow download (at least 2 s) logs one.
+    nginx_world(
+        dir,
+        "256k",
+        4 * MIB,
+        slow,
+        json!({"log_interval_secs": 1}),
+        json!({"deadline": "20s"}),
+    )
 }
 
 /// Row 5b: The same origin, too slow for a 1 s models deadline (8 MiB: at least 4 s).
@@ -786,6 +794,22 @@ fn check_slow_ok(c: &Ctx) -> Result<(), String> {
     let fetched = bytes_fetched(c.timeline)?;
     if fetched != size {
         return Err(format!("bytesFetched {fetched}, expected {size}"));
+    }
+    // Not on a terminal: the download says how far it got while it runs, in the log.
+    let progress: Vec<serde_json::Value> = c
+        .run
+        .stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l["message"] == "bundle prefetch progress")
+        .collect();
+    let partial = progress.iter().any(|l| {
+        l["bundle"] == BUNDLE && l["total_bytes"] == size && l["verified_bytes"].as_u64().is_some_and(|v| v < size)
+    });
+    if !partial {
+        return Err(format!(
+            "no progress line for the unfinished bundle in the log; progress lines: {progress:?}"
+        ));
     }
     Ok(())
 }
