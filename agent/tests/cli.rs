@@ -581,3 +581,40 @@ fn bundle_fetch_verify_cache_repairs_a_corrupted_blob() {
     let out = fetch(&[]);
     assert!(out.contains("verified: 0 bytes fetched, 400000 from cache"), "{out}");
 }
+
+/// On a terminal `bundle fetch` draws a progress bar per bundle (indicatif), and finishes it
+/// at the bundle's total; off a terminal it draws none. The terminal is a pty from util-linux
+/// `script` (Debian's essential bsdutils), so the test needs no terminal of its own.
+#[test]
+fn bundle_fetch_draws_a_progress_bar_on_a_terminal_only() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("model")).unwrap();
+    std::fs::write(dir.path().join("model/weights.bin"), vec![3u8; 3 * 1024 * 1024]).unwrap();
+    let (cache, fetch) = local_bundle(dir.path());
+    let manifest = dir.path().join("manifest.yaml");
+    let line = format!(
+        "'{}' bundle fetch '{}' --cache '{}' --reserve 0 --name demo",
+        env!("CARGO_BIN_EXE_taintgate"),
+        manifest.display(),
+        cache.display()
+    );
+    let o = Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .env_remove("KUBECONFIG")
+        .output()
+        .expect("util-linux `script` (bsdutils) runs the fetch on a pty");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let screen = text(&o);
+    // The bar's last frame: the bundle's name, a full bar, the total over the total.
+    assert!(
+        screen.contains("demo [==============================] 3.00 MiB/3.00 MiB"),
+        "no finished bar in {screen:?}"
+    );
+
+    // A second fetch, not on a terminal, into a fresh cache: no bar, only the report line.
+    std::fs::remove_dir_all(&cache).unwrap();
+    let o = fetch(&["--reserve", "0", "--name", "demo"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(!text(&o).contains("[=="), "a bar off a terminal: {}", text(&o));
+    assert!(text(&o).contains("verified: 3145728 bytes fetched"), "{}", text(&o));
+}
