@@ -12,5 +12,6 @@ pub mod deploy;
 pub mod emulator;
 pub mod faults;
 pub mod kubelet;
+pub mod mounts;
 pub mod otlp;
 pub mod services;

@@ -37,6 +37,7 @@ use taintgate_tests::bundles::{
 };
 use taintgate_tests::emulator::Emulator;
 use taintgate_tests::faults::*;
+use taintgate_tests::mounts::Mount;
 use taintgate_tests::services::containerd::Containerd;
 use taintgate_tests::services::moto::Moto;
 use taintgate_tests::services::nginx::Nginx;
@@ -271,49 +272,6 @@ fn direct(_: &Nginx) -> Option<String> {
 
 fn slow(_: &Nginx) -> Option<String> {
     Some("slow/model.bin".into())
-}
-
-/// A file system mounted on a temp dir, unmounted (lazily, so a straggling reader cannot
-/// keep it) before the dir is removed.
-struct Mount {
-    dir: tempfile::TempDir,
-}
-
-impl Mount {
-    fn run(args: &[&str]) -> anyhow::Result<()> {
-        let st = Command::new("mount").args(args).status()?;
-        anyhow::ensure!(st.success(), "mount {args:?}: {st}");
-        Ok(())
-    }
-    /// A tmpfs of `size` (mount(8) syntax) with extra `opts`.
-    fn tmpfs(size: &str, opts: &str) -> anyhow::Result<Self> {
-        let dir = tempfile::Builder::new().prefix("tg-fmio-mnt").tempdir()?;
-        let o = format!("size={size}{opts}");
-        let path = dir.path().to_string_lossy().into_owned();
-        Self::run(&["-t", "tmpfs", "-o", &o, "tmpfs", &path])?;
-        Ok(Mount { dir })
-    }
-    /// `src` bind-mounted read-only.
-    fn read_only_bind(src: &Path) -> anyhow::Result<Self> {
-        let dir = tempfile::Builder::new().prefix("tg-fmio-ro").tempdir()?;
-        let (s, d) = (
-            src.to_string_lossy().into_owned(),
-            dir.path().to_string_lossy().into_owned(),
-        );
-        Self::run(&["--bind", &s, &d])?;
-        let m = Mount { dir };
-        Self::run(&["-o", "remount,ro,bind", &d])?;
-        Ok(m)
-    }
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
-    }
 }
 
 // -------------------------------------------------------------- row setups

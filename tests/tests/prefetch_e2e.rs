@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,6 +19,7 @@ use taintgate_tests::bundles::{
 };
 // The options every test here starts from.
 use taintgate_tests::bundles::test_prefetch_options as opts;
+use taintgate_tests::mounts::Mount;
 use taintgate_tests::require_service;
 use taintgate_tests::services::moto::Moto;
 use taintgate_tests::services::nginx::{AccessEntry, Nginx};
@@ -445,27 +446,7 @@ async fn object_replaced_mid_download_is_detected_not_stitched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_too_small_is_refused_before_the_first_byte() {
-    let mnt = tempfile::tempdir().unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
-        .arg(mnt.path())
-        .status()
-        .map_err(anyhow::Error::from)
-        .and_then(|s| {
-            if s.success() {
-                Ok(())
-            } else {
-                Err(anyhow::anyhow!("mount tmpfs: {s}"))
-            }
-        });
-    require_service!("tmpfs mount", mounted);
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg(&self.0).status();
-        }
-    }
-    let _unmount = Unmount(mnt.path().to_path_buf());
+    let mnt = require_service!("tmpfs mount", Mount::tmpfs("8m", ""));
 
     let origin = tempfile::tempdir().unwrap();
     let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));

@@ -6,42 +6,15 @@
 //! elsewhere it is skipped with a message (the `require_service!` rule).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use taintgate_prefetch::{BundleRef, CancellationToken, Manifest, PrefetchError, PrefetchOptions, prefetch_bundles};
 use taintgate_tests::bundles::{files_under, publish_manifest, sha256_file, test_prefetch_options, write_origin_file};
+use taintgate_tests::mounts::Mount;
 use taintgate_tests::require_service;
 use taintgate_tests::services::nginx::{AccessEntry, Nginx};
 
 const MIB: u64 = 1 << 20;
-
-/// A tmpfs of `size` (mount(8) syntax) on a temp dir, unmounted (lazily) when dropped.
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    fn mount(size: &str) -> anyhow::Result<Self> {
-        let dir = tempfile::Builder::new().prefix("tg-preflight-mnt").tempdir()?;
-        let st = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .status()?;
-        anyhow::ensure!(st.success(), "mount tmpfs size={size}: {st}");
-        Ok(Tmpfs { dir })
-    }
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
-    }
-}
 
 /// A one-bundle prefetch that must be refused by the disk check; returns the error's
 /// `needed` and `reserve`.
@@ -107,7 +80,7 @@ fn assert_only_the_manifest_was_requested(log: &[AccessEntry], manifest_uri: &st
 /// preflight sums both (10 MiB) and refuses before any data request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_files_that_fit_only_one_at_a_time_are_refused_before_any_data_request() {
-    let mnt = require_service!("tmpfs mount", Tmpfs::mount("8m"));
+    let mnt = require_service!("tmpfs mount", Mount::tmpfs("8m", ""));
     let origin = tempfile::tempdir().unwrap();
     let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
     let (a, _) = write_origin_file(origin.path(), "a.bin", 5 * MIB, 91, None).unwrap();
@@ -148,7 +121,7 @@ async fn two_files_that_fit_only_one_at_a_time_are_refused_before_any_data_reque
 /// request; the same bundle on the same cache with no reserve is fetched and verified.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reserve_refuses_a_bundle_that_fits_only_without_it() {
-    let mnt = require_service!("tmpfs mount", Tmpfs::mount("8m"));
+    let mnt = require_service!("tmpfs mount", Mount::tmpfs("8m", ""));
     let origin = tempfile::tempdir().unwrap();
     let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
     let (f, data) = write_origin_file(origin.path(), "w.bin", 5 * MIB, 93, None).unwrap();
