@@ -56,6 +56,23 @@ fn check_on_builtin_profile_prints_every_stage_and_would_release() {
     assert!(out.contains("WOULD RELEASE (dry-run)"), "{out}");
 }
 
+/// The allocator settings in `main.rs` reach jemalloc: a misspelt symbol name (or a build
+/// where jemalloc is not prefixed) would leave them silently ignored, and the prefetch
+/// would lose its huge pages and the resident agent its single arena.
+#[test]
+fn binary_runs_on_jemalloc_with_its_compiled_in_settings() {
+    let o = bin()
+        .arg("--version")
+        .env("_RJEM_MALLOC_CONF", "stats_print:true")
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    for want in ["opt.thp: \"always\"", "opt.narenas: 1", "opt.background_thread: true"] {
+        assert!(out.contains(want), "jemalloc's stats lack {want}:\n{out}");
+    }
+}
+
 #[test]
 fn run_on_healthy_profile_releases() {
     let o = bin()
