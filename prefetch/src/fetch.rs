@@ -17,6 +17,7 @@
 //! of being fetched again. A partial whose object changed since (different ETag) is thrown
 //! away, never stitched to new bytes.
 
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::IoSlice;
 use std::os::unix::fs::FileExt;
@@ -122,6 +123,12 @@ fn chunks(size: u64, chunk: u64) -> usize {
     size.div_ceil(chunk) as usize
 }
 
+/// Length of chunk `i` of a `size`-byte file cut into `chunk`-byte chunks.
+fn chunk_len(size: u64, chunk: u64, i: usize) -> u64 {
+    let start = (i as u64).saturating_mul(chunk);
+    size.saturating_sub(start).min(chunk)
+}
+
 /// Why one file attempt failed.
 enum AttemptError {
     /// Bytes hashed to the wrong digest: discard and retry.
@@ -194,20 +201,32 @@ impl Engine {
         let start = Instant::now();
         let mut out = BlobOutcome::default();
         let mut delays = backoff(self.retries);
+        // Chunks this run fetched over the network, since the partial was last discarded.
+        // A later attempt (after a transient failure) reads them back like a resumed
+        // partial's; what was reused from an earlier run is the rest of the file. A set, so
+        // a chunk fetched twice (its done mark not yet persisted) is not counted twice.
+        let mut fetched_here = BTreeSet::new();
         loop {
             out.attempts += 1;
-            let result = self.clone().attempt(&job, rank, &cancel, &mut out).await;
+            let result = self
+                .clone()
+                .attempt(&job, rank, &cancel, &mut out, &mut fetched_here)
+                .await;
             let delay = match result {
                 Ok(()) => {
                     out.duration = start.elapsed();
+                    let fetched: u64 = fetched_here
+                        .iter()
+                        .map(|&i| chunk_len(job.size, self.chunk_size, i))
+                        .sum();
+                    out.bytes_resumed = job.size.saturating_sub(fetched);
                     return Ok(out);
                 }
                 Err(AttemptError::Digest(actual)) => {
                     tracing::warn!(file = %job.label, uri = %job.uri, expected = %job.digest, %actual, attempt = out.attempts, "digest mismatch; discarding download");
                     self.progress.observer.retry("DigestMismatch");
                     self.discard(&job.digest)?;
-                    // What was read back from the partial is gone with it: nothing reused.
-                    out.bytes_resumed = 0;
+                    fetched_here.clear();
                     if out.attempts > self.retries {
                         return Err(PrefetchError::DigestMismatch {
                             file: job.label.clone(),
@@ -222,7 +241,7 @@ impl Engine {
                 Err(AttemptError::Restart(why)) => {
                     tracing::info!(file = %job.label, uri = %job.uri, %why, "partial download is stale; starting over");
                     self.discard(&job.digest)?;
-                    out.bytes_resumed = 0;
+                    fetched_here.clear();
                     if out.attempts > self.retries + 1 {
                         return Err(PrefetchError::SourceChanged {
                             uri: job.uri.clone(),
@@ -282,6 +301,7 @@ impl Engine {
         rank: u64,
         cancel: &CancellationToken,
         out: &mut BlobOutcome,
+        fetched_here: &mut BTreeSet<usize>,
     ) -> Result<(), AttemptError> {
         let digest = &job.digest;
         let part = self.cache.part_path(digest);
@@ -414,7 +434,11 @@ impl Engine {
                 .buffered(window),
         );
         let mut result: Result<(), AttemptError> = Ok(());
+        // `buffered` yields the chunks in order: the k-th is chunk k.
+        let mut index = 0usize;
         while let Some((joined, slot)) = stream.next().await {
+            let i = index;
+            index += 1;
             let chunk = match joined {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
@@ -427,8 +451,8 @@ impl Engine {
                 }
             };
             let (bufs, fetched) = chunk;
-            if fetched == 0 {
-                out.bytes_resumed += bufs.iter().map(|b| b.len() as u64).sum::<u64>();
+            if fetched > 0 {
+                fetched_here.insert(i);
             }
             out.bytes_fetched += fetched;
             if tx.send(HashItem { bufs, _slot: slot }).await.is_err() {
@@ -773,6 +797,18 @@ pub(crate) async fn blocking<T: Send + 'static>(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn chunk_len_covers_the_file_exactly() {
+        for (size, chunk) in [(0u64, 4u64), (1, 4), (4, 4), (41, 4), (40, 8)] {
+            let n = chunks(size, chunk);
+            let lens: Vec<u64> = (0..n).map(|i| chunk_len(size, chunk, i)).collect();
+            assert_eq!(lens.iter().sum::<u64>(), size, "{size}/{chunk}: {lens:?}");
+            assert!(lens.iter().all(|&l| l > 0 && l <= chunk), "{size}/{chunk}: {lens:?}");
+        }
+        assert_eq!(chunk_len(41, 4, 10), 1);
+        assert_eq!(chunk_len(41, 4, 11), 0);
+    }
 
     #[test]
     fn chunk_map_bits() {

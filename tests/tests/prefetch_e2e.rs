@@ -668,6 +668,7 @@ async fn kill_mid_download_and_resume() {
 
     let killed_at = fetch_in_child_then_kill(&b, &o, 8 * MIB);
     assert!(killed_at < size, "killed too late to test resume");
+    let before_restart = nginx.requests().unwrap().len();
 
     let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
         .await
@@ -677,6 +678,19 @@ async fn kill_mid_download_and_resume() {
         fr.bytes_resumed >= 4 * MIB,
         "resume re-used only {} bytes: {fr:?}",
         fr.bytes_resumed
+    );
+    // Exactly the chunks the restart did not ask the origin for were re-used.
+    let asked: std::collections::BTreeSet<u64> = nginx.requests().unwrap()[before_restart..]
+        .iter()
+        .filter(|e| e.uri == "/slow/model.bin")
+        .filter_map(|e| e.range.strip_prefix("bytes=")?.split('-').next()?.parse::<u64>().ok())
+        .map(|start| start / o.chunk_size)
+        .collect();
+    let refetched: u64 = asked.iter().map(|&i| (size - i * o.chunk_size).min(o.chunk_size)).sum();
+    assert_eq!(
+        fr.bytes_resumed,
+        size - refetched,
+        "chunks asked for after the restart: {asked:?}; {fr:?}"
     );
     assert_bundle_matches(cache.path(), "m", origin.path(), &m);
     // Server-side truth: bytes sent for the file over both runs.
