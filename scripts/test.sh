@@ -14,9 +14,10 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-# Build tools used by the tests themselves (cc builds the fake libnvidia-ml.so.1; bsdutils'
-# `script` gives the progress-bar test a terminal).
-$SUDO apt-get install -y -qq --no-install-recommends build-essential pkg-config ca-certificates curl bsdutils >/dev/null
+# Build tools used by the tests themselves (cc builds the fake libnvidia-ml.so.1, and
+# cc + make build jemalloc; bsdutils' `script` gives the progress-bar test a terminal;
+# GNU `time` reports the memory-bound test's peak RSS).
+$SUDO apt-get install -y -qq --no-install-recommends build-essential pkg-config ca-certificates curl bsdutils time >/dev/null
 
 # Each area's own installer (services the end-to-end tests start for real).
 for s in scripts/install-test-deps-*.sh; do
