@@ -499,6 +499,57 @@ fn local_bundle(dir: &Path) -> (PathBuf, impl Fn(&[&str]) -> Output) {
     (dir.join("cache"), fetch)
 }
 
+/// A warm cache this process cannot write (root-owned, checked by an unprivileged user;
+/// or one made read-only for this user) is served without the cache's lock: the lock file
+/// cannot be opened for writing (`EACCES`), and a warm run writes nothing. As root the
+/// check runs as `nobody` through util-linux `setpriv`.
+#[test]
+fn warm_cache_this_user_cannot_write_is_served_without_the_lock() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("model");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("weights.bin"), vec![9u8; 200_000]).unwrap();
+    let (cache, fetch) = local_bundle(dir.path());
+    let o = fetch(&["--reserve", "0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(cache.join(".lock").is_file(), "the writer took no lock");
+
+    let uid = Command::new("id").arg("-u").output().unwrap();
+    let root = String::from_utf8_lossy(&uid.stdout).trim() == "0";
+    let mut c = if root {
+        // Let `nobody` reach the bundle (tempdir is 0700); the cache stays root's.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_taintgate"));
+        c
+    } else {
+        std::fs::set_permissions(cache.join(".lock"), std::fs::Permissions::from_mode(0o444)).unwrap();
+        std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o555)).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_taintgate"))
+    };
+    let o = c
+        .env("RUST_LOG", "debug")
+        .args(["bundle", "fetch"])
+        .arg(dir.path().join("manifest.yaml"))
+        .arg("--cache")
+        .arg(&cache)
+        .args(["--reserve", "0"])
+        .output()
+        .unwrap();
+    if !root {
+        std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(out.contains("cache lock not taken"), "{out}");
+    assert_eq!(
+        std::fs::read(cache.join("bundles/bundle/weights.bin")).unwrap(),
+        vec![9u8; 200_000]
+    );
+}
+
 #[test]
 fn bundle_fetch_local_directory_with_options() {
     let dir = tempfile::tempdir().unwrap();
