@@ -509,7 +509,7 @@ impl Engine {
 /// the chunk's bytes and the number of bytes received from the source.
 async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), PrefetchError> {
     let start = i as u64 * ctx.chunk_size;
-    let end = (start + ctx.chunk_size).min(ctx.size);
+    let end = start + chunk_len(ctx.size, ctx.chunk_size, i);
     let len = (end - start) as usize;
     let on_disk = ctx.map.lock().map(|m| m.is_done(i)).unwrap_or(false);
     if on_disk {
