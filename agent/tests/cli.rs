@@ -486,17 +486,14 @@ fn local_bundle(dir: &Path) -> (PathBuf, impl Fn(&[&str]) -> Output) {
         .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let cache = dir.join("cache");
-    let fetch = move |extra: &[&str]| {
-        bin()
-            .args(["bundle", "fetch"])
-            .arg(&manifest)
-            .arg("--cache")
-            .arg(&cache)
-            .args(extra)
-            .output()
-            .unwrap()
-    };
+    let fetch = move |extra: &[&str]| bundle_fetch(bin(), &manifest, &cache).args(extra).output().unwrap();
     (dir.join("cache"), fetch)
+}
+
+/// `c` (the binary, or a wrapper running it) given `bundle fetch MANIFEST --cache CACHE`.
+fn bundle_fetch(mut c: Command, manifest: &Path, cache: &Path) -> Command {
+    c.args(["bundle", "fetch"]).arg(manifest).arg("--cache").arg(cache);
+    c
 }
 
 /// A warm cache this process cannot write (root-owned, checked by an unprivileged user;
@@ -517,7 +514,7 @@ fn warm_cache_this_user_cannot_write_is_served_without_the_lock() {
 
     let uid = Command::new("id").arg("-u").output().unwrap();
     let root = String::from_utf8_lossy(&uid.stdout).trim() == "0";
-    let mut c = if root {
+    let c = if root {
         // Let `nobody` reach the bundle (tempdir is 0700); the cache stays root's.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let mut c = Command::new("setpriv");
@@ -527,14 +524,10 @@ fn warm_cache_this_user_cannot_write_is_served_without_the_lock() {
     } else {
         std::fs::set_permissions(cache.join(".lock"), std::fs::Permissions::from_mode(0o444)).unwrap();
         std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o555)).unwrap();
-        Command::new(env!("CARGO_BIN_EXE_taintgate"))
+        bin()
     };
-    let o = c
+    let o = bundle_fetch(c, &dir.path().join("manifest.yaml"), &cache)
         .env("RUST_LOG", "debug")
-        .args(["bundle", "fetch"])
-        .arg(dir.path().join("manifest.yaml"))
-        .arg("--cache")
-        .arg(&cache)
         .args(["--reserve", "0"])
         .output()
         .unwrap();

@@ -431,14 +431,12 @@ impl Engine {
                     let task = tokio::spawn(fetch_chunk(ctx, i));
                     async move { (task.await, permit) }
                 })
-                .buffered(window),
+                .buffered(window)
+                // `buffered` yields the chunks in order: the k-th is chunk k.
+                .enumerate(),
         );
         let mut result: Result<(), AttemptError> = Ok(());
-        // `buffered` yields the chunks in order: the k-th is chunk k.
-        let mut index = 0usize;
-        while let Some((joined, slot)) = stream.next().await {
-            let i = index;
-            index += 1;
+        while let Some((i, (joined, slot))) = stream.next().await {
             let chunk = match joined {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
