@@ -193,17 +193,44 @@ impl RunningAgent {
 
     /// Wait for exit, killing the agent after `timeout`.
     pub fn wait(self, timeout: Duration) -> anyhow::Result<AgentRun> {
-        let (res, timed_out) = match self.done.recv_timeout(timeout) {
-            Ok(r) => (r, false),
-            Err(_) => {
-                self.signal("KILL")?;
-                let r = self
-                    .done
-                    .recv_timeout(Duration::from_secs(10))
-                    .map_err(|_| anyhow::anyhow!("agent {} did not exit after SIGKILL", self.pid))?;
-                (r, true)
+        match self.done.recv_timeout(timeout) {
+            Ok(r) => self.finish(r, false),
+            Err(_) => self.kill_and_collect(),
+        }
+    }
+
+    /// Wait for exit, killing the agent as soon as `kill_when` returns true (asked every
+    /// few milliseconds) or after `timeout`. For a kill injected at a *state* the test can
+    /// see on disk (a chunk persisted as done) rather than at a time: on a slow machine a
+    /// kill at a fixed time keeps landing before that state is reached.
+    pub fn wait_or_kill_when(self, timeout: Duration, mut kill_when: impl FnMut() -> bool) -> anyhow::Result<AgentRun> {
+        const POLL: Duration = Duration::from_millis(3);
+        loop {
+            match self.done.recv_timeout(POLL) {
+                Ok(r) => return self.finish(r, false),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    anyhow::bail!("agent {}: output collector ended without a status", self.pid)
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if self.started.elapsed() >= timeout || kill_when() {
+                        return self.kill_and_collect();
+                    }
+                }
             }
-        };
+        }
+    }
+
+    /// SIGKILL, then collect what the agent wrote; `timed_out` is set on the result.
+    fn kill_and_collect(self) -> anyhow::Result<AgentRun> {
+        self.signal("KILL")?;
+        let r = self
+            .done
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| anyhow::anyhow!("agent {} did not exit after SIGKILL", self.pid))?;
+        self.finish(r, true)
+    }
+
+    fn finish(self, res: (std::io::Result<ExitStatus>, String, String), timed_out: bool) -> anyhow::Result<AgentRun> {
         let (status, stdout, stderr) = res;
         Ok(AgentRun {
             code: status?.code(),

@@ -1,7 +1,8 @@
 //! Crash safety of the model-bundle download: the real `taintgate bundle fetch` is killed
 //! with SIGKILL at random points (seeded, reproducible: `PREFETCH_CRASH_LOOP_SEED`) of a
 //! download from a rate-limited nginx (`/slow/`), 50 times, each time restarted on the same
-//! cache. A download that finishes before its kill is checked for convergence and the next
+//! cache. Half the kills land at a random time after the spawn, half a random time after the
+//! run persisted its first new chunk, so a slow machine still sees kills mid-file. A download that finishes before its kill is checked for convergence and the next
 //! one starts on a fresh cache, so kills land everywhere: before the manifest, mid-body,
 //! between chunks, as a wave of chunks completes, in one-chunk files.
 //!
@@ -470,6 +471,38 @@ fn check_converged(o: &Origin, d: &Download, fin: &Final, run: &AgentRun) -> Res
     Ok(())
 }
 
+/// When one run of the loop is SIGKILLed.
+#[derive(Debug, Clone, Copy)]
+enum Kill {
+    /// Not at all: it must finish by itself within [`RUN_LIMIT`].
+    Never,
+    /// This long after the spawn.
+    At(Duration),
+    /// This long after [`progress`] first rises above what the run started with.
+    AfterProgress(Duration),
+}
+
+/// Chunks of the chunked files persisted on disk: done in a chunk map, or all of a file's
+/// once its blob is committed. Read without verifying (the loop's checks do that after the
+/// run) and without failing, because it is polled while the engine renames these files.
+fn progress(cache: &Path, o: &Origin) -> u64 {
+    o.files
+        .iter()
+        .filter(|f| f.chunked())
+        .map(|f| {
+            let digest = &f.entry.sha256;
+            if cache.join("blobs/sha256").join(digest).exists() {
+                return f.entry.size.div_ceil(CHUNK);
+            }
+            std::fs::read(cache.join("tmp").join(format!("{digest}.state")))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|v| v["done"].as_str().and_then(|h| hex::decode(h).ok()))
+                .map_or(0, |bits| bits.iter().map(|b| u64::from(b.count_ones())).sum())
+        })
+        .sum()
+}
+
 fn data_bytes(o: &Origin, requests: &[AccessEntry]) -> u64 {
     requests
         .iter()
@@ -494,19 +527,33 @@ fn kill_9_mid_download_never_refetches_a_done_chunk_and_converges() {
     let mut tally = Tally::default();
     let started = Instant::now();
 
-    // One run of `taintgate bundle fetch` on `d`'s cache; `kill_after`: SIGKILL then,
-    // unless it exits first. Checks (a) and (b) after it, whatever happened.
-    let mut run = |d: &mut Download, kill_after: Option<Duration>, tally: &mut Tally| {
+    // One run of `taintgate bundle fetch` on `d`'s cache, SIGKILLed as `kill` says unless
+    // it exits first. Checks (a) and (b) after it, whatever happened.
+    let mut run = |d: &mut Download, kill: Kill, tally: &mut Tally| {
         tally.resumed_chunks += d.done.values().map(BTreeSet::len).sum::<usize>();
         let args = fetch_args(&o, d.cache.path());
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let before = progress(d.cache.path(), &o);
         let agent = RunningAgent::spawn(agent_command(&argv).unwrap()).unwrap();
-        // The delay *is* the fault being injected: a kill at an arbitrary moment.
-        let r = agent.wait(kill_after.unwrap_or(RUN_LIMIT)).unwrap();
+        // The kill *is* the fault being injected.
+        let r = match kill {
+            Kill::Never => agent.wait(RUN_LIMIT),
+            Kill::At(t) => agent.wait(t),
+            Kill::AfterProgress(extra) => {
+                let mut seen: Option<Instant> = None;
+                agent.wait_or_kill_when(RUN_LIMIT, || {
+                    if seen.is_none() && progress(d.cache.path(), &o) > before {
+                        seen = Some(Instant::now());
+                    }
+                    seen.is_some_and(|t| t.elapsed() >= extra)
+                })
+            }
+        }
+        .unwrap();
         // `timed_out`: our SIGKILL ended it. A run that exited in the same instant has a code.
         let killed = r.timed_out && r.code.is_none();
         assert!(
-            kill_after.is_some() || !r.timed_out,
+            !matches!(kill, Kill::Never) || !r.timed_out,
             "fetch took over {RUN_LIMIT:?}\n{}",
             r.text()
         );
@@ -541,7 +588,7 @@ fn kill_9_mid_download_never_refetches_a_done_chunk_and_converges() {
         if std::env::var_os("PREFETCH_CRASH_LOOP_TRACE").is_some() {
             let done: Vec<String> = maps.iter().map(|(u, m)| format!("{u}:{}", m.done.len())).collect();
             eprintln!(
-                "run {seq}: {:?} {} kill_after {kill_after:?} after {:?}, {} requests, {} bytes, done {done:?}, blobs {}",
+                "run {seq}: {:?} {} kill {kill:?} after {:?}, {} requests, {} bytes, done {done:?}, blobs {}",
                 r.code,
                 r.timed_out,
                 r.elapsed,
@@ -591,7 +638,7 @@ fn kill_9_mid_download_never_refetches_a_done_chunk_and_converges() {
 
     // Calibrate on a clean, uninterrupted download: it is also the reference outcome.
     let mut reference = Download::new();
-    let (cal, fin, _) = run(&mut reference, None, &mut tally);
+    let (cal, fin, _) = run(&mut reference, Kill::Never, &mut tally);
     check_converged(&o, &reference, &fin, &cal).unwrap();
     assert_eq!(reference.sent, o.total(), "a clean download sent more than the bundle");
     // Kills spread over the first ~40% of a cold download: the start, the first wave of
@@ -608,15 +655,17 @@ fn kill_9_mid_download_never_refetches_a_done_chunk_and_converges() {
     while tally.kills < KILLS {
         runs += 1;
         assert!(runs <= 4 * KILLS, "too many runs finished before their kill: {tally:?}");
-        // One kill in four right after the start: the manifest, the cache checks, the
-        // first requests going out.
-        let ms = if rng.below(4) == 0 {
-            rng.below(100)
-        } else {
-            rng.below(span_ms)
+        // One kill in four right after the start (the manifest, the cache checks, the first
+        // requests going out), one at a random time, and half a random time after the run
+        // has persisted its first new chunk: a slow machine (a CI runner sharing its cores)
+        // stretches the start, and kills at times alone then keep landing before any chunk
+        // is done, so the download never advances and nothing mid-file is exercised.
+        let kill = match rng.below(4) {
+            0 => Kill::At(Duration::from_millis(rng.below(100))),
+            1 => Kill::At(Duration::from_millis(rng.below(span_ms))),
+            _ => Kill::AfterProgress(Duration::from_millis(rng.below(span_ms / 2))),
         };
-        let delay = Duration::from_millis(ms);
-        let (r, fin, _) = run(&mut d, Some(delay), &mut tally);
+        let (r, fin, _) = run(&mut d, kill, &mut tally);
         if r.code.is_some() {
             // Finished before the kill: it must have converged; start a fresh download.
             tally.finished_before_kill += 1;
@@ -627,10 +676,10 @@ fn kill_9_mid_download_never_refetches_a_done_chunk_and_converges() {
     }
 
     // The restart after the last kill converges, and a warm restart asks for nothing.
-    let (r, fin, _) = run(&mut d, None, &mut tally);
+    let (r, fin, _) = run(&mut d, Kill::Never, &mut tally);
     check_converged(&o, &d, &fin, &r).unwrap_or_else(|e| panic!("final restart after {} kills: {e}", d.kills));
     tally.downloads_converged += 1;
-    let (warm, fin, requests) = run(&mut d, None, &mut tally);
+    let (warm, fin, requests) = run(&mut d, Kill::Never, &mut tally);
     check_converged(&o, &d, &fin, &warm).unwrap();
     assert!(requests.is_empty(), "a warm restart sent requests: {requests:?}");
 
