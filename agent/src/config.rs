@@ -364,6 +364,10 @@ pub struct KubeletConfig {
     pub plugin_config: Option<PathBuf>,
     /// Where the kubelet's sockets are.
     pub paths: taintgate_validators::kubelet::device_plugin::KubeletPaths,
+    /// The kubelet's own config files, read for its `nodefs.available` eviction thresholds:
+    /// the model prefetch's disk reserve when `models.fetch.reserve_bytes` is not set. Later
+    /// files win; a directory stands for its `*.conf` drop-ins; missing files are skipped.
+    pub config_files: Vec<PathBuf>,
     /// Longest wait for the plugin's first ListAndWatch answer and the pod-resources reply.
     #[serde(with = "humantime_serde")]
     pub probe_timeout: Duration,
@@ -385,6 +389,10 @@ impl Default for KubeletConfig {
         Self {
             plugin_config: None,
             paths: Default::default(),
+            config_files: taintgate_validators::kubelet::eviction::DEFAULT_CONFIG_FILES
+                .iter()
+                .map(PathBuf::from)
+                .collect(),
             probe_timeout: Duration::from_secs(30),
             check_pod_resources: true,
             check_gfd_labels: true,

@@ -69,6 +69,16 @@ kubelet:
     device_plugin_dir: /var/lib/kubelet/device-plugins
     plugin_sockets: {}          # per-resource socket override; default nvidia-<name>.sock
     pod_resources_socket: /var/lib/kubelet/pod-resources/kubelet.sock
+  # The kubelet's config files, read for its nodefs.available eviction thresholds (hard
+  # and soft): the model prefetch keeps that much free unless models.fetch.reserve_bytes
+  # is set. Later files win, a directory means its *.conf drop-ins, missing ones are
+  # skipped: kubeadm, EKS AL2, EKS AL2023 (file and drop-ins), GKE.
+  config_files:
+    - /var/lib/kubelet/config.yaml
+    - /etc/kubernetes/kubelet/kubelet-config.json
+    - /etc/kubernetes/kubelet/config.json
+    - /etc/kubernetes/kubelet/config.json.d
+    - /home/kubernetes/kubelet-config.yaml
   probe_timeout: 30s
   check_pod_resources: true     # compare the kubelet's GetAllocatableResources view
   check_gfd_labels: true        # nvidia.com/gpu.product/count/memory must agree with NVML
@@ -98,7 +108,8 @@ models:
     file_concurrency: 12        # chunks of one file in flight (its reorder window)
     chunk_size: 16777216        # 16 MiB ranged GETs, well inside the request timeout
     retries: 3
-    reserve_bytes: null         # null: keep 10% free (kubelet's default nodefs.available<10%)
+    reserve_bytes: null         # null: the kubelet's nodefs.available eviction thresholds
+                                # (kubelet.config_files), else its default 10%
     verify_cache: false         # true: re-hash every cached blob
     progress: true
     log_interval_secs: 5

@@ -96,7 +96,7 @@ pub enum PrefetchError {
         detail: String,
     },
     /// Not enough free space for the bytes still to fetch plus the reserve.
-    #[error("cache {path}: {available} bytes free, need {needed} more plus a reserve of {reserve}")]
+    #[error("cache {path}: {available} bytes free, need {needed} more plus a reserve of {reserve} ({reserve_from})")]
     DiskInsufficient {
         /// Cache directory.
         path: PathBuf,
@@ -106,6 +106,8 @@ pub enum PrefetchError {
         available: u64,
         /// Reserve kept free (kubelet eviction threshold by default).
         reserve: u64,
+        /// Where the reserve comes from (the setting, a kubelet config file, the default).
+        reserve_from: String,
     },
     /// A local file operation on the cache failed.
     #[error("{op} {}: {source}", path.display())]

@@ -713,6 +713,7 @@ fn reserve(file: &File, size: u64, part: &std::path::Path) -> Result<(), Prefetc
                 needed: size,
                 available,
                 reserve: 0,
+                reserve_from: "none: the filesystem refused this file's blocks".into(),
             })
         }
         Err(Errno::OPNOTSUPP | Errno::NOSYS) => Ok(()),

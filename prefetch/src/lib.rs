@@ -41,6 +41,27 @@ use source::{Sources, map_store_error};
 /// Manifests larger than this are refused (a manifest lists files; it is never big).
 const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 
+/// One rule for the space a prefetch leaves free: at least `bytes`, and at least `ppm`
+/// parts per million of the cache filesystem's size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveRule {
+    /// Absolute bytes.
+    pub bytes: u64,
+    /// Share of the filesystem's size, in parts per million.
+    pub ppm: u32,
+    /// Where the rule comes from, for the `DiskInsufficient` message.
+    pub source: String,
+}
+
+impl ReserveRule {
+    /// The bytes this rule keeps free on a filesystem of `total` bytes.
+    pub fn bytes_of(&self, total: u64) -> u64 {
+        // u128: total × ppm overflows u64 above 18 TB.
+        let share = u64::try_from(u128::from(total) * u128::from(self.ppm) / 1_000_000).unwrap_or(u64::MAX);
+        self.bytes.max(share)
+    }
+}
+
 /// How the `models` stage fetches. Embedded in the agent's config under `models:`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -58,10 +79,15 @@ pub struct PrefetchOptions {
     pub chunk_size: u64,
     /// Retry budget: per chunk for network failures, per file for digest mismatches.
     pub retries: u32,
-    /// Bytes to keep free on the cache filesystem. `None`: 10% of the filesystem, the
-    /// kubelet's default hard-eviction threshold `nodefs.available<10%`, so a prefetch never
-    /// pushes the node into disk-pressure eviction.
+    /// Bytes to keep free on the cache filesystem. `None`: the largest of
+    /// [`Self::default_reserve`], or 10% of the filesystem (the kubelet's default
+    /// hard-eviction threshold `nodefs.available<10%`) when that is empty, so a prefetch
+    /// never pushes the node into disk-pressure eviction.
     pub reserve_bytes: Option<u64>,
+    /// The reserve rules used when `reserve_bytes` is `None`: the caller fills them from
+    /// the kubelet's own eviction thresholds. Not a config key.
+    #[serde(skip)]
+    pub default_reserve: Vec<ReserveRule>,
     /// Re-hash every cached blob even when its verified-marker matches.
     pub verify_cache: bool,
     /// Draw a progress bar per bundle when stderr is a terminal (log lines otherwise).
@@ -85,6 +111,7 @@ impl Default for PrefetchOptions {
             chunk_size: 16 << 20,
             retries: 3,
             reserve_bytes: None,
+            default_reserve: Vec::new(),
             verify_cache: false,
             progress: true,
             log_interval_secs: 5,
@@ -480,7 +507,7 @@ async fn prefetch_here(
         )
     });
     if needed > 0 {
-        preflight_disk(cache.root(), needed, opts.reserve_bytes)?;
+        preflight_disk(cache.root(), needed, opts)?;
     }
     for p in &planned {
         if !to_fetch.iter().any(|t| t.job.digest == p.job.digest) {
@@ -743,24 +770,64 @@ fn disk_space(path: &Path) -> Result<(u64, u64), PrefetchError> {
 }
 
 /// Refuse to start when `needed` bytes plus the reserve do not fit.
-fn preflight_disk(path: &Path, needed: u64, reserve: Option<u64>) -> Result<(), PrefetchError> {
+fn preflight_disk(path: &Path, needed: u64, opts: &PrefetchOptions) -> Result<(), PrefetchError> {
     let (available, total) = disk_space(path)?;
-    let reserve = reserve.unwrap_or(total / 10);
+    let (reserve, reserve_from) = reserve_for(opts, total);
     if available < needed.saturating_add(reserve) {
         return Err(PrefetchError::DiskInsufficient {
             path: path.to_path_buf(),
             needed,
             available,
             reserve,
+            reserve_from,
         });
     }
     Ok(())
+}
+
+/// The reserve on a filesystem of `total` bytes, and where it comes from.
+fn reserve_for(opts: &PrefetchOptions, total: u64) -> (u64, String) {
+    if let Some(b) = opts.reserve_bytes {
+        return (b, "models.fetch.reserve_bytes".into());
+    }
+    opts.default_reserve
+        .iter()
+        .map(|r| (r.bytes_of(total), r.source.clone()))
+        .max_by_key(|(b, _)| *b)
+        .unwrap_or_else(|| {
+            (
+                total / 10,
+                "10% of the filesystem, the kubelet's default nodefs.available".into(),
+            )
+        })
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn the_reserve_is_the_setting_else_the_largest_rule_else_ten_percent() {
+        let mut o = PrefetchOptions::default();
+        assert_eq!(reserve_for(&o, 1000).0, 100);
+        assert!(reserve_for(&o, 1000).1.contains("default"));
+        let rule = |bytes, ppm, source: &str| ReserveRule {
+            bytes,
+            ppm,
+            source: source.into(),
+        };
+        o.default_reserve = vec![rule(0, 150_000, "hard 15%"), rule(200, 0, "soft 200 bytes")];
+        assert_eq!(reserve_for(&o, 1000), (200, "soft 200 bytes".into()));
+        assert_eq!(reserve_for(&o, 10_000), (1500, "hard 15%".into()));
+        // A rule of 0% is honoured (a kubelet with disk eviction turned off), not replaced by 10%.
+        o.default_reserve = vec![rule(0, 0, "hard 0%")];
+        assert_eq!(reserve_for(&o, 1000).0, 0);
+        o.reserve_bytes = Some(7);
+        assert_eq!(reserve_for(&o, 1000), (7, "models.fetch.reserve_bytes".into()));
+        // 20 TB × 15 % does not overflow.
+        assert_eq!(rule(0, 150_000, "").bytes_of(20_000_000_000_000), 3_000_000_000_000);
+    }
 
     #[test]
     fn a_cached_manifest_is_hashed_whatever_its_marker_says() {

@@ -487,6 +487,49 @@ fn setup_disk_small(dir: &Path) -> anyhow::Result<World> {
     Ok(w)
 }
 
+/// Row 6a': The same refusal, with the reserve taken from the kubelet's own config: a
+/// 16 MiB disk and a 6 MiB file fit under the default 10% reserve, but the kubelet config
+/// (a main file at 10%, then a drop-in raising `evictionHard` to 70%, the drop-in winning)
+/// keeps 11.2 MiB free, so the file is refused before its first byte.
+fn setup_disk_kubelet_reserve(dir: &Path) -> anyhow::Result<World> {
+    let mnt = svc("tmpfs mount", Mount::tmpfs("16m", ""))?;
+    let mut w = nginx_world(dir, "4m", 6 * MIB, direct, json!({}), Value::Null)?;
+    let cache = mnt.path().join("cache");
+    let kubelet = dir.join("kubelet");
+    std::fs::create_dir_all(kubelet.join("config.json.d"))?;
+    std::fs::write(
+        kubelet.join("config.json"),
+        r#"{"kind":"KubeletConfiguration","evictionHard":{"nodefs.available":"10%"}}"#,
+    )?;
+    std::fs::write(
+        kubelet.join("config.json.d/90-disk.conf"),
+        "evictionHard:\n  nodefs.available: \"70%\"\n",
+    )?;
+    let mut doc: Value = serde_json::from_str(&models_config(
+        w.bundle(),
+        &cache,
+        json!({"reserve_bytes": null}),
+        Value::Null,
+    ))?;
+    doc["kubelet"] = json!({"config_files": [kubelet.join("config.json"), kubelet.join("config.json.d")]});
+    w.config = doc.to_string();
+    w.cache = Some(cache);
+    w.keep.push(Box::new(mnt));
+    Ok(w)
+}
+
+/// The refusal names the kubelet drop-in the reserve came from, and no byte was asked for.
+fn check_kubelet_reserve(c: &Ctx) -> Result<(), String> {
+    check_no_data_request(c)?;
+    let msg = verdict_message(c.timeline);
+    if !msg.contains("70% evictionHard.nodefs.available in ") || !msg.contains("90-disk.conf") {
+        return Err(format!(
+            "verdict message should name the kubelet's threshold and its file: {msg}"
+        ));
+    }
+    Ok(())
+}
+
 /// Row 6b: A cache disk (8 MiB) with room at the preflight for the bundle: a 6 MiB file
 /// through the proxy, then a 1 MiB one straight from nginx (one file at a time). As soon as
 /// the origin answers for the first file, another writer takes up to 4 MiB, as much as it
@@ -919,6 +962,13 @@ fn scenarios() -> Vec<Scenario> {
         row("disk-too-small-refused-before-first-byte", "models", setup_disk_small)
             .held("DiskInsufficient")
             .extra(check_no_data_request),
+        row(
+            "disk-reserve-from-the-kubelets-eviction-threshold",
+            "models",
+            setup_disk_kubelet_reserve,
+        )
+        .held("DiskInsufficient")
+        .extra(check_kubelet_reserve),
         row(
             "disk-filled-by-another-writer-after-reservation",
             "models",

@@ -13,11 +13,14 @@
 //!   pod-resources view (`GetAllocatableResources`);
 //! - [`cdi`]: CDI specs naming every advertised device, so runtime injection can succeed;
 //! - [`fit`]: serving-group bin-packing over every resource;
+//! - [`eviction`]: the kubelet's `nodefs.available` eviction thresholds from its config
+//!   files, the disk reserve the model prefetch keeps;
 //! - [`quantity`]: exact Kubernetes quantity arithmetic used by the above.
 
 pub mod allocatable;
 pub mod cdi;
 pub mod device_plugin;
+pub mod eviction;
 pub mod fit;
 pub mod plugin_config;
 pub mod proto;
