@@ -173,6 +173,9 @@ struct ChunkCtx {
     label: String,
     /// Whether to persist the chunk map (pointless for one-chunk files).
     persist: bool,
+    /// Bytes received from the source in this attempt, including those of a chunk that
+    /// then failed (they were transferred, and the report says what the network carried).
+    received: std::sync::atomic::AtomicU64,
     /// One write at a time into this file. Buffered writes to one inode serialize in the
     /// kernel anyway (ext4, xfs and tmpfs take the inode lock for the whole copy), and
     /// blocked writers spin on that lock while its owner runs: on a 2-core node that burnt
@@ -377,6 +380,7 @@ impl Engine {
             bundles: job.bundles.clone(),
             label: job.label.clone(),
             persist: n > 1,
+            received: std::sync::atomic::AtomicU64::new(0),
             write_lock: tokio::sync::Mutex::new(()),
         });
         // Stop this file's chunk tasks when the attempt ends for any reason.
@@ -452,13 +456,13 @@ impl Engine {
             if fetched > 0 {
                 fetched_here.insert(i);
             }
-            out.bytes_fetched += fetched;
             if tx.send(HashItem { bufs, _slot: slot }).await.is_err() {
                 break;
             }
         }
         drop(stream);
         drop(tx);
+        out.bytes_fetched += ctx.received.load(std::sync::atomic::Ordering::Relaxed);
         let (hashed, actual) = hasher
             .await
             .map_err(|e| PrefetchError::io("hash", &part, std::io::Error::other(e)))?;
@@ -607,6 +611,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
                                 });
                             }
                             got += n;
+                            ctx.received.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
                             ctx.progress.fetched(&ctx.bundles, n);
                             bufs.push(b);
                             // Write what just arrived while it is still in this core's

@@ -142,6 +142,14 @@ pub enum ProxyFault {
         /// How many connections (the first ones) are cut.
         conns: usize,
     },
+    /// Reset connection `k` (counting from 0 in accept order) once `after[k]` response
+    /// bytes went through it; later connections pass. Different points per connection: a
+    /// chunk that completed on the first connection, then one chunk failing on two in a
+    /// row, which exhausts its own retry and fails the file's attempt.
+    ResetEach {
+        /// Response bytes forwarded before each connection's reset.
+        after: Vec<usize>,
+    },
     /// Run an action once, when the first response bytes arrive from upstream and before
     /// they are forwarded: the fault lands after the source answered and before the
     /// client has seen any of the body.
@@ -194,12 +202,19 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                         r = server.read(&mut b) => match r {
                             Ok(0) | Err(_) => return,
                             Ok(r) => {
+                                // This connection's cut-off point, if it has one.
+                                let limit = match &*fault {
+                                    ProxyFault::Reset { after, conns } | ProxyFault::Cut { after, conns } => {
+                                        (n < *conns).then_some(*after)
+                                    }
+                                    ProxyFault::ResetEach { after } => after.get(n).copied(),
+                                    ProxyFault::OnFirstResponse(_) => None,
+                                };
                                 match &*fault {
-                                    ProxyFault::Reset { after, conns } | ProxyFault::Cut { after, conns }
-                                        if n < *conns && sent + r > *after =>
-                                    {
+                                    _ if limit.is_some_and(|after| sent + r > after) => {
+                                        let after = limit.unwrap_or(sent);
                                         let _ = client.write_all(&b[..after - sent]).await;
-                                        if matches!(*fault, ProxyFault::Reset { .. }) {
+                                        if !matches!(*fault, ProxyFault::Cut { .. }) {
                                             let _ = client.set_zero_linger();
                                         }
                                         st.fired.fetch_add(1, Ordering::SeqCst);

@@ -946,6 +946,72 @@ async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
     eprintln!("requests {}, bytes sent {sent} for {}", data.len(), 4 * MIB);
 }
 
+/// A chunk that fails twice in a row (its retry too) fails the file's attempt; the next
+/// attempt re-reads the chunk this run already fetched from the partial instead of asking
+/// for it again, and the report counts nothing as resumed: every byte came over the
+/// network in this run. (An engine that counted the re-read chunk as resumed, as one did
+/// before, reports 1 MiB here.) One slot, 1 MiB chunks, a 3 MiB file, `retries: 1`. Each
+/// `get_opts` makes five tries (object_store's own 4 retries resume a broken body), and
+/// the engine retries the chunk once, so chunk 1 fails the attempt after ten broken
+/// connections: the first is reset half-way through chunk 1 (after chunk 0 completed on
+/// it), the next nine before any response byte. (Resets that let bytes through are no
+/// failure: the chunk advances on each, which is the point of resuming.) The eleventh
+/// connection and later pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_file_retried_after_a_transient_failure_reports_nothing_resumed() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let f = write_file(origin.path(), "model.bin", 3 * MIB, 91);
+    let fault = ProxyFault::ResetEach {
+        after: std::iter::once((MIB + MIB / 2) as usize)
+            .chain(std::iter::repeat_n(0, 9))
+            .collect(),
+    };
+    let (proxy, stats) = spawn_fault_proxy(nginx.port, fault).await.unwrap();
+    let mut via_proxy = f.clone();
+    via_proxy.source = Some(format!("http://127.0.0.1:{proxy}/model.bin"));
+    let m = Manifest {
+        base_uri: None,
+        files: vec![via_proxy],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+    let mut o = opts(cache.path());
+    (o.concurrency, o.file_concurrency, o.retries) = (1, 1, 1);
+    let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("the file-level retry did not recover ({}): {e}", e.reason()));
+    assert_eq!(stats.fired(), 10, "every reset fired");
+    let file = &r.bundles[0].files[0];
+    assert_eq!(file.sha256, f.sha256);
+    assert_eq!(
+        file.attempts, 2,
+        "the second reset failed the file's first attempt: {file:?}"
+    );
+    assert_eq!(file.bytes_resumed, 0, "{file:?}");
+    let data: Vec<AccessEntry> = nginx
+        .requests()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.uri == "/model.bin")
+        .collect();
+    // Chunk 0 was asked for once: the second attempt read it back from the partial.
+    let chunk0 = data.iter().filter(|e| e.range.starts_with("bytes=0-")).count();
+    assert_eq!(chunk0, 1, "{data:?}");
+    let sent: u64 = data.iter().map(|e| e.body_bytes).sum();
+    eprintln!(
+        "received {} for a {} byte file; nginx sent {sent}",
+        file.bytes_fetched, f.size
+    );
+    // Received: the whole file, plus what arrived of chunk 1 on the first connection (at
+    // most the half the proxy let through), which the first attempt had to give up. Never
+    // more than nginx sent.
+    assert!(
+        file.bytes_fetched >= f.size && file.bytes_fetched <= (f.size + MIB / 2).min(sent),
+        "{file:?}, nginx sent {sent}"
+    );
+}
+
 /// Peak resident memory of one `taintgate bundle fetch` (GNU time's `%M`, KiB → bytes).
 fn fetch_peak_rss(b: &BundleRef, cache: &Path, extra: &[&str]) -> u64 {
     let bin = taintgate_tests::services::taintgate_bin().unwrap();
