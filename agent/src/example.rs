@@ -69,10 +69,12 @@ kubelet:
     device_plugin_dir: /var/lib/kubelet/device-plugins
     plugin_sockets: {}          # per-resource socket override; default nvidia-<name>.sock
     pod_resources_socket: /var/lib/kubelet/pod-resources/kubelet.sock
-  # The kubelet's config files, read for its nodefs.available eviction thresholds (hard
-  # and soft): the model prefetch keeps that much free unless models.fetch.reserve_bytes
-  # is set. Later files win, a directory means its *.conf drop-ins, missing ones are
-  # skipped: kubeadm, EKS AL2, EKS AL2023 (file and drop-ins), GKE.
+  # The kubelet's config files, read for its disk thresholds (evictionHard/evictionSoft
+  # nodefs.available and imagefs.available, imageGCHighThresholdPercent): the model
+  # prefetch keeps the largest free unless models.fetch.reserve_bytes is set, and a
+  # setting no file names counts at the kubelet's default. Later files win, a directory
+  # means the *.conf drop-ins under it, missing files are skipped: kubeadm, EKS AL2, EKS
+  # AL2023 (file and drop-ins), GKE.
   config_files:
     - /var/lib/kubelet/config.yaml
     - /etc/kubernetes/kubelet/kubelet-config.json
@@ -108,8 +110,8 @@ models:
     file_concurrency: 12        # chunks of one file in flight (its reorder window)
     chunk_size: 16777216        # 16 MiB ranged GETs, well inside the request timeout
     retries: 3
-    reserve_bytes: null         # null: the kubelet's nodefs.available eviction thresholds
-                                # (kubelet.config_files), else its default 10%
+    reserve_bytes: null         # null: the largest of the kubelet's disk thresholds
+                                # (kubelet.config_files), 15% on a default kubelet
     verify_cache: false         # true: re-hash every cached blob
     progress: true
     log_interval_secs: 5

@@ -448,40 +448,31 @@ async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
     })
 }
 
-/// The disk reserve rules from the kubelet's own `nodefs.available` eviction thresholds.
-/// A config file that cannot be parsed leaves the engine's default (10%, the kubelet's own
-/// default) with a warning: the kubelet would refuse that file too, so the node is held
-/// elsewhere, and the prefetch should not fail on a file it only reads for a default.
+/// The disk reserve rules from the kubelet's own disk thresholds (eviction and image
+/// garbage collection, see [`taintgate_validators::kubelet::eviction`]). A config file or
+/// value that cannot be read is skipped with a warning naming it; the others, and the
+/// kubelet's defaults for what no file sets, still apply.
 fn kubelet_reserve(files: &[std::path::PathBuf]) -> Vec<taintgate_prefetch::ReserveRule> {
-    use taintgate_validators::kubelet::eviction::{Threshold, nodefs_thresholds};
-    match nodefs_thresholds(files) {
-        Ok(found) => {
-            if found.is_empty() {
-                tracing::info!("no kubelet config file sets nodefs.available; disk reserve 10%, the kubelet's default");
-            }
-            for f in &found {
-                tracing::info!(threshold = %f, "disk reserve from the kubelet's eviction threshold");
-            }
-            found
-                .into_iter()
-                .map(|f| {
-                    let (bytes, ppm) = match f.threshold {
-                        Threshold::Bytes(b) => (b, 0),
-                        Threshold::PartsPerMillion(p) => (0, p),
-                    };
-                    taintgate_prefetch::ReserveRule {
-                        bytes,
-                        ppm,
-                        source: f.to_string(),
-                    }
-                })
-                .collect()
-        }
-        Err(e) => {
-            tracing::warn!(reason = e.reason(), error = %e, "kubelet config unreadable; keeping the default 10% disk reserve");
-            Vec::new()
-        }
+    use taintgate_validators::kubelet::eviction::{Threshold, disk_thresholds};
+    let t = disk_thresholds(files);
+    for e in &t.errors {
+        tracing::warn!(reason = e.reason(), error = %e, "kubelet config unreadable; skipped for the disk reserve");
     }
+    t.found
+        .into_iter()
+        .map(|f| {
+            tracing::debug!(threshold = %f, "kubelet disk threshold");
+            let (bytes, ppm) = match f.threshold {
+                Threshold::Bytes(b) => (b, 0),
+                Threshold::PartsPerMillion(p) => (0, p),
+            };
+            taintgate_prefetch::ReserveRule {
+                bytes,
+                ppm,
+                source: f.to_string(),
+            }
+        })
+        .collect()
 }
 
 async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
@@ -494,7 +485,7 @@ async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
     }
     let mut opts = m.fetch.clone();
     if opts.reserve_bytes.is_none() {
-        opts.default_reserve = kubelet_reserve(&ctx.config.kubelet.config_files);
+        opts.default_reserve = Some(kubelet_reserve(&ctx.config.kubelet.config_files));
     }
     // A progress bar only where a person watches (`check` on a terminal).
     opts.progress = opts.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());

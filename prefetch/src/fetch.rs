@@ -175,6 +175,7 @@ struct ChunkCtx {
     persist: bool,
     /// Bytes received from the source in this attempt, including those of a chunk that
     /// then failed (they were transferred, and the report says what the network carried).
+    /// After a failed attempt, a frame other chunks receive as they stop may be left out.
     received: std::sync::atomic::AtomicU64,
     /// One write at a time into this file. Buffered writes to one inode serialize in the
     /// kernel anyway (ext4, xfs and tmpfs take the inode lock for the whole copy), and
@@ -459,6 +460,11 @@ impl Engine {
             if tx.send(HashItem { bufs, _slot: slot }).await.is_err() {
                 break;
             }
+        }
+        if result.is_err() {
+            // Stop the other chunks now, so what they receive after the failure is a frame
+            // at most, not counted (they stop at their next `select!`).
+            ctx.cancel.cancel();
         }
         drop(stream);
         drop(tx);

@@ -81,13 +81,13 @@ pub struct PrefetchOptions {
     pub retries: u32,
     /// Bytes to keep free on the cache filesystem. `None`: the largest of
     /// [`Self::default_reserve`], or 10% of the filesystem (the kubelet's default
-    /// hard-eviction threshold `nodefs.available<10%`) when that is empty, so a prefetch
-    /// never pushes the node into disk-pressure eviction.
+    /// hard-eviction threshold `nodefs.available<10%`) when there are none.
     pub reserve_bytes: Option<u64>,
-    /// The reserve rules used when `reserve_bytes` is `None`: the caller fills them from
-    /// the kubelet's own eviction thresholds. Not a config key.
+    /// The reserve rules used when `reserve_bytes` is `None`: the agent fills them from the
+    /// kubelet's own disk thresholds (an empty list: the kubelet keeps nothing free). Not a
+    /// config key.
     #[serde(skip)]
-    pub default_reserve: Vec<ReserveRule>,
+    pub default_reserve: Option<Vec<ReserveRule>>,
     /// Re-hash every cached blob even when its verified-marker matches.
     pub verify_cache: bool,
     /// Draw a progress bar per bundle when stderr is a terminal (log lines otherwise).
@@ -111,7 +111,7 @@ impl Default for PrefetchOptions {
             chunk_size: 16 << 20,
             retries: 3,
             reserve_bytes: None,
-            default_reserve: Vec::new(),
+            default_reserve: None,
             verify_cache: false,
             progress: true,
             log_interval_secs: 5,
@@ -773,6 +773,7 @@ fn disk_space(path: &Path) -> Result<(u64, u64), PrefetchError> {
 fn preflight_disk(path: &Path, needed: u64, opts: &PrefetchOptions) -> Result<(), PrefetchError> {
     let (available, total) = disk_space(path)?;
     let (reserve, reserve_from) = reserve_for(opts, total);
+    tracing::info!(reserve, from = %reserve_from, available, needed, "disk preflight");
     if available < needed.saturating_add(reserve) {
         return Err(PrefetchError::DiskInsufficient {
             path: path.to_path_buf(),
@@ -790,16 +791,17 @@ fn reserve_for(opts: &PrefetchOptions, total: u64) -> (u64, String) {
     if let Some(b) = opts.reserve_bytes {
         return (b, "models.fetch.reserve_bytes".into());
     }
-    opts.default_reserve
-        .iter()
-        .map(|r| (r.bytes_of(total), r.source.clone()))
-        .max_by_key(|(b, _)| *b)
-        .unwrap_or_else(|| {
-            (
-                total / 10,
-                "10% of the filesystem, the kubelet's default nodefs.available".into(),
-            )
-        })
+    match &opts.default_reserve {
+        None => (
+            total / 10,
+            "10% of the filesystem, the kubelet's default nodefs.available".into(),
+        ),
+        Some(rules) => rules
+            .iter()
+            .map(|r| (r.bytes_of(total), r.source.clone()))
+            .max_by_key(|(b, _)| *b)
+            .unwrap_or_else(|| (0, "none: the kubelet's disk thresholds are all off".into())),
+    }
 }
 
 #[cfg(test)]
@@ -817,11 +819,11 @@ mod tests {
             ppm,
             source: source.into(),
         };
-        o.default_reserve = vec![rule(0, 150_000, "hard 15%"), rule(200, 0, "soft 200 bytes")];
+        o.default_reserve = Some(vec![rule(0, 150_000, "hard 15%"), rule(200, 0, "soft 200 bytes")]);
         assert_eq!(reserve_for(&o, 1000), (200, "soft 200 bytes".into()));
         assert_eq!(reserve_for(&o, 10_000), (1500, "hard 15%".into()));
-        // A rule of 0% is honoured (a kubelet with disk eviction turned off), not replaced by 10%.
-        o.default_reserve = vec![rule(0, 0, "hard 0%")];
+        // No rule at all (a kubelet with every disk threshold off) is honoured, not replaced by 10%.
+        o.default_reserve = Some(Vec::new());
         assert_eq!(reserve_for(&o, 1000).0, 0);
         o.reserve_bytes = Some(7);
         assert_eq!(reserve_for(&o, 1000), (7, "models.fetch.reserve_bytes".into()));

@@ -144,8 +144,8 @@ pub enum ProxyFault {
     },
     /// Reset connection `k` (counting from 0 in accept order) once `after[k]` response
     /// bytes went through it; later connections pass. Different points per connection: a
-    /// chunk that completed on the first connection, then one chunk failing on two in a
-    /// row, which exhausts its own retry and fails the file's attempt.
+    /// chunk that completed on the first connection, then the next chunk failing on every
+    /// retry (`0`: before any response byte) until the file's attempt fails.
     ResetEach {
         /// Response bytes forwarded before each connection's reset.
         after: Vec<usize>,

@@ -488,9 +488,10 @@ fn setup_disk_small(dir: &Path) -> anyhow::Result<World> {
 }
 
 /// Row 6a': The same refusal, with the reserve taken from the kubelet's own config: a
-/// 16 MiB disk and a 6 MiB file fit under the default 10% reserve, but the kubelet config
-/// (a main file at 10%, then a drop-in raising `evictionHard` to 70%, the drop-in winning)
-/// keeps 11.2 MiB free, so the file is refused before its first byte.
+/// 16 MiB disk and a 6 MiB file fit under the kubelet's default thresholds (15% at most),
+/// but the kubelet config (a main file at 10%, then a drop-in raising `evictionHard` to
+/// 70%, the drop-in winning) keeps 11.2 MiB free, so the file is refused before its first
+/// byte.
 fn setup_disk_kubelet_reserve(dir: &Path) -> anyhow::Result<World> {
     let mnt = svc("tmpfs mount", Mount::tmpfs("16m", ""))?;
     let mut w = nginx_world(dir, "4m", 6 * MIB, direct, json!({}), Value::Null)?;
@@ -522,7 +523,7 @@ fn setup_disk_kubelet_reserve(dir: &Path) -> anyhow::Result<World> {
 fn check_kubelet_reserve(c: &Ctx) -> Result<(), String> {
     check_no_data_request(c)?;
     let msg = verdict_message(c.timeline);
-    if !msg.contains("70% evictionHard.nodefs.available in ") || !msg.contains("90-disk.conf") {
+    if !msg.contains("70% free for evictionHard.nodefs.available in ") || !msg.contains("90-disk.conf") {
         return Err(format!(
             "verdict message should name the kubelet's threshold and its file: {msg}"
         ));

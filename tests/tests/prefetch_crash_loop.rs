@@ -550,6 +550,12 @@ fn kill_9_mid_download_never_refetches_a_done_chunk_and_converges() {
             }
         }
         .unwrap();
+        // A run waiting for progress that neither advanced nor exited hung: a finding, not a kill.
+        assert!(
+            !matches!(kill, Kill::AfterProgress(_)) || r.elapsed < RUN_LIMIT,
+            "no new chunk and no exit within {RUN_LIMIT:?}\n{}",
+            r.text()
+        );
         // `timed_out`: our SIGKILL ended it. A run that exited in the same instant has a code.
         let killed = r.timed_out && r.code.is_none();
         assert!(

@@ -13,8 +13,8 @@
 //!   pod-resources view (`GetAllocatableResources`);
 //! - [`cdi`]: CDI specs naming every advertised device, so runtime injection can succeed;
 //! - [`fit`]: serving-group bin-packing over every resource;
-//! - [`eviction`]: the kubelet's `nodefs.available` eviction thresholds from its config
-//!   files, the disk reserve the model prefetch keeps;
+//! - [`eviction`]: the kubelet's disk thresholds (eviction, image garbage collection)
+//!   from its config files, the disk reserve the model prefetch keeps;
 //! - [`quantity`]: exact Kubernetes quantity arithmetic used by the above.
 
 pub mod allocatable;
