@@ -1,5 +1,6 @@
 //! Property tests over every untrusted input the agent reads: its config, simulated node
-//! profiles, bundle manifests, the device plugin's config, CDI specs, and the API objects
+//! profiles, bundle manifests, the device plugin's config, CDI specs, the kubelet's own
+//! config files (for the disk reserve), and the API objects
 //! (Node JSON) the taint, condition and re-gate logic works on. Each property runs 10,000
 //! generated inputs (`PROPTEST_CASES` overrides) and asserts: no panic; every rejection
 //! says where (a key path or a line) and what; inputs that are accepted satisfy the
@@ -28,6 +29,7 @@ use taintgate::untaint::{removal_patch, taint_index};
 use taintgate_prefetch::manifest::{BundleRef, Manifest};
 use taintgate_validators::input::{InputError, parse_yaml};
 use taintgate_validators::kubelet::cdi::parse_spec;
+use taintgate_validators::kubelet::eviction::{Threshold, disk_thresholds};
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_allocatable};
 use taintgate_validators::profile::NodeProfile;
 
@@ -684,6 +686,79 @@ proptest! {
     fn plugin_config_soup_never_panics(text in yaml_soup(PLUGIN_KEYS)) {
         if let Err(e) = PluginConfig::parse(Path::new("dp.yaml"), &text) {
             well_formed(&e, "dp.yaml")?;
+        }
+    }
+}
+
+// ------------------------------------------------------------- kubelet config files
+
+const KUBELET_KEYS: &[&str] = &[
+    "evictionHard",
+    "evictionSoft",
+    "nodefs.available",
+    "imagefs.available",
+    "memory.available",
+    "imageGCHighThresholdPercent",
+    "kind",
+];
+
+/// A kubelet threshold value: the kubelet's forms and near misses.
+fn threshold_text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (0u32..=120, prop::bool::ANY).prop_map(|(p, dot)| if dot { format!("{p}.5%") } else { format!("{p}%") }),
+        prop::sample::select(vec![
+            "0%",
+            "100%",
+            "5Gi",
+            "0",
+            "-1Gi",
+            "1e3",
+            "10%%",
+            "%",
+            "Gi",
+            "1.5T",
+            "99999999999999999999Ei"
+        ])
+        .prop_map(str::to_string),
+        "[-0-9.%GiKMTPE ]{0,10}",
+    ]
+}
+
+proptest! {
+    #![proptest_config(pt_config())]
+
+    /// Whatever is in the kubelet's config file: no panic, each problem names the file and
+    /// where, every threshold in force is at most the whole disk, one per setting.
+    #[test]
+    fn kubelet_config_soup_never_panics(text in yaml_soup(KUBELET_KEYS)) {
+        thread_local!(static DIR: tempfile::TempDir = tempfile::tempdir().unwrap());
+        let f = DIR.with(|d| d.path().join("config.yaml"));
+        std::fs::write(&f, &text).unwrap();
+        let t = disk_thresholds(std::slice::from_ref(&f));
+        for e in &t.errors {
+            well_formed(e, "config.yaml")?;
+        }
+        let mut keys: Vec<&str> = t.found.iter().map(|x| x.key.as_str()).collect();
+        keys.dedup();
+        prop_assert_eq!(keys.len(), t.found.len(), "{:?}", t.found);
+        for x in &t.found {
+            if let Threshold::PartsPerMillion(p) = x.threshold {
+                prop_assert!(p <= 1_000_000, "{x}");
+            }
+        }
+    }
+
+    /// A threshold value: parsed as the kubelet does or refused with a reason; a share is
+    /// never over 100%, "0%" and "100%" are off.
+    #[test]
+    fn kubelet_threshold_values(text in threshold_text()) {
+        match Threshold::parse(&text) {
+            Ok(None) => prop_assert!(text == "0%" || text == "100%", "{text:?} off"),
+            Ok(Some(Threshold::PartsPerMillion(p))) => {
+                prop_assert!(text.ends_with('%') && p <= 1_000_000, "{text:?} -> {p}")
+            }
+            Ok(Some(Threshold::Bytes(b))) => prop_assert!(!text.ends_with('%') && b > 0, "{text:?} -> {b}"),
+            Err(why) => prop_assert!(why.contains(&text), "{text:?}: {why}"),
         }
     }
 }
