@@ -789,7 +789,10 @@ fn preflight_disk(path: &Path, needed: u64, opts: &PrefetchOptions) -> Result<()
 /// The reserve on a filesystem of `total` bytes, and where it comes from.
 fn reserve_for(opts: &PrefetchOptions, total: u64) -> (u64, String) {
     if let Some(b) = opts.reserve_bytes {
-        return (b, "models.fetch.reserve_bytes".into());
+        return (
+            b,
+            "the reserve_bytes setting (models.fetch.reserve_bytes, or --reserve)".into(),
+        );
     }
     match &opts.default_reserve {
         None => (
@@ -826,7 +829,8 @@ mod tests {
         o.default_reserve = Some(Vec::new());
         assert_eq!(reserve_for(&o, 1000).0, 0);
         o.reserve_bytes = Some(7);
-        assert_eq!(reserve_for(&o, 1000), (7, "models.fetch.reserve_bytes".into()));
+        assert_eq!(reserve_for(&o, 1000).0, 7);
+        assert!(reserve_for(&o, 1000).1.contains("models.fetch.reserve_bytes"));
         // 20 TB × 15 % does not overflow.
         assert_eq!(rule(0, 150_000, "").bytes_of(20_000_000_000_000), 3_000_000_000_000);
     }
