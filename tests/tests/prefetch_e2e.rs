@@ -15,7 +15,7 @@ use taintgate_prefetch::{
     prefetch_bundles, prefetch_bundles_observed, sha256_hex,
 };
 use taintgate_tests::bundles::{
-    self, ProxyFault, pseudo_random, resumed_inside_a_chunk, spawn_fault_proxy, write_origin_file,
+    self, ProxyFault, ProxyStats, pseudo_random, resumed_inside_a_chunk, spawn_fault_proxy, write_origin_file,
 };
 // The options every test here starts from.
 use taintgate_tests::bundles::test_prefetch_options as opts;
@@ -908,6 +908,25 @@ fn bundle_ref_and_options_embed_in_yaml_config() {
     assert!(serde_yaml_ng::from_str::<PrefetchOptions>("concurency: 8\n").is_err());
 }
 
+/// A one-file bundle whose file `f` (under `origin`) is fetched through a fault proxy in
+/// front of `nginx`, injecting `fault`; the manifest comes from nginx directly.
+async fn through_fault_proxy(
+    origin: &Path,
+    nginx: &Nginx,
+    f: &ManifestFile,
+    fault: ProxyFault,
+) -> (BundleRef, ProxyStats) {
+    let (proxy, stats) = spawn_fault_proxy(nginx.port, fault).await.unwrap();
+    let mut via_proxy = f.clone();
+    via_proxy.source = Some(format!("http://127.0.0.1:{proxy}/{}", f.path));
+    let m = Manifest {
+        base_uri: None,
+        files: vec![via_proxy],
+    };
+    let b = publish_manifest(origin, "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    (b, stats)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
     let origin = tempfile::tempdir().unwrap();
@@ -919,14 +938,7 @@ async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
         after: 300_000,
         conns: 3,
     };
-    let (proxy, _) = spawn_fault_proxy(nginx.port, fault).await.unwrap();
-    let mut via_proxy = f.clone();
-    via_proxy.source = Some(format!("http://127.0.0.1:{proxy}/model.bin"));
-    let m = Manifest {
-        base_uri: None,
-        files: vec![via_proxy],
-    };
-    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let (b, _) = through_fault_proxy(origin.path(), &nginx, &f, fault).await;
     let cache = tempfile::tempdir().unwrap();
     let mut o = opts(cache.path());
     o.retries = 3;
@@ -967,14 +979,7 @@ async fn a_file_retried_after_a_transient_failure_reports_nothing_resumed() {
             .chain(std::iter::repeat_n(0, 9))
             .collect(),
     };
-    let (proxy, stats) = spawn_fault_proxy(nginx.port, fault).await.unwrap();
-    let mut via_proxy = f.clone();
-    via_proxy.source = Some(format!("http://127.0.0.1:{proxy}/model.bin"));
-    let m = Manifest {
-        base_uri: None,
-        files: vec![via_proxy],
-    };
-    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let (b, stats) = through_fault_proxy(origin.path(), &nginx, &f, fault).await;
     let cache = tempfile::tempdir().unwrap();
     let mut o = opts(cache.path());
     (o.concurrency, o.file_concurrency, o.retries) = (1, 1, 1);
