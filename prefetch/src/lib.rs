@@ -831,6 +831,8 @@ mod tests {
         o.reserve_bytes = Some(7);
         assert_eq!(reserve_for(&o, 1000).0, 7);
         assert!(reserve_for(&o, 1000).1.contains("models.fetch.reserve_bytes"));
+        assert_eq!(rule(0, 100_000, "").bytes_of(1000), 100);
+        assert_eq!(rule(7, 0, "").bytes_of(1000), 7);
         // 20 TB × 15 % does not overflow.
         assert_eq!(rule(0, 150_000, "").bytes_of(20_000_000_000_000), 3_000_000_000_000);
     }

@@ -43,11 +43,13 @@ pub const DEFAULT_CONFIG_FILES: &[&str] = &[
 const SIGNALS: [&str; 2] = ["nodefs.available", "imagefs.available"];
 /// The image garbage collector's start threshold (percent of the filesystem used).
 const IMAGE_GC_HIGH: &str = "imageGCHighThresholdPercent";
-/// The kubelet's default values of the settings read; `evictionSoft` has none.
-const DEFAULTS: [(&str, &str); 3] = [
-    ("evictionHard.nodefs.available", "10%"),
-    ("evictionHard.imagefs.available", "15%"),
-    (IMAGE_GC_HIGH, "85"),
+/// The kubelet's default values of the settings read, as what they keep free;
+/// `evictionSoft` has none.
+const DEFAULTS: [(&str, Threshold); 3] = [
+    ("evictionHard.nodefs.available", Threshold::PartsPerMillion(100_000)),
+    ("evictionHard.imagefs.available", Threshold::PartsPerMillion(150_000)),
+    // 85% used at most: 15% free.
+    (IMAGE_GC_HIGH, Threshold::PartsPerMillion(150_000)),
 ];
 
 /// One threshold value: an absolute byte count or a share of the filesystem's size.
@@ -94,17 +96,6 @@ impl Threshold {
             100 => Ok(None),
             0..100 => Ok(Some(Self::PartsPerMillion((100 - p) as u32 * 10_000))),
             _ => Err(format!("{p} is outside 0..100")),
-        }
-    }
-
-    /// The bytes this threshold keeps free on a filesystem of `total` bytes.
-    pub fn bytes_of(&self, total: u64) -> u64 {
-        match *self {
-            Self::Bytes(b) => b,
-            Self::PartsPerMillion(ppm) => {
-                // u128: total × ppm overflows u64 above 18 TB.
-                u64::try_from(u128::from(total) * u128::from(ppm) / 1_000_000).unwrap_or(u64::MAX)
-            }
         }
     }
 }
@@ -196,19 +187,8 @@ pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
             }
         }
     }
-    for (key, default) in DEFAULTS {
-        if set.contains_key(key) {
-            continue;
-        }
-        let t = if key == IMAGE_GC_HIGH {
-            default
-                .parse()
-                .ok()
-                .and_then(|p| Threshold::from_gc_high_percent(p).ok().flatten())
-        } else {
-            Threshold::parse(default).ok().flatten()
-        };
-        if let Some(threshold) = t {
+    for (key, threshold) in DEFAULTS {
+        if !set.contains_key(key) {
             out.found.push(Found {
                 threshold,
                 key: key.to_string(),
@@ -295,14 +275,6 @@ mod tests {
         assert_eq!(Threshold::from_gc_high_percent(85), Ok(Some(pct(15))));
         assert_eq!(Threshold::from_gc_high_percent(100), Ok(None));
         assert!(Threshold::from_gc_high_percent(101).is_err());
-    }
-
-    #[test]
-    fn bytes_of_a_filesystem() {
-        assert_eq!(pct(10).bytes_of(1000), 100);
-        assert_eq!(Threshold::Bytes(7).bytes_of(1000), 7);
-        // 20 TB × 15 % does not overflow.
-        assert_eq!(pct(15).bytes_of(20_000_000_000_000), 3_000_000_000_000);
         assert_eq!(Threshold::PartsPerMillion(75_000).to_string(), "7.5%");
     }
 
