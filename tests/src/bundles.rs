@@ -210,24 +210,19 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                                     ProxyFault::ResetEach { after } => after.get(n).copied(),
                                     ProxyFault::OnFirstResponse(_) => None,
                                 };
-                                match &*fault {
-                                    _ if limit.is_some_and(|after| sent + r > after) => {
-                                        let after = limit.unwrap_or(sent);
-                                        let _ = client.write_all(&b[..after - sent]).await;
-                                        if !matches!(*fault, ProxyFault::Cut { .. }) {
-                                            let _ = client.set_zero_linger();
-                                        }
-                                        st.fired.fetch_add(1, Ordering::SeqCst);
-                                        return;
+                                if let Some(after) = limit.filter(|&after| sent + r > after) {
+                                    let _ = client.write_all(&b[..after - sent]).await;
+                                    if !matches!(*fault, ProxyFault::Cut { .. }) {
+                                        let _ = client.set_zero_linger();
                                     }
-                                    ProxyFault::OnFirstResponse(action)
-                                        if st.fired.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_ok() =>
-                                    {
-                                        if let Err(e) = action() {
-                                            st.errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
-                                        }
-                                    }
-                                    _ => {}
+                                    st.fired.fetch_add(1, Ordering::SeqCst);
+                                    return;
+                                }
+                                if let ProxyFault::OnFirstResponse(action) = &*fault
+                                    && st.fired.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+                                    && let Err(e) = action()
+                                {
+                                    st.errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
                                 }
                                 if client.write_all(&b[..r]).await.is_err() { return }
                                 sent += r;
