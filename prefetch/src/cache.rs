@@ -175,7 +175,9 @@ impl Cache {
     }
 
     /// Remove what a killed run left in `tmp/` besides resumable partials and their chunk
-    /// maps: temporary links, manifests and chunk-map writes. Call with the lock held.
+    /// maps: temporary links, manifests, chunk-map writes, and a chunk map whose partial is
+    /// gone (a kill between a blob's commit, which renames the partial, and the map's
+    /// removal; or between a discard's two removals). Call with the lock held.
     /// Best effort: a leftover that cannot be removed (a read-only cache) harms nothing.
     pub fn sweep_tmp(&self) {
         let dir = self.tmp_dir();
@@ -183,7 +185,12 @@ impl Cache {
         for entry in entries.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            let resumable = name.ends_with(".part") || name.ends_with(".state");
+            // A chunk map without its partial has nothing left to resume (the engine ignores
+            // it), so it goes too.
+            let resumable = name.ends_with(".part")
+                || name
+                    .strip_suffix(".state")
+                    .is_some_and(|d| dir.join(format!("{d}.part")).exists());
             if !resumable {
                 let p = entry.path();
                 match remove_any(&p, entry.file_type().is_ok_and(|t| t.is_dir())) {
@@ -600,7 +607,14 @@ pub(crate) mod tests {
         drop(held);
         let _again = c.try_lock().unwrap().expect("released");
 
-        for name in ["d.part", "d.state", "d.state.tmp", "link-1-0", "e.manifest.7"] {
+        for name in [
+            "d.part",
+            "d.state",
+            "d.state.tmp",
+            "link-1-0",
+            "e.manifest.7",
+            "f.state",
+        ] {
             fs::write(c.tmp_dir().join(name), b"").unwrap();
         }
         c.sweep_tmp();
