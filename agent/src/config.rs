@@ -364,9 +364,14 @@ pub struct KubeletConfig {
     pub plugin_config: Option<PathBuf>,
     /// Where the kubelet's sockets are.
     pub paths: taintgate_validators::kubelet::device_plugin::KubeletPaths,
-    /// The kubelet's own config files, read for its `nodefs.available` eviction thresholds:
-    /// the model prefetch's disk reserve when `models.fetch.reserve_bytes` is not set. Later
-    /// files win; a directory stands for its `*.conf` drop-ins; missing files are skipped.
+    /// The kubelet's process name (`comm`), whose command line names the config files it
+    /// reads and the threshold flags that override them; `None`: not read. Where no such
+    /// process is visible, `config_files` are read instead.
+    pub process: Option<String>,
+    /// The kubelet's own config files, read for its disk thresholds (eviction, image
+    /// garbage collection): the model prefetch's disk reserve when
+    /// `models.fetch.reserve_bytes` is not set. Later files win; a directory stands for its
+    /// `*.conf` drop-ins; missing files are skipped.
     pub config_files: Vec<PathBuf>,
     /// Longest wait for the plugin's first ListAndWatch answer and the pod-resources reply.
     #[serde(with = "humantime_serde")]
@@ -389,6 +394,7 @@ impl Default for KubeletConfig {
         Self {
             plugin_config: None,
             paths: Default::default(),
+            process: Some("kubelet".into()),
             config_files: taintgate_validators::kubelet::eviction::DEFAULT_CONFIG_FILES
                 .iter()
                 .map(PathBuf::from)
@@ -452,6 +458,14 @@ impl Config {
                     "{:?} is not a valid taint key (a qualified name, optional DNS prefix)",
                     self.taint.key
                 ),
+            );
+        }
+        if let Some(name) = &self.kubelet.process
+            && (name.is_empty() || name.contains('/') || name.contains('\0'))
+        {
+            return err(
+                "kubelet.process",
+                format!("{name:?} is not a process name (null turns the command line off)"),
             );
         }
         if !valid_qualified_name(&self.reporting.condition_type) {
@@ -598,6 +612,12 @@ mod tests {
         assert_eq!(e.key.as_deref(), Some("taint.key"));
         let e = Config::parse(Path::new("c.yaml"), "gpu:\n  peer_bw:\n    efficiency: 1.5\n").unwrap_err();
         assert_eq!(e.key.as_deref(), Some("gpu.peer_bw.efficiency"));
+        for bad in ["\"\"", "/usr/bin/kubelet"] {
+            let e = Config::parse(Path::new("c.yaml"), &format!("kubelet:\n  process: {bad}\n")).unwrap_err();
+            assert_eq!(e.key.as_deref(), Some("kubelet.process"), "{e}");
+        }
+        let c = Config::parse(Path::new("c.yaml"), "kubelet:\n  process: null\n").unwrap();
+        assert_eq!(c.kubelet.process, None);
     }
 
     #[test]

@@ -69,12 +69,18 @@ kubelet:
     device_plugin_dir: /var/lib/kubelet/device-plugins
     plugin_sockets: {}          # per-resource socket override; default nvidia-<name>.sock
     pod_resources_socket: /var/lib/kubelet/pod-resources/kubelet.sock
-  # The kubelet's config files, read for its disk thresholds (evictionHard/evictionSoft
-  # nodefs.available and imagefs.available, imageGCHighThresholdPercent): the model
-  # prefetch keeps the largest free unless models.fetch.reserve_bytes is set, and a
-  # setting no file names counts at the kubelet's default. Later files win, a directory
-  # means the *.conf drop-ins under it, missing files are skipped: kubeadm, EKS AL2, EKS
-  # AL2023 (file and drop-ins), GKE.
+  # The kubelet's disk thresholds (evictionHard/evictionSoft nodefs.available and
+  # imagefs.available, imageGCHighThresholdPercent): the model prefetch keeps the largest
+  # free unless models.fetch.reserve_bytes is set, and a setting nothing names counts at
+  # the kubelet's default. First from the running kubelet's command line, found in /proc
+  # by this process name (null: not read): its --config and --config-dir files, then its
+  # --eviction-hard/--eviction-soft/--image-gc-high-threshold flags on top. Visible only
+  # in the host's PID namespace once the kubelet runs: a DaemonSet with hostPID, a run on
+  # the host; not the systemd unit (ProtectProc=invisible, and it starts before kubelet).
+  process: kubelet
+  # Where the process is not visible, these files: later files win, a directory means
+  # the *.conf drop-ins under it, missing files are skipped: kubeadm, EKS AL2, EKS AL2023
+  # (file and drop-ins), GKE.
   config_files:
     - /var/lib/kubelet/config.yaml
     - /etc/kubernetes/kubelet/kubelet-config.json
@@ -111,7 +117,8 @@ models:
     chunk_size: 16777216        # 16 MiB ranged GETs, well inside the request timeout
     retries: 3
     reserve_bytes: null         # null: the largest of the kubelet's disk thresholds
-                                # (kubelet.config_files), 15% on a default kubelet
+                                # (kubelet.process, kubelet.config_files), 15% on a
+                                # default kubelet
     verify_cache: false         # true: re-hash every cached blob
     progress: true
     log_interval_secs: 5

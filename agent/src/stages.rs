@@ -449,12 +449,43 @@ async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
 }
 
 /// The disk reserve rules from the kubelet's own disk thresholds (eviction and image
-/// garbage collection, see [`taintgate_validators::kubelet::eviction`]). A config file or
-/// value that cannot be read is skipped with a warning naming it; the others, and the
-/// kubelet's defaults for what no file sets, still apply.
-fn kubelet_reserve(files: &[std::path::PathBuf]) -> Vec<taintgate_prefetch::ReserveRule> {
-    use taintgate_validators::kubelet::eviction::{Threshold, disk_thresholds};
-    let t = disk_thresholds(files);
+/// garbage collection, see [`taintgate_validators::kubelet::eviction`]): those of the running
+/// kubelet's command line (its config files and flags) when `kubelet.process` is visible in
+/// `/proc`, else those of `kubelet.config_files`. A file, flag or value that cannot be read
+/// is skipped with a warning naming it; the others, and the kubelet's defaults for what
+/// nothing sets, still apply.
+fn kubelet_reserve(cfg: &crate::config::KubeletConfig) -> Vec<taintgate_prefetch::ReserveRule> {
+    use taintgate_validators::kubelet::eviction::{Threshold, disk_thresholds, kubelet_thresholds};
+    use taintgate_validators::kubelet::process;
+    let cmd = match cfg.process.as_deref() {
+        None => None,
+        Some(name) => match process::find(std::path::Path::new("/proc"), name) {
+            Ok(Some(cmd)) => {
+                tracing::info!(
+                    pid = cmd.pid,
+                    config = ?cmd.config,
+                    config_dir = ?cmd.config_dir,
+                    eviction_hard = ?cmd.eviction_hard,
+                    eviction_soft = ?cmd.eviction_soft,
+                    image_gc_high_threshold = ?cmd.image_gc_high_threshold,
+                    "kubelet command line read for the disk reserve"
+                );
+                Some(cmd)
+            }
+            Ok(None) => {
+                tracing::debug!(process = name, files = ?cfg.config_files, "no kubelet process visible; reading kubelet.config_files");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(reason = e.reason(), error = %e, "kubelet command line unreadable; reading kubelet.config_files");
+                None
+            }
+        },
+    };
+    let t = match &cmd {
+        Some(cmd) => kubelet_thresholds(cmd),
+        None => disk_thresholds(&cfg.config_files),
+    };
     for e in &t.errors {
         tracing::warn!(reason = e.reason(), error = %e, "kubelet config unreadable; skipped for the disk reserve");
     }
@@ -485,7 +516,7 @@ async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
     }
     let mut opts = m.fetch.clone();
     if opts.reserve_bytes.is_none() {
-        opts.default_reserve = Some(kubelet_reserve(&ctx.config.kubelet.config_files));
+        opts.default_reserve = Some(kubelet_reserve(&ctx.config.kubelet));
     }
     // A progress bar only where a person watches (`check` on a terminal).
     opts.progress = opts.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -42,7 +42,7 @@ use taintgate_tests::services::containerd::Containerd;
 use taintgate_tests::services::moto::Moto;
 use taintgate_tests::services::nginx::Nginx;
 use taintgate_tests::services::registry::{OciImage, Registry};
-use taintgate_tests::services::{free_port, in_ci};
+use taintgate_tests::services::{ServiceProcess, free_port, in_ci};
 
 const MIB: u64 = 1 << 20;
 const OURS: &str = "taintgate.io/unverified:NoSchedule";
@@ -531,6 +531,56 @@ fn check_kubelet_reserve(c: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
+/// Row 6a, with the threshold a flag on the running kubelet's command line: a process
+/// under a name of its own (the row's `kubelet.process`) runs with `--config` naming a file
+/// at 10% and `--eviction-hard=nodefs.available<70%`, which overrides it. The well-known
+/// list (`kubelet.config_files`) names a file at 90% that must not be read: the command
+/// line says which files the kubelet reads. With neither read, the defaults (15%) leave
+/// room for the 6 MiB file on the 16 MiB disk and the node would be released.
+fn setup_disk_kubelet_flags(dir: &Path) -> anyhow::Result<World> {
+    let mnt = svc("tmpfs mount", Mount::tmpfs("16m", ""))?;
+    let mut w = nginx_world(dir, "4m", 6 * MIB, direct, json!({}), Value::Null)?;
+    let cache = mnt.path().join("cache");
+    let kubelet = dir.join("kubelet");
+    std::fs::create_dir_all(&kubelet)?;
+    let config = kubelet.join("config.yaml");
+    std::fs::write(&config, "evictionHard:\n  nodefs.available: \"10%\"\n")?;
+    let guessed = kubelet.join("guessed.yaml");
+    std::fs::write(&guessed, "evictionHard:\n  nodefs.available: \"90%\"\n")?;
+    // A shell under the name, kept alive (`; :` stops it exec'ing `sleep` in its place).
+    let name = format!("kl-row-{}", std::process::id());
+    let program = kubelet.join(&name);
+    std::fs::copy("/bin/sh", &program)?;
+    let child = Command::new(&program)
+        .args(["-c", "sleep 600; :", "kubelet"])
+        .arg(format!("--config={}", config.display()))
+        .arg("--eviction-hard=memory.available<100Mi,nodefs.available<70%")
+        .spawn()?;
+    let process = ServiceProcess::new("fake kubelet", child);
+    let mut doc: Value = serde_json::from_str(&models_config(
+        w.bundle(),
+        &cache,
+        json!({"reserve_bytes": null}),
+        Value::Null,
+    ))?;
+    doc["kubelet"] = json!({"process": name, "config_files": [guessed]});
+    w.config = doc.to_string();
+    w.cache = Some(cache);
+    w.keep.push(Box::new(mnt));
+    w.keep.push(Box::new(process));
+    Ok(w)
+}
+
+/// The refusal names the kubelet's flag the reserve came from, and no byte was asked for.
+fn check_kubelet_flag_reserve(c: &Ctx) -> Result<(), String> {
+    check_no_data_request(c)?;
+    let msg = verdict_message(c.timeline);
+    if !msg.contains("70% free for evictionHard.nodefs.available from --eviction-hard of the kubelet (pid ") {
+        return Err(format!("verdict message should name the kubelet's flag: {msg}"));
+    }
+    Ok(())
+}
+
 /// Row 6b: A cache disk (8 MiB) with room at the preflight for the bundle: a 6 MiB file
 /// through the proxy, then a 1 MiB one straight from nginx (one file at a time). As soon as
 /// the origin answers for the first file, another writer takes up to 4 MiB, as much as it
@@ -970,6 +1020,13 @@ fn scenarios() -> Vec<Scenario> {
         )
         .held("DiskInsufficient")
         .extra(check_kubelet_reserve),
+        row(
+            "disk-reserve-from-the-kubelets-command-line-flags",
+            "models",
+            setup_disk_kubelet_flags,
+        )
+        .held("DiskInsufficient")
+        .extra(check_kubelet_flag_reserve),
         row(
             "disk-filled-by-another-writer-after-reservation",
             "models",

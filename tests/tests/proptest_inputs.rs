@@ -29,8 +29,9 @@ use taintgate::untaint::{removal_patch, taint_index};
 use taintgate_prefetch::manifest::{BundleRef, Manifest};
 use taintgate_validators::input::{InputError, parse_yaml};
 use taintgate_validators::kubelet::cdi::parse_spec;
-use taintgate_validators::kubelet::eviction::{Threshold, disk_thresholds};
+use taintgate_validators::kubelet::eviction::{Threshold, disk_thresholds, kubelet_thresholds};
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_allocatable};
+use taintgate_validators::kubelet::process;
 use taintgate_validators::profile::NodeProfile;
 
 fn cases() -> u32 {
@@ -760,6 +761,100 @@ proptest! {
             Ok(Some(Threshold::Bytes(b))) => prop_assert!(!text.ends_with('%') && b > 0, "{text:?} -> {b}"),
             Err(why) => prop_assert!(why.contains(&text), "{text:?}: {why}"),
         }
+    }
+}
+
+/// A kubelet command-line argument: the flags read, their near misses, values and noise.
+fn kubelet_arg() -> impl Strategy<Value = String> {
+    let flag = prop::sample::select(vec![
+        "--config",
+        "--config-dir",
+        "--config_dir",
+        "--eviction-hard",
+        "--eviction_hard",
+        "--eviction-soft",
+        "--image-gc-high-threshold",
+        "--v",
+        "--",
+        "-config",
+        "---config",
+    ]);
+    let value = prop_oneof![
+        threshold_text(),
+        prop::sample::select(vec![
+            "nodefs.available",
+            "imagefs.available",
+            "memory.available",
+            "",
+            " "
+        ])
+        .prop_map(str::to_string),
+        "[-a-z./<,=% 0-9]{0,24}",
+    ];
+    prop_oneof![
+        (flag.clone(), value.clone()).prop_map(|(f, v)| format!("{f}={v}")),
+        flag.prop_map(str::to_string),
+        value,
+        (threshold_text(), threshold_text())
+            .prop_map(|(a, b)| format!("--eviction-hard=nodefs.available<{a},imagefs.available<{b}")),
+    ]
+}
+
+proptest! {
+    #![proptest_config(pt_config())]
+
+    /// Whatever another process's command line holds: no panic, each problem names the
+    /// command line and the flag, and the thresholds made of it are one per setting and at
+    /// most the whole disk.
+    #[test]
+    fn kubelet_command_line_soup_never_panics(args in prop::collection::vec(kubelet_arg(), 0..12)) {
+        let mut argv = vec!["kubelet".to_string()];
+        argv.extend(args);
+        let cmd = process::parse(4242, &argv);
+        for e in &cmd.errors {
+            prop_assert!(e.to_string().contains("/proc/4242/cmdline"), "{e}");
+            prop_assert!(e.key.as_deref().is_some_and(|k| k.starts_with("--")), "{e:?}");
+        }
+        let t = kubelet_thresholds(&cmd);
+        let mut keys: Vec<&str> = t.found.iter().map(|x| x.key.as_str()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        prop_assert_eq!(keys.len(), t.found.len(), "{:?}", t.found);
+        for x in &t.found {
+            if let Threshold::PartsPerMillion(p) = x.threshold {
+                prop_assert!(p <= 1_000_000, "{x}");
+            }
+        }
+        for e in &t.errors {
+            prop_assert!(!e.message.trim().is_empty(), "{e:?}");
+        }
+    }
+
+    /// The occurrences of a `<`-map flag merge in order, in either form, with or without
+    /// `_`: the pairs read are exactly the pairs written.
+    #[test]
+    fn kubelet_map_flag_occurrences_merge_in_order(
+        items in prop::collection::vec(
+            (prop::bool::ANY, prop::bool::ANY, prop::collection::vec(("[a-z.]{1,12}", "[0-9]{1,2}%"), 0..3)),
+            1..5,
+        )
+    ) {
+        let mut argv = vec!["kubelet".to_string()];
+        let mut want = Vec::new();
+        for (inline, underscore, pairs) in &items {
+            let name = if *underscore { "--eviction_soft" } else { "--eviction-soft" };
+            let value: Vec<String> = pairs.iter().map(|(k, v)| format!("{k}<{v}")).collect();
+            if *inline {
+                argv.push(format!("{name}={}", value.join(",")));
+            } else {
+                argv.push(name.to_string());
+                argv.push(value.join(","));
+            }
+            want.extend(pairs.iter().cloned());
+        }
+        let cmd = process::parse(1, &argv);
+        prop_assert!(cmd.errors.is_empty(), "{:?}", cmd.errors);
+        prop_assert_eq!(cmd.eviction_soft, Some(want));
     }
 }
 

@@ -17,10 +17,18 @@
 //! directory. Missing files are skipped, so one list of the well-known locations serves
 //! kubeadm, EKS (AL2 and AL2023) and GKE nodes. Values follow the kubelet's parser: `"0%"`
 //! and `"100%"` turn a threshold off, trailing `%` signs are trimmed, a quantity must be
-//! positive, and `null` (a drop-in deleting a key) unsets it. Not read: `--eviction-hard`
-//! style command-line flags, which override the files on a node that still uses them.
+//! positive, and `null` (a drop-in deleting a key) unsets it.
+//!
+//! When the running kubelet's command line is visible ([`super::process`]),
+//! [`kubelet_thresholds`] reads the files it names instead of the well-known list, and its
+//! `--eviction-hard`, `--eviction-soft` and `--image-gc-high-threshold` flags override the
+//! files, as flags do in the kubelet. A `<`-map flag replaces the kubelet's whole map; here
+//! it overrides only the signals it names, and a signal it leaves out keeps its file or
+//! default value. That can keep more free than the kubelet would, never less: the reserve
+//! errs on the side of not putting the node under disk pressure.
 
 use crate::input::{InputError, load_yaml};
+use crate::kubelet::process::CommandLine;
 use crate::kubelet::quantity::Quantity;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -109,6 +117,22 @@ impl fmt::Display for Threshold {
     }
 }
 
+/// Where a threshold's value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// The kubelet's default value: nothing read names the setting.
+    Default,
+    /// A config file.
+    File(PathBuf),
+    /// A flag on the kubelet's command line (`--eviction-hard`).
+    Flag {
+        /// The flag, with its dashes.
+        flag: &'static str,
+        /// The kubelet's process.
+        pid: u32,
+    },
+}
+
 /// One disk threshold in force.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Found {
@@ -116,16 +140,27 @@ pub struct Found {
     pub threshold: Threshold,
     /// The setting: `evictionHard.nodefs.available`, `imageGCHighThresholdPercent`, ...
     pub key: String,
-    /// The file its value came from; `None`: the kubelet's default value.
-    pub file: Option<PathBuf>,
+    /// Where its value came from.
+    pub source: Source,
+}
+
+impl Found {
+    /// The file its value came from, if a file.
+    pub fn file(&self) -> Option<&Path> {
+        match &self.source {
+            Source::File(p) => Some(p),
+            _ => None,
+        }
+    }
 }
 
 impl fmt::Display for Found {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} free for {}", self.threshold, self.key)?;
-        match &self.file {
-            Some(p) => write!(f, " in {}", p.display()),
-            None => write!(f, " (the kubelet's default)"),
+        match &self.source {
+            Source::File(p) => write!(f, " in {}", p.display()),
+            Source::Flag { flag, pid } => write!(f, " from {flag} of the kubelet (pid {pid})"),
+            Source::Default => write!(f, " (the kubelet's default)"),
         }
     }
 }
@@ -144,13 +179,69 @@ pub struct Thresholds {
 /// the kubelet would not accept, are reported in `errors` and skipped.
 pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
     let mut out = Thresholds::default();
-    // Per setting: the last value seen (`None`: turned off) and its file.
-    let mut set: BTreeMap<String, (Option<Threshold>, PathBuf)> = BTreeMap::new();
-    for file in expand(paths, &mut out.errors) {
+    let files = expand(paths, false, &mut out.errors);
+    let set = read_files(files, &mut out.errors);
+    finish(set, out)
+}
+
+/// The disk thresholds of the kubelet running with command line `cmd`: its `--config` file
+/// and `--config-dir` drop-ins (a missing one is an error here: the kubelet reads it, so
+/// the agent cannot see what it sees), then its threshold flags on top.
+pub fn kubelet_thresholds(cmd: &CommandLine) -> Thresholds {
+    let mut out = Thresholds {
+        errors: cmd.errors.clone(),
+        ..Default::default()
+    };
+    let files = expand(&cmd.config_files(), true, &mut out.errors);
+    let mut set = read_files(files, &mut out.errors);
+    let origin = cmd.origin();
+    for (section, flag, pairs) in [
+        ("evictionHard", "--eviction-hard", &cmd.eviction_hard),
+        ("evictionSoft", "--eviction-soft", &cmd.eviction_soft),
+    ] {
+        for (signal, value) in pairs.iter().flatten() {
+            if !SIGNALS.contains(&signal.as_str()) {
+                continue;
+            }
+            match Threshold::parse(value) {
+                Ok(t) => {
+                    let source = Source::Flag { flag, pid: cmd.pid };
+                    set.insert(format!("{section}.{signal}"), (t, source));
+                }
+                Err(e) => out
+                    .errors
+                    .push(InputError::new(&origin, Some(flag), format!("{signal}: {e}"))),
+            }
+        }
+    }
+    if let Some(v) = &cmd.image_gc_high_threshold {
+        let flag = "--image-gc-high-threshold";
+        match v
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{v:?} is not a whole number of percent"))
+            .and_then(Threshold::from_gc_high_percent)
+        {
+            Ok(t) => {
+                set.insert(IMAGE_GC_HIGH.to_string(), (t, Source::Flag { flag, pid: cmd.pid }));
+            }
+            Err(e) => out.errors.push(InputError::new(&origin, Some(flag), e)),
+        }
+    }
+    finish(set, out)
+}
+
+/// Per setting: the last value seen (`None`: turned off) and where it came from.
+type Settings = BTreeMap<String, (Option<Threshold>, Source)>;
+
+/// The settings `files` make, in order, later values winning.
+fn read_files(files: Vec<PathBuf>, errors: &mut Vec<InputError>) -> Settings {
+    let mut set = Settings::new();
+    for file in files {
         let doc: serde_yaml_ng::Value = match load_yaml(&file) {
             Ok(d) => d,
             Err(e) => {
-                out.errors.push(e);
+                errors.push(e);
                 continue;
             }
         };
@@ -181,72 +272,108 @@ pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
             };
             match parsed {
                 Ok(t) => {
-                    set.insert(key, (t, file.clone()));
+                    set.insert(key, (t, Source::File(file.clone())));
                 }
-                Err(e) => out.errors.push(InputError::new(&file, Some(&key), e)),
+                Err(e) => errors.push(InputError::new(&file, Some(&key), e)),
             }
         }
     }
+    set
+}
+
+/// `out` with the thresholds in force: the kubelet's default for each setting `set` does
+/// not name, then every setting `set` names and leaves on.
+fn finish(set: Settings, mut out: Thresholds) -> Thresholds {
     for (key, threshold) in DEFAULTS {
         if !set.contains_key(key) {
             out.found.push(Found {
                 threshold,
                 key: key.to_string(),
-                file: None,
+                source: Source::Default,
             });
         }
     }
-    for (key, (t, file)) in set {
+    for (key, (t, source)) in set {
         if let Some(threshold) = t {
-            out.found.push(Found {
-                threshold,
-                key,
-                file: Some(file),
-            });
+            out.found.push(Found { threshold, key, source });
         }
     }
     out
 }
 
 /// The files to read, in order: each existing file, and each directory's `*.conf` files.
-fn expand(paths: &[PathBuf], errors: &mut Vec<InputError>) -> Vec<PathBuf> {
+/// A missing path is skipped, or reported when `required`.
+fn expand(paths: &[PathBuf], required: bool, errors: &mut Vec<InputError>) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for p in paths {
         match std::fs::metadata(p) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {}
             Err(e) => errors.push(InputError::new(p, None, format!("cannot read: {e}"))),
-            Ok(m) if m.is_dir() => drop_ins(p, &mut out, errors, 0),
+            Ok(m) if m.is_dir() => {
+                let mut budget = MAX_ENTRIES;
+                // The error says where the walk stopped; the files found so far still count.
+                drop_ins(p, &mut out, errors, 0, &mut budget);
+            }
             Ok(_) => out.push(p.clone()),
         }
     }
     out
 }
 
-/// Deepest drop-in directory nesting followed (a symlink loop ends here).
+/// Deepest drop-in directory nesting followed.
 const MAX_DEPTH: usize = 8;
 
-/// The `*.conf` files under `dir`, depth-first, each directory's entries in lexical order
-/// (Go's `filepath.WalkDir`, which the kubelet uses for its drop-ins).
-fn drop_ins(dir: &Path, out: &mut Vec<PathBuf>, errors: &mut Vec<InputError>, depth: usize) {
+/// Most directory entries looked at under one drop-in directory. A real drop-in directory
+/// holds a handful of files; a command line naming `/` must not walk the whole filesystem
+/// before the node may be released.
+const MAX_ENTRIES: usize = 4096;
+
+/// The `*.conf` files under `dir`, depth-first, each directory's entries in lexical order,
+/// as Go's `filepath.WalkDir` (which the kubelet uses for its drop-ins) finds them: a
+/// symlinked directory is not descended into, a symlinked `.conf` file is read. Returns
+/// false when the entry budget ran out (reported once, here).
+fn drop_ins(
+    dir: &Path,
+    out: &mut Vec<PathBuf>,
+    errors: &mut Vec<InputError>,
+    depth: usize,
+    budget: &mut usize,
+) -> bool {
     if depth > MAX_DEPTH {
         errors.push(InputError::new(dir, None, "drop-in directories nested too deep"));
-        return;
+        return true;
     }
-    let mut entries: Vec<PathBuf> = match std::fs::read_dir(dir) {
-        Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+    let mut entries: Vec<(PathBuf, bool)> = match std::fs::read_dir(dir) {
+        // `file_type` does not follow symlinks, as WalkDir's `DirEntry.IsDir` does not.
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .map(|e| (e.path(), e.file_type().is_ok_and(|t| t.is_dir())))
+            .collect(),
         Err(e) => {
             errors.push(InputError::new(dir, None, format!("cannot list: {e}")));
-            return;
+            return true;
         }
     };
-    entries.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
-    for p in entries {
-        if p.is_dir() {
-            drop_ins(&p, out, errors, depth + 1);
+    entries.sort_by(|a, b| a.0.file_name().cmp(&b.0.file_name()));
+    for (p, is_dir) in entries {
+        if *budget == 0 {
+            errors.push(InputError::new(
+                dir,
+                None,
+                format!("more than {MAX_ENTRIES} entries under the drop-in directory; not a drop-in directory?"),
+            ));
+            return false;
+        }
+        *budget -= 1;
+        if is_dir {
+            if !drop_ins(&p, out, errors, depth + 1, budget) {
+                return false;
+            }
         } else if p.extension().is_some_and(|x| x == "conf") && p.is_file() {
             out.push(p);
         }
     }
+    true
 }
 
 #[cfg(test)]
@@ -282,10 +409,7 @@ mod tests {
         t.found
             .iter()
             .map(|f| {
-                let file = f
-                    .file
-                    .as_ref()
-                    .map(|p| p.file_name().unwrap().to_string_lossy().into_owned());
+                let file = f.file().map(|p| p.file_name().unwrap().to_string_lossy().into_owned());
                 (f.key.clone(), f.threshold, file)
             })
             .collect()
@@ -358,6 +482,164 @@ mod tests {
     }
 
     #[test]
+    fn drop_in_walk_skips_symlinked_directories_and_stops_at_its_entry_budget() {
+        let d = tempfile::tempdir().unwrap();
+        let dropins = d.path().join("d");
+        let elsewhere = d.path().join("elsewhere");
+        std::fs::create_dir_all(&dropins).unwrap();
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::fs::write(elsewhere.join("x.conf"), "evictionHard:\n  nodefs.available: 40%\n").unwrap();
+        std::fs::write(d.path().join("real.conf"), "evictionHard:\n  nodefs.available: 30%\n").unwrap();
+        // WalkDir does not descend into a symlinked directory (a loop back to `d` included)
+        // but reads a symlinked `.conf` file.
+        std::os::unix::fs::symlink(&elsewhere, dropins.join("10-dir")).unwrap();
+        std::os::unix::fs::symlink(&dropins, dropins.join("20-loop")).unwrap();
+        std::os::unix::fs::symlink(d.path().join("real.conf"), dropins.join("30-file.conf")).unwrap();
+        let t = disk_thresholds(std::slice::from_ref(&dropins));
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        let nodefs = keys(&t).into_iter().find(|k| k.0 == "evictionHard.nodefs.available");
+        assert_eq!(
+            nodefs,
+            Some((
+                "evictionHard.nodefs.available".into(),
+                pct(30),
+                Some("30-file.conf".into())
+            ))
+        );
+
+        // A directory far larger than any drop-in directory: the walk stops, says so once,
+        // and what it found before the stop still counts.
+        let big = d.path().join("big");
+        std::fs::create_dir_all(big.join("0-sub")).unwrap();
+        std::fs::write(big.join("0-sub/a.conf"), "evictionHard:\n  nodefs.available: 25%\n").unwrap();
+        for i in 0..MAX_ENTRIES {
+            std::fs::write(big.join(format!("f{i:05}")), "").unwrap();
+        }
+        let t = disk_thresholds(std::slice::from_ref(&big));
+        assert_eq!(t.errors.len(), 1, "{:?}", t.errors);
+        assert!(
+            t.errors[0].to_string().contains("more than 4096 entries"),
+            "{}",
+            t.errors[0]
+        );
+        let nodefs = keys(&t).into_iter().find(|k| k.0 == "evictionHard.nodefs.available");
+        assert_eq!(
+            nodefs,
+            Some(("evictionHard.nodefs.available".into(), pct(25), Some("a.conf".into())))
+        );
+    }
+
+    fn cmdline(argv: &[&str]) -> CommandLine {
+        let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+        crate::kubelet::process::parse(77, &argv)
+    }
+
+    #[test]
+    fn the_kubelets_flags_override_the_files_its_command_line_names() {
+        let d = tempfile::tempdir().unwrap();
+        let config = d.path().join("config.yaml");
+        std::fs::write(
+            &config,
+            "evictionHard:\n  nodefs.available: 30%\n  imagefs.available: 40%\nimageGCHighThresholdPercent: 50\n",
+        )
+        .unwrap();
+        let dropins = d.path().join("conf.d");
+        std::fs::create_dir(&dropins).unwrap();
+        std::fs::write(dropins.join("10.conf"), "evictionSoft:\n  nodefs.available: 35%\n").unwrap();
+        let c = cmdline(&[
+            "kubelet",
+            &format!("--config={}", config.display()),
+            &format!("--config-dir={}", dropins.display()),
+            // Lower than the file, and it wins: flags override the kubelet's files.
+            "--eviction-hard=nodefs.available<5%,memory.available<1Gi",
+            "--eviction-soft=imagefs.available<0%",
+            "--image-gc-high-threshold=80",
+        ]);
+        let t = kubelet_thresholds(&c);
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        assert_eq!(
+            keys(&t),
+            vec![
+                // Named by no flag: the file's value stays (more free than the kubelet,
+                // whose flag replaced its whole evictionHard map, never less).
+                (
+                    "evictionHard.imagefs.available".into(),
+                    pct(40),
+                    Some("config.yaml".into())
+                ),
+                ("evictionHard.nodefs.available".into(), pct(5), None),
+                ("evictionSoft.nodefs.available".into(), pct(35), Some("10.conf".into())),
+                (IMAGE_GC_HIGH.into(), pct(20), None),
+            ]
+        );
+        assert_eq!(
+            t.found[1].to_string(),
+            "5% free for evictionHard.nodefs.available from --eviction-hard of the kubelet (pid 77)"
+        );
+        assert_eq!(
+            t.found[1].source,
+            Source::Flag {
+                flag: "--eviction-hard",
+                pid: 77
+            }
+        );
+    }
+
+    #[test]
+    fn flags_alone_without_a_config_file_and_their_errors_named() {
+        // No --config: the kubelet reads no file, so a file at a well-known path is not
+        // consulted; what the flags do not name is the default.
+        let t = kubelet_thresholds(&cmdline(&["kubelet", "--eviction-hard=imagefs.available<30Gi"]));
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        assert_eq!(
+            keys(&t),
+            vec![
+                ("evictionHard.nodefs.available".into(), pct(10), None),
+                (IMAGE_GC_HIGH.into(), pct(15), None),
+                (
+                    "evictionHard.imagefs.available".into(),
+                    Threshold::Bytes(30 << 30),
+                    None
+                ),
+            ]
+        );
+        let d = tempfile::tempdir().unwrap();
+        let gone = d.path().join("gone.yaml");
+        let t = kubelet_thresholds(&cmdline(&[
+            "kubelet",
+            &format!("--config={}", gone.display()),
+            "--eviction-hard=nodefs.available<lots",
+            "--image-gc-high-threshold=-3",
+            "--eviction-soft=nodefs.available",
+        ]));
+        let errors: Vec<String> = t.errors.iter().map(|e| e.to_string()).collect();
+        assert_eq!(errors.len(), 4, "{errors:?}");
+        // The command line's own error first, then the file, then the values.
+        assert!(
+            errors[0].contains("--eviction-soft") && errors[0].contains("malformed"),
+            "{errors:?}"
+        );
+        assert!(errors[1].contains("gone.yaml"), "{errors:?}");
+        assert!(
+            errors[2].contains("--eviction-hard") && errors[2].contains("lots"),
+            "{errors:?}"
+        );
+        assert!(
+            errors[3].contains("--image-gc-high-threshold") && errors[3].contains("-3"),
+            "{errors:?}"
+        );
+        assert!(
+            errors
+                .iter()
+                .all(|e| e.contains("/proc/77/cmdline") || e.contains("gone.yaml")),
+            "{errors:?}"
+        );
+        // All of it skipped: the defaults stand.
+        assert_eq!(t.found.len(), 3, "{:?}", t.found);
+        assert!(t.found.iter().all(|f| f.source == Source::Default), "{:?}", t.found);
+    }
+
+    #[test]
     fn off_values_turn_a_threshold_off() {
         let d = tempfile::tempdir().unwrap();
         let f = d.path().join("config.yaml");
@@ -397,7 +679,7 @@ mod tests {
             assert!(
                 t.found
                     .iter()
-                    .any(|x| x.threshold == pct(25) && x.file.as_deref() == Some(good.as_path())),
+                    .any(|x| x.threshold == pct(25) && x.file() == Some(good.as_path())),
                 "{:?}",
                 t.found
             );

@@ -15,6 +15,8 @@
 //! - [`fit`]: serving-group bin-packing over every resource;
 //! - [`eviction`]: the kubelet's disk thresholds (eviction, image garbage collection)
 //!   from its config files, the disk reserve the model prefetch keeps;
+//! - [`process`]: the running kubelet's command line (its real config files, threshold
+//!   flags);
 //! - [`quantity`]: exact Kubernetes quantity arithmetic used by the above.
 
 pub mod allocatable;
@@ -23,5 +25,6 @@ pub mod device_plugin;
 pub mod eviction;
 pub mod fit;
 pub mod plugin_config;
+pub mod process;
 pub mod proto;
 pub mod quantity;

@@ -1,0 +1,395 @@
+//! The running kubelet's command line, read from `/proc`: the config file and drop-in
+//! directory it really reads (`--config`, `--config-dir`) and the disk thresholds it was
+//! given as flags (`--eviction-hard`, `--eviction-soft`, `--image-gc-high-threshold`).
+//!
+//! A list of well-known config locations is a guess; the command line is what the kubelet
+//! runs with, and on nodes that still pass thresholds as flags (EKS AL2's
+//! `--kubelet-extra-args`, for one) the flags override every file. It is visible where the
+//! agent shares the host's PID namespace once the kubelet runs: a DaemonSet pod with
+//! `hostPID` (the kubelet started it), or a run on the host. The shipped systemd unit hides
+//! other processes and starts before the kubelet, so it falls back to the config files.
+//!
+//! Flags are parsed as the kubelet's `pflag` set does for the flags read here: `--name=value`
+//! or `--name value`, `_` in a name is `-` (its word-separator normalisation), the last
+//! value of a plain flag wins, the occurrences of a `<`-map flag (`--eviction-hard`) merge,
+//! and `--` ends the flags. Flags not read here are skipped; since their kind is unknown, a
+//! bare `--unknown value` skips `value` as a positional argument, which the kubelet has none
+//! of. The command line is another process's data, so nothing in it can panic the parser:
+//! what the kubelet would refuse is reported in [`CommandLine::errors`].
+
+use crate::input::InputError;
+use std::path::{Path, PathBuf};
+
+/// `comm` (the kernel's process name) holds at most this many bytes; longer names are cut.
+const COMM_LEN: usize = 15;
+
+/// What the kubelet's command line says about the settings read here.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommandLine {
+    /// The process read.
+    pub pid: u32,
+    /// `--config`: the kubelet's config file, made absolute against its working directory.
+    pub config: Option<PathBuf>,
+    /// `--config-dir`: its drop-in directory, made absolute likewise.
+    pub config_dir: Option<PathBuf>,
+    /// `--eviction-hard` signal/value pairs, every occurrence merged in order; `None`: not
+    /// given.
+    pub eviction_hard: Option<Vec<(String, String)>>,
+    /// `--eviction-soft`, as `eviction_hard`.
+    pub eviction_soft: Option<Vec<(String, String)>>,
+    /// `--image-gc-high-threshold`, as written.
+    pub image_gc_high_threshold: Option<String>,
+    /// Flags read here that the kubelet would refuse (each names the flag and why).
+    pub errors: Vec<InputError>,
+}
+
+impl CommandLine {
+    /// Where this command line was read from, to name in messages.
+    pub fn origin(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/cmdline", self.pid))
+    }
+
+    /// The files the kubelet reads its configuration from, in the order it applies them.
+    pub fn config_files(&self) -> Vec<PathBuf> {
+        self.config.iter().chain(self.config_dir.iter()).cloned().collect()
+    }
+}
+
+/// The flags read, by their normalised name.
+#[derive(Clone, Copy)]
+enum Flag {
+    Config,
+    ConfigDir,
+    EvictionHard,
+    EvictionSoft,
+    ImageGcHigh,
+}
+
+impl Flag {
+    fn named(name: &str) -> Option<Self> {
+        Some(match name {
+            "config" => Self::Config,
+            "config-dir" => Self::ConfigDir,
+            "eviction-hard" => Self::EvictionHard,
+            "eviction-soft" => Self::EvictionSoft,
+            "image-gc-high-threshold" => Self::ImageGcHigh,
+            _ => return None,
+        })
+    }
+}
+
+/// Parse the kubelet's arguments (`args[0]` is the program). Relative `--config` and
+/// `--config-dir` paths are left relative; [`find`] resolves them.
+pub fn parse(pid: u32, args: &[String]) -> CommandLine {
+    let mut out = CommandLine {
+        pid,
+        ..Default::default()
+    };
+    let origin = out.origin();
+    let mut rest = args.iter().skip(1);
+    while let Some(arg) = rest.next() {
+        if arg == "--" {
+            break;
+        }
+        let Some(body) = arg.strip_prefix("--") else {
+            // A positional argument or a shorthand (`-v=2`): nothing read here.
+            continue;
+        };
+        let (name, inline) = match body.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_string())),
+            None => (body, None),
+        };
+        let name = name.replace('_', "-");
+        let Some(flag) = Flag::named(&name) else {
+            continue;
+        };
+        let value = match inline {
+            Some(v) => v,
+            None => match rest.next() {
+                Some(v) => v.clone(),
+                None => {
+                    let key = format!("--{name}");
+                    out.errors
+                        .push(InputError::new(&origin, Some(&key), "flag needs an argument"));
+                    break;
+                }
+            },
+        };
+        match flag {
+            Flag::Config => out.config = Some(PathBuf::from(value)),
+            Flag::ConfigDir => out.config_dir = Some(PathBuf::from(value)),
+            Flag::ImageGcHigh => out.image_gc_high_threshold = Some(value),
+            Flag::EvictionHard | Flag::EvictionSoft => {
+                let target = match flag {
+                    Flag::EvictionHard => &mut out.eviction_hard,
+                    _ => &mut out.eviction_soft,
+                };
+                // The first occurrence replaces the whole map, later ones add to it.
+                let pairs = target.get_or_insert_with(Vec::new);
+                if let Err(e) = langle_pairs(&value, pairs) {
+                    let key = format!("--{name}");
+                    out.errors.push(InputError::new(&origin, Some(&key), e));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Split `a<1,b<2` into pairs as the kubelet's `LAngleSeparatedMapStringString` does: empty
+/// items are skipped, both sides are trimmed, an item without `<` is an error.
+fn langle_pairs(value: &str, out: &mut Vec<(String, String)>) -> Result<(), String> {
+    for item in value.split(',') {
+        if item.is_empty() {
+            continue;
+        }
+        let Some((k, v)) = item.split_once('<') else {
+            return Err(format!("malformed pair {item:?}, expected signal<value"));
+        };
+        out.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    Ok(())
+}
+
+/// The command line of the process called `name` under `proc_root` (`/proc`), or `None`
+/// when no such process is visible. When several match, the lowest PID is read (one kubelet
+/// per node; a second one is most likely on its way out). A process whose command line is
+/// empty (a zombie) does not count.
+pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputError> {
+    let want = name.as_bytes().get(..COMM_LEN).unwrap_or(name.as_bytes());
+    let listing = std::fs::read_dir(proc_root)
+        .map_err(|e| InputError::new(proc_root, None, format!("cannot list processes: {e}")))?;
+    let mut pids: Vec<u32> = listing
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    pids.sort_unstable();
+    for pid in pids {
+        let dir = proc_root.join(pid.to_string());
+        // A process can exit between the listing and these reads: then it is not the one.
+        let Ok(comm) = std::fs::read(dir.join("comm")) else {
+            continue;
+        };
+        if comm.strip_suffix(b"\n").unwrap_or(&comm) != want {
+            continue;
+        }
+        let raw = match std::fs::read(dir.join("cmdline")) {
+            Ok(raw) => raw,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                return Err(InputError::new(
+                    dir.join("cmdline"),
+                    None,
+                    format!("cannot read the {name} process's command line: {e}"),
+                ));
+            }
+        };
+        let args: Vec<String> = raw
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.is_empty() {
+            continue;
+        }
+        let mut cmd = parse(pid, &args);
+        for path in [&mut cmd.config, &mut cmd.config_dir].into_iter().flatten() {
+            if path.is_relative() {
+                match std::fs::read_link(dir.join("cwd")) {
+                    Ok(cwd) => *path = cwd.join(&*path),
+                    Err(e) => cmd.errors.push(InputError::new(
+                        &*path,
+                        None,
+                        format!("a relative path, and the {name} process's working directory is unreadable: {e}"),
+                    )),
+                }
+            }
+        }
+        return Ok(Some(cmd));
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn pairs(p: &[(&str, &str)]) -> Option<Vec<(String, String)>> {
+        Some(p.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+    }
+
+    #[test]
+    fn reads_both_flag_forms_and_normalises_underscores() {
+        let c = parse(
+            7,
+            &args(&[
+                "/usr/bin/kubelet",
+                "--v=2",
+                "--config",
+                "/etc/kubernetes/kubelet/config.json",
+                "--config_dir=/etc/kubernetes/kubelet/config.json.d",
+                "--register-with-taints",
+                "x=y:NoSchedule",
+                "--image-gc-high-threshold=70",
+                "--eviction-hard",
+                " nodefs.available < 12% ,memory.available<100Mi,",
+            ]),
+        );
+        assert!(c.errors.is_empty(), "{:?}", c.errors);
+        assert_eq!(
+            c.config.as_deref(),
+            Some(Path::new("/etc/kubernetes/kubelet/config.json"))
+        );
+        assert_eq!(
+            c.config_files(),
+            vec![
+                PathBuf::from("/etc/kubernetes/kubelet/config.json"),
+                PathBuf::from("/etc/kubernetes/kubelet/config.json.d")
+            ]
+        );
+        assert_eq!(c.image_gc_high_threshold.as_deref(), Some("70"));
+        assert_eq!(
+            c.eviction_hard,
+            pairs(&[("nodefs.available", "12%"), ("memory.available", "100Mi")])
+        );
+        assert_eq!(c.eviction_soft, None);
+    }
+
+    #[test]
+    fn map_flags_merge_plain_flags_take_the_last_and_double_dash_ends() {
+        let c = parse(
+            1,
+            &args(&[
+                "kubelet",
+                "--eviction-soft=nodefs.available<20%",
+                "--config=/a.yaml",
+                "--eviction-soft=imagefs.available<25%,nodefs.available<30%",
+                "--config=/b.yaml",
+                "--",
+                "--config=/c.yaml",
+            ]),
+        );
+        assert_eq!(c.config.as_deref(), Some(Path::new("/b.yaml")));
+        assert_eq!(
+            c.eviction_soft,
+            pairs(&[
+                ("nodefs.available", "20%"),
+                ("imagefs.available", "25%"),
+                ("nodefs.available", "30%")
+            ])
+        );
+        // Given but empty: the kubelet then has no such thresholds at all.
+        let c = parse(1, &args(&["kubelet", "--eviction-hard="]));
+        assert_eq!(c.eviction_hard, Some(vec![]));
+    }
+
+    #[test]
+    fn what_the_kubelet_would_refuse_is_named() {
+        let c = parse(
+            9,
+            &args(&["kubelet", "--eviction-hard=nodefs.available=10%", "--config"]),
+        );
+        assert_eq!(c.errors.len(), 2, "{:?}", c.errors);
+        let e0 = c.errors[0].to_string();
+        assert!(e0.contains("/proc/9/cmdline") && e0.contains("--eviction-hard"), "{e0}");
+        assert!(e0.contains("malformed pair"), "{e0}");
+        let e1 = c.errors[1].to_string();
+        assert!(e1.contains("--config") && e1.contains("needs an argument"), "{e1}");
+    }
+
+    /// A fake `/proc`: `pid` directories with `comm`, `cmdline` and a `cwd` link.
+    fn fake_proc(procs: &[(u32, &str, &[&str])]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("self")).unwrap();
+        std::fs::write(d.path().join("uptime"), "1 1\n").unwrap();
+        for (pid, comm, argv) in procs {
+            let p = d.path().join(pid.to_string());
+            std::fs::create_dir_all(&p).unwrap();
+            std::fs::write(p.join("comm"), format!("{comm}\n")).unwrap();
+            let mut raw = Vec::new();
+            for a in *argv {
+                raw.extend_from_slice(a.as_bytes());
+                raw.push(0);
+            }
+            std::fs::write(p.join("cmdline"), raw).unwrap();
+            std::os::unix::fs::symlink("/var/lib/kubelet", p.join("cwd")).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn finds_the_lowest_live_pid_by_name_and_resolves_relative_paths() {
+        let d = fake_proc(&[
+            (300, "kubelet", &["kubelet", "--config=/late.yaml"]),
+            (
+                42,
+                "containerd",
+                &["containerd", "--config=/etc/containerd/config.toml"],
+            ),
+            // A zombie: no command line left.
+            (7, "kubelet", &[]),
+            (
+                120,
+                "kubelet",
+                &["/usr/bin/kubelet", "--config", "config.yaml", "--config-dir=conf.d"],
+            ),
+        ]);
+        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        assert_eq!(c.pid, 120);
+        assert_eq!(c.config.as_deref(), Some(Path::new("/var/lib/kubelet/config.yaml")));
+        assert_eq!(c.config_dir.as_deref(), Some(Path::new("/var/lib/kubelet/conf.d")));
+        assert!(find(d.path(), "kube").unwrap().is_none());
+        assert!(find(d.path(), "k3s-agent").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_long_name_matches_the_kernels_cut_comm() {
+        let d = fake_proc(&[(5, "kubelet-wrapper", &["/opt/bin/kubelet-wrapper-v2", "--config=/x"])]);
+        let c = find(d.path(), "kubelet-wrapper-v2").unwrap().unwrap();
+        assert_eq!(c.pid, 5);
+    }
+
+    #[test]
+    fn an_unlistable_proc_is_an_error_naming_it() {
+        let e = find(Path::new("/nonexistent/proc"), "kubelet").unwrap_err().to_string();
+        assert!(
+            e.contains("/nonexistent/proc") && e.contains("cannot list processes"),
+            "{e}"
+        );
+    }
+
+    /// The real `/proc`: a process started here under a name of its own is found with its
+    /// arguments, as the agent finds the kubelet.
+    #[test]
+    fn finds_a_real_process_by_its_name() {
+        let d = tempfile::tempdir().unwrap();
+        let name = format!("tgk{}", std::process::id());
+        let program = d.path().join(&name);
+        std::fs::copy("/bin/sh", &program).unwrap();
+        // `; :` keeps the shell itself alive (a lone command would be exec'd in its place).
+        let mut child = std::process::Command::new(&program)
+            .args(["-c", "sleep 30; :", "kubelet", "--eviction-hard=nodefs.available<42%"])
+            .arg(format!("--config={}", d.path().join("config.yaml").display()))
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let found = loop {
+            match find(Path::new("/proc"), &name).unwrap() {
+                Some(c) => break c,
+                None if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20))
+                }
+                None => panic!("process {name} not found in /proc"),
+            }
+        };
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(found.pid, child.id());
+        assert_eq!(found.eviction_hard, pairs(&[("nodefs.available", "42%")]));
+        assert_eq!(found.config, Some(d.path().join("config.yaml")));
+    }
+}
