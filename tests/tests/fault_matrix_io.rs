@@ -493,9 +493,6 @@ fn setup_disk_small(dir: &Path) -> anyhow::Result<World> {
 /// 70%, the drop-in winning) keeps 11.2 MiB free, so the file is refused before its first
 /// byte.
 fn setup_disk_kubelet_reserve(dir: &Path) -> anyhow::Result<World> {
-    let mnt = svc("tmpfs mount", Mount::tmpfs("16m", ""))?;
-    let mut w = nginx_world(dir, "4m", 6 * MIB, direct, json!({}), Value::Null)?;
-    let cache = mnt.path().join("cache");
     let kubelet = dir.join("kubelet");
     std::fs::create_dir_all(kubelet.join("config.json.d"))?;
     std::fs::write(
@@ -506,13 +503,25 @@ fn setup_disk_kubelet_reserve(dir: &Path) -> anyhow::Result<World> {
         kubelet.join("config.json.d/90-disk.conf"),
         "evictionHard:\n  nodefs.available: \"70%\"\n",
     )?;
+    kubelet_reserve_world(
+        dir,
+        json!({"config_files": [kubelet.join("config.json"), kubelet.join("config.json.d")]}),
+    )
+}
+
+/// The world of the kubelet-reserve rows: a 6 MiB file for a 16 MiB disk, no
+/// `reserve_bytes`, so the reserve is what the `kubelet` section (`kubelet_cfg`) leads to.
+fn kubelet_reserve_world(dir: &Path, kubelet_cfg: Value) -> anyhow::Result<World> {
+    let mnt = svc("tmpfs mount", Mount::tmpfs("16m", ""))?;
+    let mut w = nginx_world(dir, "4m", 6 * MIB, direct, json!({}), Value::Null)?;
+    let cache = mnt.path().join("cache");
     let mut doc: Value = serde_json::from_str(&models_config(
         w.bundle(),
         &cache,
         json!({"reserve_bytes": null}),
         Value::Null,
     ))?;
-    doc["kubelet"] = json!({"config_files": [kubelet.join("config.json"), kubelet.join("config.json.d")]});
+    doc["kubelet"] = kubelet_cfg;
     w.config = doc.to_string();
     w.cache = Some(cache);
     w.keep.push(Box::new(mnt));
@@ -538,9 +547,6 @@ fn check_kubelet_reserve(c: &Ctx) -> Result<(), String> {
 /// line says which files the kubelet reads. With neither read, the defaults (15%) leave
 /// room for the 6 MiB file on the 16 MiB disk and the node would be released.
 fn setup_disk_kubelet_flags(dir: &Path) -> anyhow::Result<World> {
-    let mnt = svc("tmpfs mount", Mount::tmpfs("16m", ""))?;
-    let mut w = nginx_world(dir, "4m", 6 * MIB, direct, json!({}), Value::Null)?;
-    let cache = mnt.path().join("cache");
     let kubelet = dir.join("kubelet");
     std::fs::create_dir_all(&kubelet)?;
     let config = kubelet.join("config.yaml");
@@ -557,16 +563,7 @@ fn setup_disk_kubelet_flags(dir: &Path) -> anyhow::Result<World> {
         .arg("--eviction-hard=memory.available<100Mi,nodefs.available<70%")
         .spawn()?;
     let process = ServiceProcess::new("fake kubelet", child);
-    let mut doc: Value = serde_json::from_str(&models_config(
-        w.bundle(),
-        &cache,
-        json!({"reserve_bytes": null}),
-        Value::Null,
-    ))?;
-    doc["kubelet"] = json!({"process": name, "config_files": [guessed]});
-    w.config = doc.to_string();
-    w.cache = Some(cache);
-    w.keep.push(Box::new(mnt));
+    let mut w = kubelet_reserve_world(dir, json!({"process": name, "config_files": [guessed]}))?;
     w.keep.push(Box::new(process));
     Ok(w)
 }
