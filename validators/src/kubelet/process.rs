@@ -192,15 +192,21 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
             continue;
         }
         let mut cmd = parse(pid, &args);
-        for path in [&mut cmd.config, &mut cmd.config_dir].into_iter().flatten() {
-            if path.is_relative() {
-                match std::fs::read_link(dir.join("cwd")) {
-                    Ok(cwd) => *path = cwd.join(&*path),
-                    Err(e) => cmd.errors.push(InputError::new(
-                        &*path,
+        for slot in [&mut cmd.config, &mut cmd.config_dir] {
+            let Some(path) = slot.as_ref().filter(|p| p.is_relative()) else {
+                continue;
+            };
+            match std::fs::read_link(dir.join("cwd")) {
+                Ok(cwd) => *slot = Some(cwd.join(path)),
+                Err(e) => {
+                    cmd.errors.push(InputError::new(
+                        path,
                         None,
                         format!("a relative path, and the {name} process's working directory is unreadable: {e}"),
-                    )),
+                    ));
+                    // Left relative, it would be read against the agent's own working
+                    // directory: some other file than the kubelet's.
+                    *slot = None;
                 }
             }
         }
@@ -344,6 +350,24 @@ mod tests {
         assert_eq!(c.config_dir.as_deref(), Some(Path::new("/var/lib/kubelet/conf.d")));
         assert!(find(d.path(), "kube").unwrap().is_none());
         assert!(find(d.path(), "k3s-agent").unwrap().is_none());
+
+        // Its working directory unreadable: the relative path is named and not read, the
+        // absolute one still is.
+        std::fs::remove_file(d.path().join("120/cwd")).unwrap();
+        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        assert_eq!(c.config, None);
+        assert_eq!(c.config_dir, None);
+        assert_eq!(c.errors.len(), 2, "{:?}", c.errors);
+        assert!(
+            c.errors[0].to_string().contains("working directory is unreadable"),
+            "{}",
+            c.errors[0]
+        );
+        let d = fake_proc(&[(9, "kubelet", &["kubelet", "--config=/etc/k.yaml", "--config-dir=d"])]);
+        std::fs::remove_file(d.path().join("9/cwd")).unwrap();
+        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        assert_eq!(c.config.as_deref(), Some(Path::new("/etc/k.yaml")));
+        assert_eq!(c.config_dir, None);
     }
 
     #[test]
