@@ -78,9 +78,9 @@ kubelet:
   # in the host's PID namespace once the kubelet runs: a DaemonSet with hostPID, a run on
   # the host; not the systemd unit (ProtectProc=invisible, and it starts before kubelet).
   process: kubelet
-  # Where the process is not visible, these files: later files win, a directory means
-  # the *.conf drop-ins under it, missing files are skipped: kubeadm, EKS AL2, EKS AL2023
-  # (file and drop-ins), GKE.
+  # Where the process is not visible, or its --config file is not (not mounted in the
+  # pod), these files: later files win, a directory means the *.conf drop-ins under it,
+  # missing files are skipped: kubeadm, EKS AL2, EKS AL2023 (file and drop-ins), GKE.
   config_files:
     - /var/lib/kubelet/config.yaml
     - /etc/kubernetes/kubelet/kubelet-config.json

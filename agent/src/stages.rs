@@ -451,7 +451,8 @@ async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
 /// The disk reserve rules from the kubelet's own disk thresholds (eviction and image
 /// garbage collection, see [`taintgate_validators::kubelet::eviction`]): those of the running
 /// kubelet's command line (its config files and flags) when `kubelet.process` is visible in
-/// `/proc`, else those of `kubelet.config_files`. A file, flag or value that cannot be read
+/// `/proc` (with `kubelet.config_files` in place of its `--config` file where the agent cannot
+/// see that one), else those of `kubelet.config_files`. A file, flag or value that cannot be read
 /// is skipped with a warning naming it; the others, and the kubelet's defaults for what
 /// nothing sets, still apply.
 fn kubelet_reserve(cfg: &crate::config::KubeletConfig) -> Vec<taintgate_prefetch::ReserveRule> {
@@ -483,7 +484,7 @@ fn kubelet_reserve(cfg: &crate::config::KubeletConfig) -> Vec<taintgate_prefetch
         },
     };
     let t = match &cmd {
-        Some(cmd) => kubelet_thresholds(cmd),
+        Some(cmd) => kubelet_thresholds(cmd, &cfg.config_files),
         None => disk_thresholds(&cfg.config_files),
     };
     for e in &t.errors {

@@ -551,21 +551,65 @@ fn setup_disk_kubelet_flags(dir: &Path) -> anyhow::Result<World> {
     std::fs::create_dir_all(&kubelet)?;
     let config = kubelet.join("config.yaml");
     std::fs::write(&config, "evictionHard:\n  nodefs.available: \"10%\"\n")?;
+    fake_kubelet_world(
+        dir,
+        "f",
+        &[
+            format!("--config={}", config.display()),
+            "--eviction-hard=memory.available<100Mi,nodefs.available<70%".into(),
+        ],
+    )
+}
+
+/// Row 6a, with the running kubelet's `--config` file not visible to the agent (a pod that
+/// does not mount it): the agent reads `kubelet.config_files` in its place, whose 90% keeps
+/// the 6 MiB file off the 16 MiB disk. Read as "not given", the defaults (15%) would let
+/// it through and release the node.
+fn setup_disk_kubelet_unseen_config(dir: &Path) -> anyhow::Result<World> {
+    let unseen = dir.join("host-only/etc/kubernetes/kubelet/config.json");
+    fake_kubelet_world(dir, "u", &[format!("--config={}", unseen.display())])
+}
+
+/// A process under a name of its own (`tag` tells rows running at once apart: each agent
+/// must find its own row's process) running with the kubelet arguments `args`, and the
+/// kubelet-reserve world whose `kubelet.process` is that name and whose
+/// `kubelet.config_files` is one file at 90%.
+fn fake_kubelet_world(dir: &Path, tag: &str, args: &[String]) -> anyhow::Result<World> {
+    let kubelet = dir.join("kubelet");
+    std::fs::create_dir_all(&kubelet)?;
     let guessed = kubelet.join("guessed.yaml");
     std::fs::write(&guessed, "evictionHard:\n  nodefs.available: \"90%\"\n")?;
     // A shell under the name, kept alive (`; :` stops it exec'ing `sleep` in its place).
-    let name = format!("kl-row-{}", std::process::id());
+    // The kernel names a process after the path it was run by, so a symlink will do; a
+    // copy could not be run while another row's fork still held it open for writing
+    // (ETXTBSY). Within `comm`'s 15 bytes.
+    let name = format!("kl{tag}-{}", std::process::id());
     let program = kubelet.join(&name);
-    std::fs::copy("/bin/sh", &program)?;
+    std::os::unix::fs::symlink("/bin/sh", &program)?;
     let child = Command::new(&program)
         .args(["-c", "sleep 600; :", "kubelet"])
-        .arg(format!("--config={}", config.display()))
-        .arg("--eviction-hard=memory.available<100Mi,nodefs.available<70%")
+        .args(args)
         .spawn()?;
     let process = ServiceProcess::new("fake kubelet", child);
     let mut w = kubelet_reserve_world(dir, json!({"process": name, "config_files": [guessed]}))?;
     w.keep.push(Box::new(process));
     Ok(w)
+}
+
+/// The refusal names the stand-in file the reserve came from, the log says the kubelet's
+/// own file was not visible, and no byte was asked for.
+fn check_kubelet_unseen_config_reserve(c: &Ctx) -> Result<(), String> {
+    check_no_data_request(c)?;
+    let msg = verdict_message(c.timeline);
+    if !msg.contains("90% free for evictionHard.nodefs.available in ") || !msg.contains("guessed.yaml") {
+        return Err(format!(
+            "verdict message should name the kubelet.config_files stand-in: {msg}"
+        ));
+    }
+    if !c.run.stderr.contains("not visible to the agent") {
+        return Err("the log should say the kubelet's --config file was not visible".into());
+    }
+    Ok(())
 }
 
 /// The refusal names the kubelet's flag the reserve came from, and no byte was asked for.
@@ -1024,6 +1068,13 @@ fn scenarios() -> Vec<Scenario> {
         )
         .held("DiskInsufficient")
         .extra(check_kubelet_flag_reserve),
+        row(
+            "disk-reserve-falls-back-when-the-kubelets-config-is-not-visible",
+            "models",
+            setup_disk_kubelet_unseen_config,
+        )
+        .held("DiskInsufficient")
+        .extra(check_kubelet_unseen_config_reserve),
         row(
             "disk-filled-by-another-writer-after-reservation",
             "models",

@@ -815,7 +815,7 @@ proptest! {
             prop_assert!(e.to_string().contains("/proc/4242/cmdline"), "{e}");
             prop_assert!(e.key.as_deref().is_some_and(|k| k.starts_with("--")), "{e:?}");
         }
-        let t = kubelet_thresholds(&cmd);
+        let t = kubelet_thresholds(&cmd, &[]);
         let mut keys: Vec<&str> = t.found.iter().map(|x| x.key.as_str()).collect();
         keys.sort_unstable();
         keys.dedup();

@@ -187,14 +187,41 @@ pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
 /// The disk thresholds of the kubelet running with command line `cmd`: its `--config` file
 /// and `--config-dir` drop-ins (a missing one is an error here: the kubelet reads it, so
 /// the agent cannot see what it sees), then its threshold flags on top.
-pub fn kubelet_thresholds(cmd: &CommandLine) -> Thresholds {
+///
+/// When the `--config` file itself cannot be read (a DaemonSet that does not mount it, or
+/// mounts the host's copy elsewhere), the `fallback` files (`kubelet.config_files`) are read
+/// in its place, missing ones skipped, and that is reported: a well-known path, or the place
+/// the operator mounted it, is a better guess at the kubelet's values than its defaults. A
+/// kubelet run without `--config` reads no file, so neither does this.
+pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds {
     let mut out = Thresholds {
         errors: cmd.errors.clone(),
         ..Default::default()
     };
-    let files = expand(&cmd.config_files(), true, &mut out.errors);
-    let mut set = read_files(files, &mut out.errors);
     let origin = cmd.origin();
+    let mut files = Vec::new();
+    if let Some(config) = &cmd.config {
+        files = expand(std::slice::from_ref(config), true, &mut out.errors);
+        if files.is_empty() {
+            out.errors.push(InputError::new(
+                &origin,
+                Some("--config"),
+                format!(
+                    "the kubelet's config file {} is not visible to the agent; reading \
+                     kubelet.config_files instead ({})",
+                    config.display(),
+                    fallback
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+            files = expand(fallback, false, &mut out.errors);
+        }
+    }
+    files.extend(expand(cmd.config_dir.as_slice(), true, &mut out.errors));
+    let mut set = read_files(files, &mut out.errors);
     for (section, flag, pairs) in [
         ("evictionHard", "--eviction-hard", &cmd.eviction_hard),
         ("evictionSoft", "--eviction-soft", &cmd.eviction_soft),
@@ -555,7 +582,7 @@ mod tests {
             "--eviction-soft=imagefs.available<0%",
             "--image-gc-high-threshold=80",
         ]);
-        let t = kubelet_thresholds(&c);
+        let t = kubelet_thresholds(&c, &[]);
         assert!(t.errors.is_empty(), "{:?}", t.errors);
         assert_eq!(
             keys(&t),
@@ -589,7 +616,13 @@ mod tests {
     fn flags_alone_without_a_config_file_and_their_errors_named() {
         // No --config: the kubelet reads no file, so a file at a well-known path is not
         // consulted; what the flags do not name is the default.
-        let t = kubelet_thresholds(&cmdline(&["kubelet", "--eviction-hard=imagefs.available<30Gi"]));
+        let d = tempfile::tempdir().unwrap();
+        let well_known = d.path().join("config.yaml");
+        std::fs::write(&well_known, "evictionHard:\n  nodefs.available: 40%\n").unwrap();
+        let t = kubelet_thresholds(
+            &cmdline(&["kubelet", "--eviction-hard=imagefs.available<30Gi"]),
+            std::slice::from_ref(&well_known),
+        );
         assert!(t.errors.is_empty(), "{:?}", t.errors);
         assert_eq!(
             keys(&t),
@@ -603,29 +636,36 @@ mod tests {
                 ),
             ]
         );
-        let d = tempfile::tempdir().unwrap();
         let gone = d.path().join("gone.yaml");
-        let t = kubelet_thresholds(&cmdline(&[
-            "kubelet",
-            &format!("--config={}", gone.display()),
-            "--eviction-hard=nodefs.available<lots",
-            "--image-gc-high-threshold=-3",
-            "--eviction-soft=nodefs.available",
-        ]));
+        let t = kubelet_thresholds(
+            &cmdline(&[
+                "kubelet",
+                &format!("--config={}", gone.display()),
+                "--eviction-hard=nodefs.available<lots",
+                "--image-gc-high-threshold=-3",
+                "--eviction-soft=nodefs.available",
+            ]),
+            &[],
+        );
         let errors: Vec<String> = t.errors.iter().map(|e| e.to_string()).collect();
-        assert_eq!(errors.len(), 4, "{errors:?}");
-        // The command line's own error first, then the file, then the values.
+        assert_eq!(errors.len(), 5, "{errors:?}");
+        // The command line's own error first, then the file and the fallback (none here),
+        // then the values.
         assert!(
             errors[0].contains("--eviction-soft") && errors[0].contains("malformed"),
             "{errors:?}"
         );
         assert!(errors[1].contains("gone.yaml"), "{errors:?}");
         assert!(
-            errors[2].contains("--eviction-hard") && errors[2].contains("lots"),
+            errors[2].contains("--config") && errors[2].contains("kubelet.config_files instead"),
             "{errors:?}"
         );
         assert!(
-            errors[3].contains("--image-gc-high-threshold") && errors[3].contains("-3"),
+            errors[3].contains("--eviction-hard") && errors[3].contains("lots"),
+            "{errors:?}"
+        );
+        assert!(
+            errors[4].contains("--image-gc-high-threshold") && errors[4].contains("-3"),
             "{errors:?}"
         );
         assert!(
@@ -637,6 +677,67 @@ mod tests {
         // All of it skipped: the defaults stand.
         assert_eq!(t.found.len(), 3, "{:?}", t.found);
         assert!(t.found.iter().all(|f| f.source == Source::Default), "{:?}", t.found);
+    }
+
+    #[test]
+    fn an_invisible_config_file_falls_back_to_the_configured_files_flags_still_on_top() {
+        let d = tempfile::tempdir().unwrap();
+        // Where the operator mounted the host's copy (listed in kubelet.config_files), and a
+        // missing well-known path next to it, skipped without a word.
+        let mounted = d.path().join("host-kubelet.yaml");
+        std::fs::write(
+            &mounted,
+            "evictionHard:\n  nodefs.available: 30%\n  imagefs.available: 25%\nimageGCHighThresholdPercent: 70\n",
+        )
+        .unwrap();
+        let absent = d.path().join("absent.yaml");
+        let dropins = d.path().join("conf.d");
+        std::fs::create_dir(&dropins).unwrap();
+        std::fs::write(dropins.join("50.conf"), "evictionHard:\n  imagefs.available: 35%\n").unwrap();
+        let c = cmdline(&[
+            "kubelet",
+            "--config=/nonexistent/etc/kubernetes/kubelet/config.json",
+            &format!("--config-dir={}", dropins.display()),
+            "--eviction-hard=nodefs.available<20%",
+        ]);
+        let t = kubelet_thresholds(&c, &[absent.clone(), mounted.clone()]);
+        let errors: Vec<String> = t.errors.iter().map(|e| e.to_string()).collect();
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(
+            errors[0].contains("/nonexistent/etc/kubernetes/kubelet/config.json"),
+            "{errors:?}"
+        );
+        assert!(
+            errors[1].contains("/proc/77/cmdline")
+                && errors[1].contains("not visible to the agent")
+                && errors[1].contains(&mounted.display().to_string()),
+            "{errors:?}"
+        );
+        assert_eq!(
+            keys(&t),
+            vec![
+                // The kubelet's drop-ins still apply on top of the stand-in file ...
+                ("evictionHard.imagefs.available".into(), pct(35), Some("50.conf".into())),
+                // ... and its flags on top of both.
+                ("evictionHard.nodefs.available".into(), pct(20), None),
+                // What nothing later names comes from the stand-in.
+                (IMAGE_GC_HIGH.into(), pct(30), Some("host-kubelet.yaml".into())),
+            ]
+        );
+        // A readable --config is the kubelet's own: the configured files are not read.
+        let own = d.path().join("own.yaml");
+        std::fs::write(&own, "evictionHard:\n  imagefs.available: 5%\n").unwrap();
+        let c = cmdline(&["kubelet", &format!("--config={}", own.display())]);
+        let t = kubelet_thresholds(&c, std::slice::from_ref(&mounted));
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        assert_eq!(
+            keys(&t),
+            vec![
+                ("evictionHard.nodefs.available".into(), pct(10), None),
+                (IMAGE_GC_HIGH.into(), pct(15), None),
+                ("evictionHard.imagefs.available".into(), pct(5), Some("own.yaml".into())),
+            ]
+        );
     }
 
     #[test]

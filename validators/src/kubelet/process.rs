@@ -205,8 +205,11 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
                         format!("a relative path, and the {name} process's working directory is unreadable: {e}"),
                     ));
                     // Left relative, it would be read against the agent's own working
-                    // directory: some other file than the kubelet's.
-                    *slot = None;
+                    // directory: some other file than the kubelet's. Through the kubelet's
+                    // own `cwd` entry it names the kubelet's file, which fails to read just
+                    // as the link did; that keeps "named but unreadable" (a `--config` then
+                    // falls back to `kubelet.config_files`) apart from "not given".
+                    *slot = Some(dir.join("cwd").join(path));
                 }
             }
         }
@@ -351,12 +354,14 @@ mod tests {
         assert!(find(d.path(), "kube").unwrap().is_none());
         assert!(find(d.path(), "k3s-agent").unwrap().is_none());
 
-        // Its working directory unreadable: the relative path is named and not read, the
-        // absolute one still is.
+        // Its working directory unreadable: the relative path is named and kept under the
+        // kubelet's own cwd entry (so it cannot be read against the agent's), the absolute
+        // one is read as before.
         std::fs::remove_file(d.path().join("120/cwd")).unwrap();
         let c = find(d.path(), "kubelet").unwrap().unwrap();
-        assert_eq!(c.config, None);
-        assert_eq!(c.config_dir, None);
+        assert_eq!(c.config, Some(d.path().join("120/cwd/config.yaml")));
+        assert_eq!(c.config_dir, Some(d.path().join("120/cwd/conf.d")));
+        assert!(!c.config_files().iter().any(|p| p.exists()), "{:?}", c.config_files());
         assert_eq!(c.errors.len(), 2, "{:?}", c.errors);
         assert!(
             c.errors[0].to_string().contains("working directory is unreadable"),
@@ -367,7 +372,7 @@ mod tests {
         std::fs::remove_file(d.path().join("9/cwd")).unwrap();
         let c = find(d.path(), "kubelet").unwrap().unwrap();
         assert_eq!(c.config.as_deref(), Some(Path::new("/etc/k.yaml")));
-        assert_eq!(c.config_dir, None);
+        assert_eq!(c.config_dir, Some(d.path().join("9/cwd/d")));
     }
 
     #[test]
