@@ -106,6 +106,26 @@ pub(crate) struct CacheLock {
     _file: Option<fs::File>,
 }
 
+/// What a non-blocking `flock` on the cache's lock file means for the run: held, busy
+/// (`None`), or not lockable here. Apart from `try_lock` so that each errno's meaning is
+/// tested: a filesystem without flock cannot be mounted in a test.
+fn lock_outcome(
+    tried: Result<(), rustix::io::Errno>,
+    file: fs::File,
+    path: &Path,
+) -> Result<Option<CacheLock>, PrefetchError> {
+    match tried {
+        Ok(()) => Ok(Some(CacheLock { _file: Some(file) })),
+        Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
+        // A filesystem without flock (some NFS mounts): run as before, unexcluded.
+        Err(e @ (rustix::io::Errno::NOLCK | rustix::io::Errno::OPNOTSUPP)) => {
+            tracing::warn!(path = %path.display(), error = %e, "the cache's filesystem cannot lock; two prefetches into it at once are not excluded");
+            Ok(Some(CacheLock { _file: None }))
+        }
+        Err(e) => Err(PrefetchError::io("lock", path, e.into())),
+    }
+}
+
 impl Cache {
     /// Create (if needed) the directory layout under `root`.
     pub fn open(root: &Path) -> Result<Self, PrefetchError> {
@@ -162,16 +182,8 @@ impl Cache {
             }
             Err(e) => return Err(PrefetchError::io("open", &path, e)),
         };
-        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => Ok(Some(CacheLock { _file: Some(file) })),
-            Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
-            // A filesystem without flock (some NFS mounts): run as before, unexcluded.
-            Err(e @ (rustix::io::Errno::NOLCK | rustix::io::Errno::OPNOTSUPP)) => {
-                tracing::warn!(path = %path.display(), error = %e, "the cache's filesystem cannot lock; two prefetches into it at once are not excluded");
-                Ok(Some(CacheLock { _file: None }))
-            }
-            Err(e) => Err(PrefetchError::io("lock", &path, e.into())),
-        }
+        let tried = rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive);
+        lock_outcome(tried, file, &path)
     }
 
     /// Remove what a killed run left in `tmp/` besides resumable partials and their chunk
@@ -624,6 +636,26 @@ pub(crate) mod tests {
             .collect();
         left.sort();
         assert_eq!(left, ["d.part", "d.state"]);
+    }
+
+    #[test]
+    fn a_filesystem_without_flock_runs_unexcluded_other_lock_errors_stop() {
+        use rustix::io::Errno;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(".lock");
+        let file = || fs::File::create(&path).unwrap();
+        let held = lock_outcome(Ok(()), file(), &path).unwrap().expect("held");
+        assert!(held._file.is_some(), "a taken lock keeps its file open");
+        assert!(lock_outcome(Err(Errno::WOULDBLOCK), file(), &path).unwrap().is_none());
+        // NFS without lockd, and filesystems that do not implement flock: the run goes on.
+        for e in [Errno::NOLCK, Errno::OPNOTSUPP] {
+            let lock = lock_outcome(Err(e), file(), &path).unwrap().expect("runs");
+            assert!(lock._file.is_none(), "{e}: nothing held");
+        }
+        // Anything else is an error naming the lock file, not a silent unexcluded run.
+        let err = lock_outcome(Err(Errno::IO), file(), &path).unwrap_err();
+        assert_eq!(err.reason(), "CacheIoError");
+        assert!(err.to_string().contains(".lock"), "{err}");
     }
 
     #[test]
