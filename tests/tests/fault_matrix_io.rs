@@ -505,7 +505,8 @@ fn setup_disk_kubelet_reserve(dir: &Path) -> anyhow::Result<World> {
     )?;
     kubelet_reserve_world(
         dir,
-        json!({"config_files": [kubelet.join("config.json"), kubelet.join("config.json.d")]}),
+        // No process: a kubelet running on the test machine must not change the row.
+        json!({"process": null, "config_files": [kubelet.join("config.json"), kubelet.join("config.json.d")]}),
     )
 }
 
@@ -579,16 +580,17 @@ fn fake_kubelet_world(dir: &Path, tag: &str, args: &[String]) -> anyhow::Result<
     std::fs::create_dir_all(&kubelet)?;
     let guessed = kubelet.join("guessed.yaml");
     std::fs::write(&guessed, "evictionHard:\n  nodefs.available: \"90%\"\n")?;
-    // A shell under the name, kept alive (`; :` stops it exec'ing `sleep` in its place).
-    // The kernel names a process after the path it was run by, so a symlink will do; a
+    // A shell under the name, kept alive in its `read` builtin on a pipe nobody writes (no
+    // child process of its own, so stopping it leaves nothing behind). The kernel names a process after the path it was run by, so a symlink will do; a
     // copy could not be run while another row's fork still held it open for writing
     // (ETXTBSY). Within `comm`'s 15 bytes.
     let name = format!("kl{tag}-{}", std::process::id());
     let program = kubelet.join(&name);
     std::os::unix::fs::symlink("/bin/sh", &program)?;
     let child = Command::new(&program)
-        .args(["-c", "sleep 600; :", "kubelet"])
+        .args(["-c", "read x", "kubelet"])
         .args(args)
+        .stdin(std::process::Stdio::piped())
         .spawn()?;
     let process = ServiceProcess::new("fake kubelet", child);
     let mut w = kubelet_reserve_world(dir, json!({"process": name, "config_files": [guessed]}))?;

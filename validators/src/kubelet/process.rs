@@ -14,8 +14,18 @@
 //! value of a plain flag wins, the occurrences of a `<`-map flag (`--eviction-hard`) merge,
 //! and `--` ends the flags. Flags not read here are skipped; since their kind is unknown, a
 //! bare `--unknown value` skips `value` as a positional argument, which the kubelet has none
-//! of. The command line is another process's data, so nothing in it can panic the parser:
-//! what the kubelet would refuse is reported in [`CommandLine::errors`].
+//! of. An empty `--config=` or `--config-dir=` is no file at all, as the kubelet treats it
+//! (it reads one only when the value is non-empty). The command line is another process's
+//! data, so nothing in it can panic the parser: what the kubelet would refuse is reported in
+//! [`CommandLine::errors`].
+//!
+//! Which process is the kubelet: one whose `comm` is the configured name and whose command
+//! line is not empty (not a zombie), outside the pods' cgroups (`kubepods`, `pod<UID>`: a pod
+//! may run a program of that name, a nested kubelet in a kind or vcluster node, say, but the node's
+//! kubelet is never one of its own pods). When several remain, the one running longest
+//! (earliest start time in `/proc/PID/stat`) is read, and the others are named in
+//! [`CommandLine::errors`]: a second kubelet cannot bind the kubelet's ports while the
+//! first holds them, so the first is the one serving the node.
 
 use crate::input::InputError;
 use std::path::{Path, PathBuf};
@@ -39,7 +49,8 @@ pub struct CommandLine {
     pub eviction_soft: Option<Vec<(String, String)>>,
     /// `--image-gc-high-threshold`, as written.
     pub image_gc_high_threshold: Option<String>,
-    /// Flags read here that the kubelet would refuse (each names the flag and why).
+    /// Flags read here that the kubelet would refuse (each names the flag and why), and
+    /// other kubelet processes that were passed over.
     pub errors: Vec<InputError>,
 }
 
@@ -116,8 +127,9 @@ pub fn parse(pid: u32, args: &[String]) -> CommandLine {
             },
         };
         match flag {
-            Flag::Config => out.config = Some(PathBuf::from(value)),
-            Flag::ConfigDir => out.config_dir = Some(PathBuf::from(value)),
+            // The last occurrence wins, an empty one too: the kubelet then reads no file.
+            Flag::Config => out.config = (!value.is_empty()).then(|| PathBuf::from(value)),
+            Flag::ConfigDir => out.config_dir = (!value.is_empty()).then(|| PathBuf::from(value)),
             Flag::ImageGcHigh => out.image_gc_high_threshold = Some(value),
             Flag::EvictionHard | Flag::EvictionSoft => {
                 let target = match flag {
@@ -151,10 +163,11 @@ fn langle_pairs(value: &str, out: &mut Vec<(String, String)>) -> Result<(), Stri
     Ok(())
 }
 
-/// The command line of the process called `name` under `proc_root` (`/proc`), or `None`
-/// when no such process is visible. When several match, the lowest PID is read (one kubelet
-/// per node; a second one is most likely on its way out). A process whose command line is
-/// empty (a zombie) does not count.
+/// The command line of the kubelet: the process called `name` under `proc_root` (`/proc`),
+/// chosen as the module documentation says, or `None` when no such process is visible.
+/// Relative `--config` and `--config-dir` paths are resolved against its working directory;
+/// where that is unreadable, they are kept under its `/proc/PID/cwd` entry, so they fail to
+/// read (and name the process) rather than being read against the agent's own directory.
 pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputError> {
     let want = name.as_bytes().get(..COMM_LEN).unwrap_or(name.as_bytes());
     let listing = std::fs::read_dir(proc_root)
@@ -163,6 +176,8 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect();
     pids.sort_unstable();
+    // (start time, pid, arguments) of each candidate; an unknown start time sorts last.
+    let mut found: Vec<(u64, u32, Vec<String>)> = Vec::new();
     for pid in pids {
         let dir = proc_root.join(pid.to_string());
         // A process can exit between the listing and these reads: then it is not the one.
@@ -188,34 +203,71 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
             .filter(|a| !a.is_empty())
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
-        if args.is_empty() {
+        if args.is_empty() || in_a_pod(&dir) {
             continue;
         }
-        let mut cmd = parse(pid, &args);
-        for slot in [&mut cmd.config, &mut cmd.config_dir] {
-            let Some(path) = slot.as_ref().filter(|p| p.is_relative()) else {
-                continue;
-            };
-            match std::fs::read_link(dir.join("cwd")) {
-                Ok(cwd) => *slot = Some(cwd.join(path)),
-                Err(e) => {
-                    cmd.errors.push(InputError::new(
-                        path,
-                        None,
-                        format!("a relative path, and the {name} process's working directory is unreadable: {e}"),
-                    ));
-                    // Left relative, it would be read against the agent's own working
-                    // directory: some other file than the kubelet's. Through the kubelet's
-                    // own `cwd` entry it names the kubelet's file, which fails to read just
-                    // as the link did; that keeps "named but unreadable" (a `--config` then
-                    // falls back to `kubelet.config_files`) apart from "not given".
-                    *slot = Some(dir.join("cwd").join(path));
-                }
-            }
-        }
-        return Ok(Some(cmd));
+        found.push((start_time(&dir).unwrap_or(u64::MAX), pid, args));
     }
-    Ok(None)
+    found.sort();
+    let mut found = found.into_iter();
+    let Some((_, pid, args)) = found.next() else {
+        return Ok(None);
+    };
+    let mut cmd = parse(pid, &args);
+    let others: Vec<String> = found.map(|(_, p, _)| p.to_string()).collect();
+    if !others.is_empty() {
+        cmd.errors.push(InputError::new(
+            cmd.origin(),
+            None,
+            format!(
+                "{} other processes named {name} outside the pods (pid {}); reading the one \
+                 running longest, pid {pid}: a second kubelet cannot take the ports the first holds",
+                others.len(),
+                others.join(", ")
+            ),
+        ));
+    }
+    let dir = proc_root.join(pid.to_string());
+    for slot in [&mut cmd.config, &mut cmd.config_dir] {
+        let Some(path) = slot.as_ref().filter(|p| p.is_relative()) else {
+            continue;
+        };
+        // Unreadable, the kubelet's own `cwd` entry still names its file, which then fails
+        // to read just as the link did: the error names `/proc/PID/cwd/...`, and a
+        // `--config` falls back to `kubelet.config_files` as for any file not visible.
+        let cwd = std::fs::read_link(dir.join("cwd")).unwrap_or_else(|_| dir.join("cwd"));
+        *slot = Some(cwd.join(path));
+    }
+    Ok(Some(cmd))
+}
+
+/// Whether the process in `dir` runs in a pod's cgroup. Under both cgroup drivers a pod's
+/// cgroup is below `kubepods` and has a `pod<UID>` level (`pod1b2c...` for cgroupfs,
+/// `kubepods-besteffort-pod1b2c_....slice` for systemd). Both are looked for, because an
+/// agent in a cgroup namespace of its own sees another pod's cgroup relative to its own
+/// (`/../../besteffort/pod<UID>/<container>`), where `kubepods` may not appear. Unreadable:
+/// not known to be in a pod.
+fn in_a_pod(dir: &Path) -> bool {
+    let Ok(cgroups) = std::fs::read_to_string(dir.join("cgroup")) else {
+        return false;
+    };
+    let pod_uid = |seg: &str| {
+        seg.strip_prefix("pod")
+            .is_some_and(|uid| uid.len() == 36 && uid.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-' || b == b'_'))
+    };
+    cgroups
+        .lines()
+        .filter_map(|l| l.splitn(3, ':').nth(2))
+        .flat_map(|path| path.split('/'))
+        .any(|seg| seg.starts_with("kubepods") || pod_uid(seg))
+}
+
+/// The process's start time (clock ticks after boot, field 22 of `/proc/PID/stat`).
+fn start_time(dir: &Path) -> Option<u64> {
+    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+    // `comm` (field 2, in parentheses) may hold spaces and `)`: count from the last `)`.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(19)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -297,6 +349,20 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_config_flag_is_no_file_and_the_last_one_wins() {
+        let c = parse(
+            1,
+            &args(&["kubelet", "--config=/a.yaml", "--config=", "--config-dir", ""]),
+        );
+        assert!(c.errors.is_empty(), "{:?}", c.errors);
+        assert_eq!(c.config, None);
+        assert_eq!(c.config_dir, None);
+        assert!(c.config_files().is_empty());
+        let c = parse(1, &args(&["kubelet", "--config=", "--config=/b.yaml"]));
+        assert_eq!(c.config.as_deref(), Some(Path::new("/b.yaml")));
+    }
+
+    #[test]
     fn what_the_kubelet_would_refuse_is_named() {
         let c = parse(
             9,
@@ -330,8 +396,69 @@ mod tests {
         d
     }
 
+    /// Give process `pid` of a fake `/proc` a start time and a cgroup.
+    fn stat_and_cgroup(proc: &Path, pid: u32, start: u64, cgroup: &str) {
+        let p = proc.join(pid.to_string());
+        // `comm` with a space and a `)`, as the kernel writes it unescaped.
+        let stat = format!("{pid} (a b) c) S 1 {pid} {pid} 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0\n");
+        std::fs::write(p.join("stat"), stat).unwrap();
+        std::fs::write(p.join("cgroup"), format!("0::{cgroup}\n")).unwrap();
+    }
+
     #[test]
-    fn finds_the_lowest_live_pid_by_name_and_resolves_relative_paths() {
+    fn the_longest_running_kubelet_outside_the_pods_is_read_and_the_others_named() {
+        let d = fake_proc(&[
+            (50, "kubelet", &["kubelet", "--config=/newer.yaml"]),
+            (60, "kubelet", &["kubelet", "--config=/older.yaml"]),
+            (40, "kubelet", &["kubelet", "--config=/in-a-pod.yaml"]),
+        ]);
+        stat_and_cgroup(d.path(), 50, 9000, "/system.slice/kubelet.service");
+        stat_and_cgroup(d.path(), 60, 120, "/system.slice/kubelet.service");
+        // Oldest of all, but a pod's process (a nested kubelet in a kind node, say).
+        stat_and_cgroup(
+            d.path(),
+            40,
+            5,
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/cri-containerd-ab.scope",
+        );
+        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        assert_eq!(c.pid, 60);
+        assert_eq!(c.config.as_deref(), Some(Path::new("/older.yaml")));
+        assert_eq!(c.errors.len(), 1, "{:?}", c.errors);
+        let e = c.errors[0].to_string();
+        assert!(e.contains("/proc/60/cmdline") && e.contains("pid 50"), "{e}");
+        assert!(!e.contains("40"), "a pod's process is not a candidate: {e}");
+
+        // Only pods' processes: no kubelet visible. Seen from the agent's own cgroup
+        // namespace a cgroupfs pod's path need not say `kubepods`; its `pod<UID>` level does.
+        let d = fake_proc(&[
+            (40, "kubelet", &["kubelet", "--config=/in-a-pod.yaml"]),
+            (41, "kubelet", &["kubelet", "--config=/in-another-pod.yaml"]),
+            (42, "kubelet", &["kubelet", "--config=/host.yaml"]),
+        ]);
+        stat_and_cgroup(
+            d.path(),
+            40,
+            5,
+            "/kubepods/besteffort/pod0c7e4a8e-6d1f-4a53-9d2b-1f0e6c3a9b11/abc",
+        );
+        stat_and_cgroup(
+            d.path(),
+            41,
+            6,
+            "/../../../burstable/pod0c7e4a8e-6d1f-4a53-9d2b-1f0e6c3a9b12/abc",
+        );
+        // A host service whose name merely starts with `pod` is not a pod.
+        stat_and_cgroup(d.path(), 42, 7, "/system.slice/podman.service");
+        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        assert_eq!(c.pid, 42);
+        assert!(c.errors.is_empty(), "{:?}", c.errors);
+        std::fs::remove_dir_all(d.path().join("42")).unwrap();
+        assert!(find(d.path(), "kubelet").unwrap().is_none());
+    }
+
+    #[test]
+    fn finds_a_live_kubelet_by_name_and_resolves_relative_paths() {
         let d = fake_proc(&[
             (300, "kubelet", &["kubelet", "--config=/late.yaml"]),
             (
@@ -347,27 +474,24 @@ mod tests {
                 &["/usr/bin/kubelet", "--config", "config.yaml", "--config-dir=conf.d"],
             ),
         ]);
+        // No start times known: the lowest PID, the other named.
         let c = find(d.path(), "kubelet").unwrap().unwrap();
         assert_eq!(c.pid, 120);
         assert_eq!(c.config.as_deref(), Some(Path::new("/var/lib/kubelet/config.yaml")));
         assert_eq!(c.config_dir.as_deref(), Some(Path::new("/var/lib/kubelet/conf.d")));
+        assert_eq!(c.errors.len(), 1, "{:?}", c.errors);
+        assert!(c.errors[0].to_string().contains("pid 300"), "{}", c.errors[0]);
         assert!(find(d.path(), "kube").unwrap().is_none());
         assert!(find(d.path(), "k3s-agent").unwrap().is_none());
 
-        // Its working directory unreadable: the relative path is named and kept under the
-        // kubelet's own cwd entry (so it cannot be read against the agent's), the absolute
-        // one is read as before.
+        // Its working directory unreadable: the relative path is kept under the kubelet's
+        // own cwd entry (so it cannot be read against the agent's, and its read error names
+        // the process), the absolute one is read as before.
         std::fs::remove_file(d.path().join("120/cwd")).unwrap();
         let c = find(d.path(), "kubelet").unwrap().unwrap();
         assert_eq!(c.config, Some(d.path().join("120/cwd/config.yaml")));
         assert_eq!(c.config_dir, Some(d.path().join("120/cwd/conf.d")));
         assert!(!c.config_files().iter().any(|p| p.exists()), "{:?}", c.config_files());
-        assert_eq!(c.errors.len(), 2, "{:?}", c.errors);
-        assert!(
-            c.errors[0].to_string().contains("working directory is unreadable"),
-            "{}",
-            c.errors[0]
-        );
         let d = fake_proc(&[(9, "kubelet", &["kubelet", "--config=/etc/k.yaml", "--config-dir=d"])]);
         std::fs::remove_file(d.path().join("9/cwd")).unwrap();
         let c = find(d.path(), "kubelet").unwrap().unwrap();
@@ -399,10 +523,12 @@ mod tests {
         let name = format!("tgk{}", std::process::id());
         let program = d.path().join(&name);
         std::fs::copy("/bin/sh", &program).unwrap();
-        // `; :` keeps the shell itself alive (a lone command would be exec'd in its place).
+        // The shell waits in its `read` builtin on a pipe nobody writes: no child process
+        // of its own that killing it would leave behind.
         let mut child = std::process::Command::new(&program)
-            .args(["-c", "sleep 30; :", "kubelet", "--eviction-hard=nodefs.available<42%"])
+            .args(["-c", "read x", "kubelet", "--eviction-hard=nodefs.available<42%"])
             .arg(format!("--config={}", d.path().join("config.yaml").display()))
+            .stdin(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
