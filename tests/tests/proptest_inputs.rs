@@ -810,10 +810,17 @@ proptest! {
     fn kubelet_command_line_soup_never_panics(args in prop::collection::vec(kubelet_arg(), 0..12)) {
         let mut argv = vec!["kubelet".to_string()];
         argv.extend(args);
-        let cmd = process::parse(4242, &argv);
+        let mut cmd = process::parse(4242, &argv);
         for e in &cmd.errors {
             prop_assert!(e.to_string().contains("/proc/4242/cmdline"), "{e}");
             prop_assert!(e.key.as_deref().is_some_and(|k| k.starts_with("--")), "{e:?}");
+        }
+        // The soup's paths (`/`, `.`) must not read or walk the test machine's own files.
+        for slot in [&mut cmd.config, &mut cmd.config_dir] {
+            if let Some(p) = slot.take() {
+                let p = p.strip_prefix("/").unwrap_or(&p).to_path_buf();
+                *slot = Some(std::path::Path::new("/nonexistent-proptest").join(p));
+            }
         }
         let t = kubelet_thresholds(&cmd, &[]);
         let mut keys: Vec<&str> = t.found.iter().map(|x| x.key.as_str()).collect();

@@ -87,21 +87,37 @@ pub fn load_yaml<T: DeserializeOwned>(file: &Path) -> Result<T, InputError> {
     parse_yaml(file, &read_bounded(file)?)
 }
 
-/// Read a text file, refusing one larger than [`MAX_INPUT_BYTES`].
+/// Read a text file, refusing one larger than [`MAX_INPUT_BYTES`]. The bound holds for what
+/// is read, not for what the file's size says: a pipe (`--config <(...)`) or a device has
+/// no size, and `/dev/zero` must not fill the memory.
 pub fn read_bounded(file: &Path) -> Result<String, InputError> {
-    let meta = std::fs::metadata(file).map_err(|e| InputError::new(file, None, format!("cannot read: {e}")))?;
-    if meta.len() > MAX_INPUT_BYTES {
+    use std::io::Read;
+    let cannot = |e: std::io::Error| InputError::new(file, None, format!("cannot read: {e}"));
+    let too_large = |len: u64| {
+        InputError::new(
+            file,
+            None,
+            format!("file is {len} bytes, larger than the {MAX_INPUT_BYTES} byte limit"),
+        )
+    };
+    let f = std::fs::File::open(file).map_err(cannot)?;
+    // A regular file says its size up front: refuse a large one before reading it.
+    if let Ok(meta) = f.metadata()
+        && meta.is_file()
+        && meta.len() > MAX_INPUT_BYTES
+    {
+        return Err(too_large(meta.len()));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes).map_err(cannot)?;
+    if bytes.len() as u64 > MAX_INPUT_BYTES {
         return Err(InputError::new(
             file,
             None,
-            format!(
-                "file is {} bytes, larger than the {} byte limit",
-                meta.len(),
-                MAX_INPUT_BYTES
-            ),
+            format!("more than the {MAX_INPUT_BYTES} byte limit"),
         ));
     }
-    std::fs::read_to_string(file).map_err(|e| InputError::new(file, None, format!("cannot read: {e}")))
+    String::from_utf8(bytes).map_err(|e| InputError::new(file, None, format!("not UTF-8 text: {}", e.utf8_error())))
 }
 
 #[cfg(test)]
@@ -121,6 +137,25 @@ mod tests {
     #[allow(dead_code)]
     struct Inner {
         count: u32,
+    }
+
+    #[test]
+    fn reads_are_bounded_by_what_is_read_not_by_the_size_given() {
+        // A device with no size and no end: refused at the limit, not read into memory.
+        let e = read_bounded(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(e.contains("/dev/zero") && e.contains("byte limit"), "{e}");
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("bad.yaml");
+        std::fs::write(&f, b"a: \xff\n").unwrap();
+        let e = read_bounded(&f).unwrap_err().to_string();
+        assert!(e.contains("bad.yaml") && e.contains("not UTF-8"), "{e}");
+        std::fs::write(&f, "a: 1\n").unwrap();
+        assert_eq!(read_bounded(&f).unwrap(), "a: 1\n");
+        // A sparse file larger than the limit is refused by its size, before reading.
+        let big = std::fs::File::create(d.path().join("big.yaml")).unwrap();
+        big.set_len(MAX_INPUT_BYTES + 1).unwrap();
+        let e = read_bounded(&d.path().join("big.yaml")).unwrap_err().to_string();
+        assert!(e.contains(&format!("{} bytes", MAX_INPUT_BYTES + 1)), "{e}");
     }
 
     #[test]

@@ -16,8 +16,12 @@
 //! files under it, walked depth-first in lexical order as the kubelet walks its drop-in
 //! directory. Missing files are skipped, so one list of the well-known locations serves
 //! kubeadm, EKS (AL2 and AL2023) and GKE nodes. Values follow the kubelet's parser: `"0%"`
-//! and `"100%"` turn a threshold off, trailing `%` signs are trimmed, a quantity must be
-//! positive, and `null` (a drop-in deleting a key) unsets it.
+//! and `"100%"` turn a threshold off, trailing `%` signs are trimmed, and a quantity must be
+//! positive. A `null` value (a drop-in deleting a key) returns the setting to the kubelet's
+//! default here: what the kubelet makes of it depends on how its merge decodes `null` into
+//! that field, so the default is the reading taken here. Likewise an `evictionHard` map that
+//! names only some signals leaves the others at their default here, however the kubelet's
+//! version fills them (some leave them unset): never less free than the kubelet keeps.
 //!
 //! When the running kubelet's command line is visible ([`super::process`]),
 //! [`kubelet_thresholds`] reads the files it names instead of the well-known list, and its
@@ -180,7 +184,8 @@ pub struct Thresholds {
 pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
     let mut out = Thresholds::default();
     let files = expand(paths, false, &mut out.errors);
-    let set = read_files(files, &mut out.errors);
+    let mut set = Settings::new();
+    read_files(&mut set, files, &mut out.errors);
     finish(set, out)
 }
 
@@ -188,40 +193,62 @@ pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
 /// and `--config-dir` drop-ins (a missing one is an error here: the kubelet reads it, so
 /// the agent cannot see what it sees), then its threshold flags on top.
 ///
-/// When the `--config` file itself cannot be read (a DaemonSet that does not mount it, or
-/// mounts the host's copy elsewhere), the `fallback` files (`kubelet.config_files`) are read
-/// in its place, missing ones skipped, and that is reported: a well-known path, or the place
-/// the operator mounted it, is a better guess at the kubelet's values than its defaults. A
-/// kubelet run without `--config` reads no file, so neither does this.
+/// When the `--config` file itself cannot be read or parsed here (a DaemonSet that does not
+/// mount it, or mounts the host's copy elsewhere; a file the agent may not open; not a
+/// regular file), the `fallback` files (`kubelet.config_files`) are read in its place,
+/// missing ones skipped, and that is reported: a well-known path, or the place the operator
+/// mounted it, is a better guess at the kubelet's values than its defaults. A kubelet run
+/// without `--config` reads no file, so neither does this. An unreadable `--config-dir` is
+/// reported and its drop-ins are not read: no list stands in for one directory.
 pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds {
     let mut out = Thresholds {
         errors: cmd.errors.clone(),
         ..Default::default()
     };
     let origin = cmd.origin();
-    let mut files = Vec::new();
+    let mut set = Settings::new();
     if let Some(config) = &cmd.config {
-        files = expand(std::slice::from_ref(config), true, &mut out.errors);
-        if files.is_empty() {
-            out.errors.push(InputError::new(
-                &origin,
-                Some("--config"),
-                format!(
-                    "the kubelet's config file {} is not visible to the agent; reading \
-                     kubelet.config_files instead ({})",
-                    config.display(),
-                    fallback
-                        .iter()
-                        .map(|p| p.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            ));
-            files = expand(fallback, false, &mut out.errors);
+        let doc = match std::fs::metadata(config) {
+            Ok(m) if m.is_file() => load_yaml::<serde_yaml_ng::Value>(config),
+            Ok(_) => Err(InputError::new(config, None, "not a regular file")),
+            Err(e) => Err(InputError::new(config, None, format!("cannot read: {e}"))),
+        };
+        match doc {
+            Ok(doc) => apply(&mut set, config, &doc, &mut out.errors),
+            Err(e) => {
+                out.errors.push(InputError::new(
+                    &origin,
+                    Some("--config"),
+                    format!(
+                        "the kubelet's config file is not visible to the agent ({e}); reading \
+                         kubelet.config_files instead ({})",
+                        fallback
+                            .iter()
+                            .map(|p| p.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+                let files = expand(fallback, false, &mut out.errors);
+                read_files(&mut set, files, &mut out.errors);
+            }
         }
     }
-    files.extend(expand(cmd.config_dir.as_slice(), true, &mut out.errors));
-    let mut set = read_files(files, &mut out.errors);
+    let drop_ins = match &cmd.config_dir {
+        // The kubelet walks its drop-in directory with Go's `filepath.WalkDir`, which does
+        // not descend into a root that is itself a symlink: it then reads no drop-in.
+        Some(dir) if std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_symlink()) => {
+            out.errors.push(InputError::new(
+                dir,
+                None,
+                "--config-dir is a symlink, which the kubelet's walk of it does not follow: \
+                 no drop-in read",
+            ));
+            Vec::new()
+        }
+        _ => expand(cmd.config_dir.as_slice(), true, &mut out.errors),
+    };
+    read_files(&mut set, drop_ins, &mut out.errors);
     for (section, flag, pairs) in [
         ("evictionHard", "--eviction-hard", &cmd.eviction_hard),
         ("evictionSoft", "--eviction-soft", &cmd.eviction_soft),
@@ -261,51 +288,50 @@ pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds
 /// Per setting: the last value seen (`None`: turned off) and where it came from.
 type Settings = BTreeMap<String, (Option<Threshold>, Source)>;
 
-/// The settings `files` make, in order, later values winning.
-fn read_files(files: Vec<PathBuf>, errors: &mut Vec<InputError>) -> Settings {
-    let mut set = Settings::new();
+/// Add the settings `files` make to `set`, in order, later values winning.
+fn read_files(set: &mut Settings, files: Vec<PathBuf>, errors: &mut Vec<InputError>) {
     for file in files {
-        let doc: serde_yaml_ng::Value = match load_yaml(&file) {
-            Ok(d) => d,
-            Err(e) => {
-                errors.push(e);
-                continue;
-            }
-        };
-        let mut values: Vec<(String, &serde_yaml_ng::Value)> = Vec::new();
-        for section in ["evictionHard", "evictionSoft"] {
-            for signal in SIGNALS {
-                if let Some(v) = doc.get(section).and_then(|m| m.get(signal)) {
-                    values.push((format!("{section}.{signal}"), v));
-                }
-            }
+        match load_yaml::<serde_yaml_ng::Value>(&file) {
+            Ok(doc) => apply(set, &file, &doc, errors),
+            Err(e) => errors.push(e),
         }
-        if let Some(v) = doc.get(IMAGE_GC_HIGH) {
-            values.push((IMAGE_GC_HIGH.to_string(), v));
-        }
-        for (key, v) in values {
-            if v.is_null() {
-                set.remove(&key);
-                continue;
-            }
-            let parsed = if key == IMAGE_GC_HIGH {
-                v.as_u64()
-                    .ok_or_else(|| "must be a whole number of percent".to_string())
-                    .and_then(Threshold::from_gc_high_percent)
-            } else {
-                v.as_str()
-                    .ok_or_else(|| "must be a string such as \"10%\" or \"5Gi\"".to_string())
-                    .and_then(Threshold::parse)
-            };
-            match parsed {
-                Ok(t) => {
-                    set.insert(key, (t, Source::File(file.clone())));
-                }
-                Err(e) => errors.push(InputError::new(&file, Some(&key), e)),
+    }
+}
+
+/// Add the settings the config document `doc`, read from `file`, makes to `set`.
+fn apply(set: &mut Settings, file: &Path, doc: &serde_yaml_ng::Value, errors: &mut Vec<InputError>) {
+    let mut values: Vec<(String, &serde_yaml_ng::Value)> = Vec::new();
+    for section in ["evictionHard", "evictionSoft"] {
+        for signal in SIGNALS {
+            if let Some(v) = doc.get(section).and_then(|m| m.get(signal)) {
+                values.push((format!("{section}.{signal}"), v));
             }
         }
     }
-    set
+    if let Some(v) = doc.get(IMAGE_GC_HIGH) {
+        values.push((IMAGE_GC_HIGH.to_string(), v));
+    }
+    for (key, v) in values {
+        if v.is_null() {
+            set.remove(&key);
+            continue;
+        }
+        let parsed = if key == IMAGE_GC_HIGH {
+            v.as_u64()
+                .ok_or_else(|| "must be a whole number of percent".to_string())
+                .and_then(Threshold::from_gc_high_percent)
+        } else {
+            v.as_str()
+                .ok_or_else(|| "must be a string such as \"10%\" or \"5Gi\"".to_string())
+                .and_then(Threshold::parse)
+        };
+        match parsed {
+            Ok(t) => {
+                set.insert(key, (t, Source::File(file.to_path_buf())));
+            }
+            Err(e) => errors.push(InputError::new(file, Some(&key), e)),
+        }
+    }
 }
 
 /// `out` with the thresholds in force: the kubelet's default for each setting `set` does
@@ -328,8 +354,9 @@ fn finish(set: Settings, mut out: Thresholds) -> Thresholds {
     out
 }
 
-/// The files to read, in order: each existing file, and each directory's `*.conf` files.
-/// A missing path is skipped, or reported when `required`.
+/// The files to read, in order: each existing regular file, and each directory's `*.conf`
+/// files. A missing path is skipped, or reported when `required`; anything else (a FIFO, a
+/// device) is reported.
 fn expand(paths: &[PathBuf], required: bool, errors: &mut Vec<InputError>) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for p in paths {
@@ -341,7 +368,10 @@ fn expand(paths: &[PathBuf], required: bool, errors: &mut Vec<InputError>) -> Ve
                 // The error says where the walk stopped; the files found so far still count.
                 drop_ins(p, &mut out, errors, 0, &mut budget);
             }
-            Ok(_) => out.push(p.clone()),
+            Ok(m) if m.is_file() => out.push(p.clone()),
+            // A FIFO would block the read, a device never end: the kubelet's config is a
+            // file.
+            Ok(_) => errors.push(InputError::new(p, None, "not a regular file or directory")),
         }
     }
     out
@@ -648,32 +678,28 @@ mod tests {
             &[],
         );
         let errors: Vec<String> = t.errors.iter().map(|e| e.to_string()).collect();
-        assert_eq!(errors.len(), 5, "{errors:?}");
+        assert_eq!(errors.len(), 4, "{errors:?}");
         // The command line's own error first, then the file and the fallback (none here),
-        // then the values.
+        // in one, then the values.
         assert!(
             errors[0].contains("--eviction-soft") && errors[0].contains("malformed"),
             "{errors:?}"
         );
-        assert!(errors[1].contains("gone.yaml"), "{errors:?}");
         assert!(
-            errors[2].contains("--config") && errors[2].contains("kubelet.config_files instead"),
+            errors[1].contains("--config")
+                && errors[1].contains("gone.yaml")
+                && errors[1].contains("kubelet.config_files instead"),
             "{errors:?}"
         );
         assert!(
-            errors[3].contains("--eviction-hard") && errors[3].contains("lots"),
+            errors[2].contains("--eviction-hard") && errors[2].contains("lots"),
             "{errors:?}"
         );
         assert!(
-            errors[4].contains("--image-gc-high-threshold") && errors[4].contains("-3"),
+            errors[3].contains("--image-gc-high-threshold") && errors[3].contains("-3"),
             "{errors:?}"
         );
-        assert!(
-            errors
-                .iter()
-                .all(|e| e.contains("/proc/77/cmdline") || e.contains("gone.yaml")),
-            "{errors:?}"
-        );
+        assert!(errors.iter().all(|e| e.contains("/proc/77/cmdline")), "{errors:?}");
         // All of it skipped: the defaults stand.
         assert_eq!(t.found.len(), 3, "{:?}", t.found);
         assert!(t.found.iter().all(|f| f.source == Source::Default), "{:?}", t.found);
@@ -702,15 +728,12 @@ mod tests {
         ]);
         let t = kubelet_thresholds(&c, &[absent.clone(), mounted.clone()]);
         let errors: Vec<String> = t.errors.iter().map(|e| e.to_string()).collect();
-        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert_eq!(errors.len(), 1, "{errors:?}");
         assert!(
-            errors[0].contains("/nonexistent/etc/kubernetes/kubelet/config.json"),
-            "{errors:?}"
-        );
-        assert!(
-            errors[1].contains("/proc/77/cmdline")
-                && errors[1].contains("not visible to the agent")
-                && errors[1].contains(&mounted.display().to_string()),
+            errors[0].contains("/proc/77/cmdline")
+                && errors[0].contains("/nonexistent/etc/kubernetes/kubelet/config.json")
+                && errors[0].contains("not visible to the agent")
+                && errors[0].contains(&mounted.display().to_string()),
             "{errors:?}"
         );
         assert_eq!(
@@ -738,6 +761,69 @@ mod tests {
                 ("evictionHard.imagefs.available".into(), pct(5), Some("own.yaml".into())),
             ]
         );
+    }
+
+    #[test]
+    fn a_config_file_that_cannot_be_read_or_parsed_falls_back_too() {
+        let d = tempfile::tempdir().unwrap();
+        let stand_in = d.path().join("stand-in.yaml");
+        std::fs::write(&stand_in, "evictionHard:\n  nodefs.available: 45%\n").unwrap();
+        let garbled = d.path().join("garbled.yaml");
+        std::fs::write(&garbled, "evictionHard: [unclosed\n").unwrap();
+        let fifo = d.path().join("fifo");
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(&fifo)
+                .status()
+                .unwrap()
+                .success()
+        );
+        // Exists but is not the kubelet's file as the agent can read it: the stand-in is a
+        // better guess than the defaults (10%) each time. A FIFO must not block the read.
+        for config in [garbled.clone(), fifo.clone(), d.path().to_path_buf()] {
+            let c = cmdline(&["kubelet", &format!("--config={}", config.display())]);
+            let t = kubelet_thresholds(&c, std::slice::from_ref(&stand_in));
+            let errors: Vec<String> = t.errors.iter().map(|e| e.to_string()).collect();
+            assert_eq!(errors.len(), 1, "{config:?}: {errors:?}");
+            assert!(
+                errors[0].contains(&config.display().to_string()) && errors[0].contains("kubelet.config_files instead"),
+                "{errors:?}"
+            );
+            assert!(
+                t.found
+                    .iter()
+                    .any(|f| f.threshold == pct(45) && f.file() == Some(&stand_in)),
+                "{config:?}: {:?}",
+                t.found
+            );
+        }
+        // Among the configured files a FIFO is named and skipped, not read.
+        let t = disk_thresholds(&[fifo.clone(), stand_in.clone()]);
+        assert_eq!(t.errors.len(), 1, "{:?}", t.errors);
+        assert!(
+            t.errors[0].to_string().contains("not a regular file"),
+            "{}",
+            t.errors[0]
+        );
+        assert!(t.found.iter().any(|f| f.threshold == pct(45)), "{:?}", t.found);
+    }
+
+    #[test]
+    fn a_symlinked_config_dir_is_not_walked_as_the_kubelet_does_not() {
+        let d = tempfile::tempdir().unwrap();
+        let real = d.path().join("real.d");
+        std::fs::create_dir(&real).unwrap();
+        std::fs::write(real.join("10.conf"), "evictionHard:\n  nodefs.available: 45%\n").unwrap();
+        let link = d.path().join("link.d");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let t = kubelet_thresholds(&cmdline(&["kubelet", &format!("--config-dir={}", link.display())]), &[]);
+        assert_eq!(t.errors.len(), 1, "{:?}", t.errors);
+        assert!(t.errors[0].to_string().contains("symlink"), "{}", t.errors[0]);
+        assert!(t.found.iter().all(|f| f.source == Source::Default), "{:?}", t.found);
+        // The directory itself is walked.
+        let t = kubelet_thresholds(&cmdline(&["kubelet", &format!("--config-dir={}", real.display())]), &[]);
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        assert!(t.found.iter().any(|f| f.threshold == pct(45)), "{:?}", t.found);
     }
 
     #[test]
