@@ -517,7 +517,13 @@ async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
     }
     let mut opts = m.fetch.clone();
     if opts.reserve_bytes.is_none() {
-        opts.default_reserve = Some(kubelet_reserve(&ctx.config.kubelet));
+        // Scanning `/proc` and reading the kubelet's files is blocking work: off the
+        // runtime's threads, which drive the other stages meanwhile.
+        let kubelet = ctx.config.kubelet.clone();
+        let reserve = tokio::task::spawn_blocking(move || kubelet_reserve(&kubelet))
+            .await
+            .map_err(|e| StageFailure::permanent("InternalError", format!("kubelet reserve task failed: {e}")))?;
+        opts.default_reserve = Some(reserve);
     }
     // A progress bar only where a person watches (`check` on a terminal).
     opts.progress = opts.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
