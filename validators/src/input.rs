@@ -87,29 +87,68 @@ pub fn load_yaml<T: DeserializeOwned>(file: &Path) -> Result<T, InputError> {
     parse_yaml(file, &read_bounded(file)?)
 }
 
-/// Read a text file, refusing one larger than [`MAX_INPUT_BYTES`]. The bound holds for what
-/// is read, not for what the file's size says: a pipe (`--config <(...)`) or a device has
+/// Read a text file, refusing one larger than [`MAX_INPUT_BYTES`]. For the paths an
+/// operator gives (the agent's `--config`, a node profile): any file that can be read, a
+/// pipe too (`--config <(...)`), whose open waits for its writer as a shell's would. The
+/// bound holds for what is read, not for what the file's size says: a pipe or a device has
 /// no size, and `/dev/zero` must not fill the memory.
 pub fn read_bounded(file: &Path) -> Result<String, InputError> {
+    let f = std::fs::File::open(file).map_err(|e| cannot_read(file, e))?;
+    read_open(file, f)
+}
+
+/// Read a regular file another program keeps (the kubelet's config files, CDI specs),
+/// bounded as [`read_bounded`]. It is opened without waiting (`O_NONBLOCK`), so a FIFO in its
+/// place, whose plain open would wait for a writer for ever, is refused, as is anything else
+/// that is not a regular file.
+pub fn read_regular_bounded(file: &Path) -> Result<String, InputError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(file)
+        .map_err(|e| cannot_read(file, e))?;
+    let meta = f.metadata().map_err(|e| cannot_read(file, e))?;
+    if !meta.is_file() {
+        return Err(InputError::new(file, None, "not a regular file"));
+    }
+    read_open(file, f)
+}
+
+/// Read and parse a YAML/JSON file with [`read_regular_bounded`].
+pub fn load_regular_yaml<T: DeserializeOwned>(file: &Path) -> Result<T, InputError> {
+    parse_yaml(file, &read_regular_bounded(file)?)
+}
+
+fn cannot_read(file: &Path, e: std::io::Error) -> InputError {
+    InputError::new(file, None, format!("cannot read: {e}"))
+}
+
+/// Read the open `f` (named `file`) as UTF-8 text, at most [`MAX_INPUT_BYTES`].
+fn read_open(file: &Path, f: std::fs::File) -> Result<String, InputError> {
     use std::io::Read;
-    let cannot = |e: std::io::Error| InputError::new(file, None, format!("cannot read: {e}"));
-    let too_large = |len: u64| {
-        InputError::new(
-            file,
-            None,
-            format!("file is {len} bytes, larger than the {MAX_INPUT_BYTES} byte limit"),
-        )
-    };
-    let f = std::fs::File::open(file).map_err(cannot)?;
-    // A regular file says its size up front: refuse a large one before reading it.
+    // A regular file says its size up front: refuse a large one before reading it, and
+    // size the buffer once for the rest.
+    let mut len_hint = 0;
     if let Ok(meta) = f.metadata()
         && meta.is_file()
-        && meta.len() > MAX_INPUT_BYTES
     {
-        return Err(too_large(meta.len()));
+        if meta.len() > MAX_INPUT_BYTES {
+            return Err(InputError::new(
+                file,
+                None,
+                format!(
+                    "file is {} bytes, larger than the {MAX_INPUT_BYTES} byte limit",
+                    meta.len()
+                ),
+            ));
+        }
+        len_hint = meta.len();
     }
-    let mut bytes = Vec::new();
-    f.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes).map_err(cannot)?;
+    let mut bytes = Vec::with_capacity(usize::try_from(len_hint).unwrap_or(0).saturating_add(1));
+    f.take(MAX_INPUT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| cannot_read(file, e))?;
     if bytes.len() as u64 > MAX_INPUT_BYTES {
         return Err(InputError::new(
             file,
@@ -156,6 +195,42 @@ mod tests {
         big.set_len(MAX_INPUT_BYTES + 1).unwrap();
         let e = read_bounded(&d.path().join("big.yaml")).unwrap_err().to_string();
         assert!(e.contains(&format!("{} bytes", MAX_INPUT_BYTES + 1)), "{e}");
+    }
+
+    /// What an operator hands over as a pipe (`--config <(...)`) is read; a FIFO in place of
+    /// another program's file is refused at once, not waited on. Run on a thread with a
+    /// deadline, so a regression fails the test instead of hanging it.
+    #[test]
+    fn a_pipe_is_read_when_given_and_refused_in_place_of_a_file() {
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("fifo.yaml");
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(&fifo)
+                .status()
+                .unwrap()
+                .success()
+        );
+        let within = |f: Box<dyn FnOnce() -> Result<String, InputError> + Send>| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || tx.send(f()));
+            rx.recv_timeout(std::time::Duration::from_secs(20))
+                .expect("the read did not return: it waited on the FIFO")
+        };
+        let path = fifo.clone();
+        let e = within(Box::new(move || read_regular_bounded(&path))).unwrap_err();
+        assert_eq!(e.message, "not a regular file", "{e}");
+        // With a writer, as a shell's process substitution has, the operator's path reads.
+        let path = fifo.clone();
+        let writer = std::thread::spawn(move || std::fs::write(path, "a: 1\n"));
+        let path = fifo.clone();
+        assert_eq!(within(Box::new(move || read_bounded(&path))).unwrap(), "a: 1\n");
+        writer.join().unwrap().unwrap();
+        let e = read_regular_bounded(d.path()).unwrap_err();
+        assert_eq!(e.message, "not a regular file", "{e}");
+        let f = d.path().join("f.yaml");
+        std::fs::write(&f, "b: 2\n").unwrap();
+        assert_eq!(read_regular_bounded(&f).unwrap(), "b: 2\n");
     }
 
     #[test]

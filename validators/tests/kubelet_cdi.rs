@@ -187,6 +187,31 @@ fn malformed_specs_are_clear_errors() {
     let (specs, errors) = load_specs(&dirs(&n));
     assert_eq!(specs.len(), 1);
     assert_eq!(errors.len(), 1);
+    // A FIFO with a spec's name is named, not waited on (a plain open would wait for a
+    // writer; then the deadline fails the test rather than hanging it).
+    let fifo = n.etc.join("pipe.json");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spec_dirs = dirs(&n);
+    std::thread::spawn(move || tx.send(load_specs(&spec_dirs)));
+    let (specs, errors) = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("load_specs waited on the FIFO");
+    assert_eq!(specs.len(), 1);
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.to_string().contains("pipe.json") && e.message == "not a regular file"),
+        "{errors:?}"
+    );
+    std::fs::remove_file(&fifo).unwrap();
     let ev = check_cdi_dirs(&devices("{}"), &dirs(&n), DEFAULT_KIND, &n.root).unwrap();
     assert!(ev.warnings[0].contains("broken.yaml"), "{:?}", ev.warnings);
     // When a device is missing, the failure also names the invalid file.

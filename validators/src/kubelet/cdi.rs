@@ -11,7 +11,7 @@
 //! so tests run against a temporary directory.
 
 use super::plugin_config::ExpectedDevice;
-use crate::input::{InputError, parse_yaml, read_bounded};
+use crate::input::{InputError, parse_yaml, read_regular_bounded};
 use crate::profile::SimKubelet;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -165,7 +165,9 @@ pub fn load_specs(dirs: &[PathBuf]) -> (Vec<LoadedSpec>, Vec<InputError>) {
             .collect();
         files.sort();
         for file in files {
-            match read_bounded(&file).and_then(|t| parse_spec(&file, &t)) {
+            // Opened without waiting: a FIFO's plain open would wait for a writer and stall
+            // the stage. A spec is a regular file (or a symlink to one).
+            match read_regular_bounded(&file).and_then(|t| parse_spec(&file, &t)) {
                 Ok(spec) => specs.push(LoadedSpec { file, spec }),
                 Err(e) => errors.push(e),
             }
