@@ -461,21 +461,40 @@ fn kubelet_reserve(cfg: &crate::config::KubeletConfig) -> Vec<taintgate_prefetch
     let cmd = match cfg.process.as_deref() {
         None => None,
         Some(name) => match process::find(std::path::Path::new("/proc"), name) {
-            Ok(Some(cmd)) => {
-                tracing::info!(
-                    pid = cmd.pid,
-                    config = ?cmd.config,
-                    config_dir = ?cmd.config_dir,
-                    eviction_hard = ?cmd.eviction_hard,
-                    eviction_soft = ?cmd.eviction_soft,
-                    image_gc_high_threshold = ?cmd.image_gc_high_threshold,
-                    "kubelet command line read for the disk reserve"
-                );
-                Some(cmd)
-            }
-            Ok(None) => {
-                tracing::debug!(process = name, files = ?cfg.config_files, "no kubelet process visible; reading kubelet.config_files");
-                None
+            Ok(scan) => {
+                for e in &scan.unreadable {
+                    tracing::warn!(reason = e.reason(), error = %e, "a {name} process could not be read; passed over");
+                }
+                for (pid, cgroup) in &scan.in_pods {
+                    tracing::info!(pid, cgroup = %cgroup, "a {name} process in a pod's cgroup; not the node's kubelet");
+                }
+                if let Some(cmd) = &scan.kubelet
+                    && !scan.others.is_empty()
+                {
+                    tracing::warn!(
+                        pid = cmd.pid,
+                        others = ?scan.others,
+                        "several {name} processes outside the pods; reading the one running longest"
+                    );
+                }
+                match scan.kubelet {
+                    Some(cmd) => {
+                        tracing::info!(
+                            pid = cmd.pid,
+                            config = ?cmd.config,
+                            config_dir = ?cmd.config_dir,
+                            eviction_hard = ?cmd.eviction_hard,
+                            eviction_soft = ?cmd.eviction_soft,
+                            image_gc_high_threshold = ?cmd.image_gc_high_threshold,
+                            "kubelet command line read for the disk reserve"
+                        );
+                        Some(cmd)
+                    }
+                    None => {
+                        tracing::debug!(process = name, files = ?cfg.config_files, "no kubelet process visible; reading kubelet.config_files");
+                        None
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(reason = e.reason(), error = %e, "kubelet command line unreadable; reading kubelet.config_files");
@@ -520,7 +539,10 @@ async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
         // Scanning `/proc` and reading the kubelet's files is blocking work: off the
         // runtime's threads, which drive the other stages meanwhile.
         let kubelet = ctx.config.kubelet.clone();
-        let reserve = tokio::task::spawn_blocking(move || kubelet_reserve(&kubelet))
+        // The blocking thread has no span of its own: carry the stage's, so these log lines
+        // say `stage=models` as the rest of the stage's do.
+        let span = tracing::Span::current();
+        let reserve = tokio::task::spawn_blocking(move || span.in_scope(|| kubelet_reserve(&kubelet)))
             .await
             .map_err(|e| StageFailure::permanent("InternalError", format!("kubelet reserve task failed: {e}")))?;
         opts.default_reserve = Some(reserve);

@@ -584,6 +584,15 @@ fn fake_kubelet_world(dir: &Path, tag: &str, args: &[String]) -> anyhow::Result<
     // child process of its own, so stopping it leaves nothing behind). The kernel names a process after the path it was run by, so a symlink will do; a
     // copy could not be run while another row's fork still held it open for writing
     // (ETXTBSY). Within `comm`'s 15 bytes.
+    // The stand-in shares these tests' cgroup; in a pod's, the agent rightly passes it over
+    // as not the node's kubelet, and the row could not show what it is for.
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    if own.contains("kubepods") {
+        anyhow::bail!(
+            "this row needs the tests outside a Kubernetes pod's cgroup ({})",
+            own.trim()
+        );
+    }
     let name = format!("kl{tag}-{}", std::process::id());
     let program = kubelet.join(&name);
     std::os::unix::fs::symlink("/bin/sh", &program)?;
@@ -608,7 +617,7 @@ fn check_kubelet_unseen_config_reserve(c: &Ctx) -> Result<(), String> {
             "verdict message should name the kubelet.config_files stand-in: {msg}"
         ));
     }
-    if !c.run.stderr.contains("not visible to the agent") {
+    if !c.run.stderr.contains("config file cannot be read here") {
         return Err("the log should say the kubelet's --config file was not visible".into());
     }
     Ok(())
@@ -620,6 +629,16 @@ fn check_kubelet_flag_reserve(c: &Ctx) -> Result<(), String> {
     let msg = verdict_message(c.timeline);
     if !msg.contains("70% free for evictionHard.nodefs.available from --eviction-hard of the kubelet (pid ") {
         return Err(format!("verdict message should name the kubelet's flag: {msg}"));
+    }
+    // Read on a blocking thread, the log line still carries the models stage's span.
+    let line = c
+        .run
+        .stderr
+        .lines()
+        .find(|l| l.contains("kubelet command line read for the disk reserve"))
+        .ok_or("the log should show the kubelet command line read")?;
+    if !line.contains(r#""stage":"models""#) {
+        return Err(format!("the kubelet log line should carry the models stage: {line}"));
     }
     Ok(())
 }

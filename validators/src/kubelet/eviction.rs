@@ -17,9 +17,9 @@
 //! directory. Missing files are skipped, so one list of the well-known locations serves
 //! kubeadm, EKS (AL2 and AL2023) and GKE nodes. Values follow the kubelet's parser: `"0%"`
 //! and `"100%"` turn a threshold off, trailing `%` signs are trimmed, and a quantity must be
-//! positive. A `null` value (a drop-in deleting a key) returns the setting to the kubelet's
-//! default here: what the kubelet makes of it depends on how its merge decodes `null` into
-//! that field, so the default is the reading taken here. Likewise an `evictionHard` map that
+//! positive. A `null` value unsets a setting in a main file (the kubelet's default then
+//! applies) and, in a drop-in, returns it to the value the main files gave, as the kubelet's
+//! merge does. An `evictionHard` map that
 //! names only some signals leaves the others at their default here, however the kubelet's
 //! version fills them (some leave them unset): never less free than the kubelet keeps.
 //!
@@ -31,7 +31,7 @@
 //! default value. That can keep more free than the kubelet would, never less: the reserve
 //! errs on the side of not putting the node under disk pressure.
 
-use crate::input::{InputError, load_yaml};
+use crate::input::{InputError, load_regular_yaml};
 use crate::kubelet::process::CommandLine;
 use crate::kubelet::quantity::Quantity;
 use std::collections::BTreeMap;
@@ -184,9 +184,9 @@ pub struct Thresholds {
 pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
     let mut out = Thresholds::default();
     let files = expand(paths, false, &mut out.errors);
-    let mut set = Settings::new();
-    read_files(&mut set, files, &mut out.errors);
-    finish(set, out)
+    let mut read = Reading::default();
+    read.files(files, &mut out.errors);
+    finish(read.set, out)
 }
 
 /// The disk thresholds of the kubelet running with command line `cmd`: its `--config` file
@@ -199,28 +199,25 @@ pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
 /// missing ones skipped, and that is reported: a well-known path, or the place the operator
 /// mounted it, is a better guess at the kubelet's values than its defaults. A kubelet run
 /// without `--config` reads no file, so neither does this. An unreadable `--config-dir` is
-/// reported and its drop-ins are not read: no list stands in for one directory.
+/// reported and its drop-ins are not read: no list stands in for one directory. Where the
+/// kubelet's walk of it reads nothing (a symlink), nothing is read here either; a regular
+/// file in its place is read only when named `*.conf`, as that walk reads it.
 pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds {
     let mut out = Thresholds {
         errors: cmd.errors.clone(),
         ..Default::default()
     };
     let origin = cmd.origin();
-    let mut set = Settings::new();
+    let mut read = Reading::default();
     if let Some(config) = &cmd.config {
-        let doc = match std::fs::metadata(config) {
-            Ok(m) if m.is_file() => load_yaml::<serde_yaml_ng::Value>(config),
-            Ok(_) => Err(InputError::new(config, None, "not a regular file")),
-            Err(e) => Err(InputError::new(config, None, format!("cannot read: {e}"))),
-        };
-        match doc {
-            Ok(doc) => apply(&mut set, config, &doc, &mut out.errors),
+        match load_regular_yaml::<serde_yaml_ng::Value>(config) {
+            Ok(doc) => read.apply(config, &doc, false, &mut out.errors),
             Err(e) => {
                 out.errors.push(InputError::new(
                     &origin,
                     Some("--config"),
                     format!(
-                        "the kubelet's config file is not visible to the agent ({e}); reading \
+                        "the kubelet's config file cannot be read here ({e}); reading \
                          kubelet.config_files instead ({})",
                         fallback
                             .iter()
@@ -230,11 +227,12 @@ pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds
                     ),
                 ));
                 let files = expand(fallback, false, &mut out.errors);
-                read_files(&mut set, files, &mut out.errors);
+                read.files(files, &mut out.errors);
             }
         }
     }
     let drop_ins = match &cmd.config_dir {
+        None => Vec::new(),
         // The kubelet walks its drop-in directory with Go's `filepath.WalkDir`, which does
         // not descend into a root that is itself a symlink: it then reads no drop-in.
         Some(dir) if std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_symlink()) => {
@@ -246,9 +244,27 @@ pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds
             ));
             Vec::new()
         }
-        _ => expand(cmd.config_dir.as_slice(), true, &mut out.errors),
+        // A file as the root: the walk visits it as a drop-in like any other.
+        Some(dir) if std::fs::metadata(dir).is_ok_and(|m| m.is_file()) => {
+            if dir.extension().is_some_and(|x| x == "conf") {
+                vec![(dir.clone(), true)]
+            } else {
+                out.errors.push(InputError::new(
+                    dir,
+                    None,
+                    "--config-dir is a file not named *.conf, which the kubelet's walk of it \
+                     skips: no drop-in read",
+                ));
+                Vec::new()
+            }
+        }
+        Some(dir) => expand(std::slice::from_ref(dir), true, &mut out.errors)
+            .into_iter()
+            .map(|(p, _)| (p, true))
+            .collect(),
     };
-    read_files(&mut set, drop_ins, &mut out.errors);
+    read.files(drop_ins, &mut out.errors);
+    let mut set = read.set;
     for (section, flag, pairs) in [
         ("evictionHard", "--eviction-hard", &cmd.eviction_hard),
         ("evictionSoft", "--eviction-soft", &cmd.eviction_soft),
@@ -288,48 +304,75 @@ pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds
 /// Per setting: the last value seen (`None`: turned off) and where it came from.
 type Settings = BTreeMap<String, (Option<Threshold>, Source)>;
 
-/// Add the settings `files` make to `set`, in order, later values winning.
-fn read_files(set: &mut Settings, files: Vec<PathBuf>, errors: &mut Vec<InputError>) {
-    for file in files {
-        match load_yaml::<serde_yaml_ng::Value>(&file) {
-            Ok(doc) => apply(set, &file, &doc, errors),
-            Err(e) => errors.push(e),
-        }
-    }
+/// The settings made so far, file by file.
+#[derive(Default)]
+struct Reading {
+    /// Each setting's value now.
+    set: Settings,
+    /// The settings as the main files left them, before the first drop-in: what a drop-in's
+    /// `null` returns a setting to.
+    base: Option<Settings>,
 }
 
-/// Add the settings the config document `doc`, read from `file`, makes to `set`.
-fn apply(set: &mut Settings, file: &Path, doc: &serde_yaml_ng::Value, errors: &mut Vec<InputError>) {
-    let mut values: Vec<(String, &serde_yaml_ng::Value)> = Vec::new();
-    for section in ["evictionHard", "evictionSoft"] {
-        for signal in SIGNALS {
-            if let Some(v) = doc.get(section).and_then(|m| m.get(signal)) {
-                values.push((format!("{section}.{signal}"), v));
+impl Reading {
+    /// Read `files` (each marked whether it is a drop-in) in order, later values winning.
+    fn files(&mut self, files: Vec<(PathBuf, bool)>, errors: &mut Vec<InputError>) {
+        for (file, drop_in) in files {
+            match load_regular_yaml::<serde_yaml_ng::Value>(&file) {
+                Ok(doc) => self.apply(&file, &doc, drop_in, errors),
+                Err(e) => errors.push(e),
             }
         }
     }
-    if let Some(v) = doc.get(IMAGE_GC_HIGH) {
-        values.push((IMAGE_GC_HIGH.to_string(), v));
-    }
-    for (key, v) in values {
-        if v.is_null() {
-            set.remove(&key);
-            continue;
+
+    /// Apply the settings the config document `doc`, read from `file`, makes.
+    ///
+    /// A `null` in a main file unsets the setting: the kubelet's default then applies. A
+    /// `null` in a drop-in returns it to the main files' value, as the kubelet merges drop-ins:
+    /// it JSON-merge-patches each onto its config (where `null` deletes the key) and decodes
+    /// the result into the config loaded from `--config`, whose value a deleted key keeps.
+    fn apply(&mut self, file: &Path, doc: &serde_yaml_ng::Value, drop_in: bool, errors: &mut Vec<InputError>) {
+        if drop_in && self.base.is_none() {
+            self.base = Some(self.set.clone());
         }
-        let parsed = if key == IMAGE_GC_HIGH {
-            v.as_u64()
-                .ok_or_else(|| "must be a whole number of percent".to_string())
-                .and_then(Threshold::from_gc_high_percent)
-        } else {
-            v.as_str()
-                .ok_or_else(|| "must be a string such as \"10%\" or \"5Gi\"".to_string())
-                .and_then(Threshold::parse)
-        };
-        match parsed {
-            Ok(t) => {
-                set.insert(key, (t, Source::File(file.to_path_buf())));
+        let mut values: Vec<(String, &serde_yaml_ng::Value)> = Vec::new();
+        for section in ["evictionHard", "evictionSoft"] {
+            for signal in SIGNALS {
+                if let Some(v) = doc.get(section).and_then(|m| m.get(signal)) {
+                    values.push((format!("{section}.{signal}"), v));
+                }
             }
-            Err(e) => errors.push(InputError::new(file, Some(&key), e)),
+        }
+        if let Some(v) = doc.get(IMAGE_GC_HIGH) {
+            values.push((IMAGE_GC_HIGH.to_string(), v));
+        }
+        for (key, v) in values {
+            if v.is_null() {
+                match self.base.as_ref().filter(|_| drop_in).and_then(|b| b.get(&key)) {
+                    Some(before) => {
+                        self.set.insert(key, before.clone());
+                    }
+                    None => {
+                        self.set.remove(&key);
+                    }
+                }
+                continue;
+            }
+            let parsed = if key == IMAGE_GC_HIGH {
+                v.as_u64()
+                    .ok_or_else(|| "must be a whole number of percent".to_string())
+                    .and_then(Threshold::from_gc_high_percent)
+            } else {
+                v.as_str()
+                    .ok_or_else(|| "must be a string such as \"10%\" or \"5Gi\"".to_string())
+                    .and_then(Threshold::parse)
+            };
+            match parsed {
+                Ok(t) => {
+                    self.set.insert(key, (t, Source::File(file.to_path_buf())));
+                }
+                Err(e) => errors.push(InputError::new(file, Some(&key), e)),
+            }
         }
     }
 }
@@ -354,10 +397,10 @@ fn finish(set: Settings, mut out: Thresholds) -> Thresholds {
     out
 }
 
-/// The files to read, in order: each existing regular file, and each directory's `*.conf`
-/// files. A missing path is skipped, or reported when `required`; anything else (a FIFO, a
-/// device) is reported.
-fn expand(paths: &[PathBuf], required: bool, errors: &mut Vec<InputError>) -> Vec<PathBuf> {
+/// The files to read, in order, each marked whether it is a drop-in: each existing regular
+/// file (a main file), and each directory's `*.conf` files (drop-ins). A missing path is
+/// skipped, or reported when `required`; anything else (a FIFO, a device) is reported.
+fn expand(paths: &[PathBuf], required: bool, errors: &mut Vec<InputError>) -> Vec<(PathBuf, bool)> {
     let mut out = Vec::new();
     for p in paths {
         match std::fs::metadata(p) {
@@ -368,9 +411,9 @@ fn expand(paths: &[PathBuf], required: bool, errors: &mut Vec<InputError>) -> Ve
                 // The error says where the walk stopped; the files found so far still count.
                 drop_ins(p, &mut out, errors, 0, &mut budget);
             }
-            Ok(m) if m.is_file() => out.push(p.clone()),
-            // A FIFO would block the read, a device never end: the kubelet's config is a
-            // file.
+            Ok(m) if m.is_file() => out.push((p.clone(), false)),
+            // A FIFO would block its open, a device never end: the kubelet's config is a
+            // file. (The read refuses them too; this names them without opening them.)
             Ok(_) => errors.push(InputError::new(p, None, "not a regular file or directory")),
         }
     }
@@ -391,7 +434,7 @@ const MAX_ENTRIES: usize = 4096;
 /// false when the entry budget ran out (reported once, here).
 fn drop_ins(
     dir: &Path,
-    out: &mut Vec<PathBuf>,
+    out: &mut Vec<(PathBuf, bool)>,
     errors: &mut Vec<InputError>,
     depth: usize,
     budget: &mut usize,
@@ -427,7 +470,7 @@ fn drop_ins(
                 return false;
             }
         } else if p.extension().is_some_and(|x| x == "conf") && p.is_file() {
-            out.push(p);
+            out.push((p, true));
         }
     }
     true
@@ -503,12 +546,16 @@ mod tests {
         .unwrap();
         let dropins = d.path().join("config.json.d");
         std::fs::create_dir_all(dropins.join("10-sub")).unwrap();
-        std::fs::write(dropins.join("10-a.conf"), "evictionHard:\n  nodefs.available: 12%\n").unwrap();
+        std::fs::write(
+            dropins.join("10-a.conf"),
+            "evictionHard:\n  nodefs.available: 12%\n  imagefs.available: 40%\nevictionSoft:\n  imagefs.available: 25%\n",
+        )
+        .unwrap();
         // Walked after 10-a.conf, before 20-b.conf (its directory sorts between them).
         std::fs::write(dropins.join("10-sub/x.conf"), "evictionHard:\n  nodefs.available: 5%\n").unwrap();
         std::fs::write(
             dropins.join("20-b.conf"),
-            "evictionSoft:\n  nodefs.available: 20Gi\nevictionHard:\n  imagefs.available: null\n",
+            "evictionSoft:\n  nodefs.available: 20Gi\n  imagefs.available: null\nevictionHard:\n  imagefs.available: null\n",
         )
         .unwrap();
         // Not a drop-in: ignored.
@@ -518,8 +565,13 @@ mod tests {
         assert_eq!(
             keys(&t),
             vec![
-                // Unset by the drop-in's null: the kubelet's default again.
-                ("evictionHard.imagefs.available".into(), pct(15), None),
+                // A drop-in's null: back to the main file's value, not 10-a.conf's 40% and
+                // not the default 15%, as the kubelet's merge of drop-ins has it.
+                (
+                    "evictionHard.imagefs.available".into(),
+                    pct(30),
+                    Some("config.json".into())
+                ),
                 ("evictionHard.nodefs.available".into(), pct(5), Some("x.conf".into())),
                 (
                     "evictionSoft.nodefs.available".into(),
@@ -732,7 +784,7 @@ mod tests {
         assert!(
             errors[0].contains("/proc/77/cmdline")
                 && errors[0].contains("/nonexistent/etc/kubernetes/kubelet/config.json")
-                && errors[0].contains("not visible to the agent")
+                && errors[0].contains("cannot be read here")
                 && errors[0].contains(&mounted.display().to_string()),
             "{errors:?}"
         );
@@ -763,6 +815,15 @@ mod tests {
         );
     }
 
+    /// `f`'s result, failing the test if it has none within 20 s: a read that waits on a FIFO
+    /// then fails the test instead of hanging it.
+    fn within_deadline<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(f()));
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .expect("no answer within 20 s: a read waited on a FIFO?")
+    }
+
     #[test]
     fn a_config_file_that_cannot_be_read_or_parsed_falls_back_too() {
         let d = tempfile::tempdir().unwrap();
@@ -782,7 +843,8 @@ mod tests {
         // better guess than the defaults (10%) each time. A FIFO must not block the read.
         for config in [garbled.clone(), fifo.clone(), d.path().to_path_buf()] {
             let c = cmdline(&["kubelet", &format!("--config={}", config.display())]);
-            let t = kubelet_thresholds(&c, std::slice::from_ref(&stand_in));
+            let fallback = vec![stand_in.clone()];
+            let t = within_deadline(move || kubelet_thresholds(&c, &fallback));
             let errors: Vec<String> = t.errors.iter().map(|e| e.to_string()).collect();
             assert_eq!(errors.len(), 1, "{config:?}: {errors:?}");
             assert!(
@@ -798,7 +860,8 @@ mod tests {
             );
         }
         // Among the configured files a FIFO is named and skipped, not read.
-        let t = disk_thresholds(&[fifo.clone(), stand_in.clone()]);
+        let files = vec![fifo.clone(), stand_in.clone()];
+        let t = within_deadline(move || disk_thresholds(&files));
         assert_eq!(t.errors.len(), 1, "{:?}", t.errors);
         assert!(
             t.errors[0].to_string().contains("not a regular file"),
@@ -806,6 +869,28 @@ mod tests {
             t.errors[0]
         );
         assert!(t.found.iter().any(|f| f.threshold == pct(45)), "{:?}", t.found);
+    }
+
+    #[test]
+    fn a_config_dir_that_is_a_file_is_read_only_when_named_conf() {
+        let d = tempfile::tempdir().unwrap();
+        let conf = d.path().join("only.conf");
+        std::fs::write(&conf, "evictionHard:\n  nodefs.available: 45%\n").unwrap();
+        let t = kubelet_thresholds(&cmdline(&["kubelet", &format!("--config-dir={}", conf.display())]), &[]);
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        assert!(
+            t.found
+                .iter()
+                .any(|f| f.threshold == pct(45) && f.file() == Some(&conf)),
+            "{:?}",
+            t.found
+        );
+        let yaml = d.path().join("only.yaml");
+        std::fs::copy(&conf, &yaml).unwrap();
+        let t = kubelet_thresholds(&cmdline(&["kubelet", &format!("--config-dir={}", yaml.display())]), &[]);
+        assert_eq!(t.errors.len(), 1, "{:?}", t.errors);
+        assert!(t.errors[0].to_string().contains("not named *.conf"), "{}", t.errors[0]);
+        assert!(t.found.iter().all(|f| f.source == Source::Default), "{:?}", t.found);
     }
 
     #[test]

@@ -20,11 +20,11 @@
 //! [`CommandLine::errors`].
 //!
 //! Which process is the kubelet: one whose `comm` is the configured name and whose command
-//! line is not empty (not a zombie), outside the pods' cgroups (`kubepods`, `pod<UID>`: a pod
+//! line is not empty (not a zombie), outside the pods' cgroups (see `pod_cgroup`: a pod
 //! may run a program of that name, a nested kubelet in a kind or vcluster node, say, but the node's
 //! kubelet is never one of its own pods). When several remain, the one running longest
 //! (earliest start time in `/proc/PID/stat`) is read, and the others are named in
-//! [`CommandLine::errors`]: a second kubelet cannot bind the kubelet's ports while the
+//! [`Scan::others`]: a second kubelet cannot bind the kubelet's ports while the
 //! first holds them, so the first is the one serving the node.
 
 use crate::input::InputError;
@@ -49,8 +49,7 @@ pub struct CommandLine {
     pub eviction_soft: Option<Vec<(String, String)>>,
     /// `--image-gc-high-threshold`, as written.
     pub image_gc_high_threshold: Option<String>,
-    /// Flags read here that the kubelet would refuse (each names the flag and why), and
-    /// other kubelet processes that were passed over.
+    /// Flags read here that the kubelet would refuse (each names the flag and why).
     pub errors: Vec<InputError>,
 }
 
@@ -163,12 +162,27 @@ fn langle_pairs(value: &str, out: &mut Vec<(String, String)>) -> Result<(), Stri
     Ok(())
 }
 
-/// The command line of the kubelet: the process called `name` under `proc_root` (`/proc`),
-/// chosen as the module documentation says, or `None` when no such process is visible.
-/// Relative `--config` and `--config-dir` paths are resolved against its working directory;
-/// where that is unreadable, they are kept under its `/proc/PID/cwd` entry, so they fail to
-/// read (and name the process) rather than being read against the agent's own directory.
-pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputError> {
+/// What a scan of `/proc` for the kubelet found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scan {
+    /// The kubelet's command line, when one is visible.
+    pub kubelet: Option<CommandLine>,
+    /// Other processes of that name outside the pods, passed over (they started later).
+    pub others: Vec<u32>,
+    /// Processes of that name in a pod's cgroup, passed over: the PID and the cgroup that
+    /// marked it, so a wrong call can be seen in the log.
+    pub in_pods: Vec<(u32, String)>,
+    /// Processes of that name whose command line could not be read (each error names it).
+    pub unreadable: Vec<InputError>,
+}
+
+/// Scan `proc_root` (`/proc`) for the kubelet: the process called `name`, chosen as the
+/// module documentation says. Relative `--config` and `--config-dir` paths are resolved
+/// against its working directory; where that is unreadable, they are kept under its
+/// `/proc/PID/cwd` entry, so they fail to read (and name the process) rather than being read
+/// against the agent's own directory. Only an unlistable `proc_root` is an error: a process
+/// that cannot be read is noted and the scan goes on.
+pub fn find(proc_root: &Path, name: &str) -> Result<Scan, InputError> {
     let want = name.as_bytes().get(..COMM_LEN).unwrap_or(name.as_bytes());
     let listing = std::fs::read_dir(proc_root)
         .map_err(|e| InputError::new(proc_root, None, format!("cannot list processes: {e}")))?;
@@ -176,6 +190,7 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect();
     pids.sort_unstable();
+    let mut scan = Scan::default();
     // (start time, pid, arguments) of each candidate; an unknown start time sorts last.
     let mut found: Vec<(u64, u32, Vec<String>)> = Vec::new();
     for pid in pids {
@@ -187,15 +202,22 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
         if comm.strip_suffix(b"\n").unwrap_or(&comm) != want {
             continue;
         }
+        // Before the command line: a pod's process is passed over whatever it holds.
+        if let Some(cgroup) = pod_cgroup(&dir) {
+            scan.in_pods.push((pid, cgroup));
+            continue;
+        }
         let raw = match std::fs::read(dir.join("cmdline")) {
             Ok(raw) => raw,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            // Gone meanwhile (ESRCH: it exited while being read).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(3) => continue,
             Err(e) => {
-                return Err(InputError::new(
+                scan.unreadable.push(InputError::new(
                     dir.join("cmdline"),
                     None,
                     format!("cannot read the {name} process's command line: {e}"),
                 ));
+                continue;
             }
         };
         let args: Vec<String> = raw
@@ -203,7 +225,7 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
             .filter(|a| !a.is_empty())
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
-        if args.is_empty() || in_a_pod(&dir) {
+        if args.is_empty() {
             continue;
         }
         found.push((start_time(&dir).unwrap_or(u64::MAX), pid, args));
@@ -211,22 +233,10 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
     found.sort();
     let mut found = found.into_iter();
     let Some((_, pid, args)) = found.next() else {
-        return Ok(None);
+        return Ok(scan);
     };
+    scan.others = found.map(|(_, p, _)| p).collect();
     let mut cmd = parse(pid, &args);
-    let others: Vec<String> = found.map(|(_, p, _)| p.to_string()).collect();
-    if !others.is_empty() {
-        cmd.errors.push(InputError::new(
-            cmd.origin(),
-            None,
-            format!(
-                "{} other processes named {name} outside the pods (pid {}); reading the one \
-                 running longest, pid {pid}: a second kubelet cannot take the ports the first holds",
-                others.len(),
-                others.join(", ")
-            ),
-        ));
-    }
     let dir = proc_root.join(pid.to_string());
     for slot in [&mut cmd.config, &mut cmd.config_dir] {
         let Some(path) = slot.as_ref().filter(|p| p.is_relative()) else {
@@ -238,35 +248,47 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Option<CommandLine>, InputEr
         let cwd = std::fs::read_link(dir.join("cwd")).unwrap_or_else(|_| dir.join("cwd"));
         *slot = Some(cwd.join(path));
     }
-    Ok(Some(cmd))
+    scan.kubelet = Some(cmd);
+    Ok(scan)
 }
 
-/// Whether the process in `dir` runs in a pod's cgroup. Under both cgroup drivers a pod's
-/// cgroup is below `kubepods` and has a `pod<UID>` level (`pod1b2c...` for cgroupfs,
-/// `kubepods-besteffort-pod1b2c_....slice` for systemd). Both are looked for, because an
-/// agent in a cgroup namespace of its own sees another pod's cgroup relative to its own
+/// The cgroup line that puts the process in `dir` in a pod, if one does. A pod's cgroup is
+/// below `kubepods` and has a level named for the pod's UID: `pod<UID>` under the cgroupfs
+/// driver, `kubepods-<qos>-pod<UID>.slice` under systemd (with a non-default cgroup root,
+/// as kind sets, `kubelet-kubepods-...`). The UID is 36 characters (a UUID; `_` for `-`
+/// under systemd) or 32 (a static pod's hash). Both marks are looked for, because an agent
+/// in a cgroup namespace of its own sees another pod's cgroup relative to its own
 /// (`/../../besteffort/pod<UID>/<container>`), where `kubepods` may not appear. Unreadable:
 /// not known to be in a pod.
-fn in_a_pod(dir: &Path) -> bool {
-    let Ok(cgroups) = std::fs::read_to_string(dir.join("cgroup")) else {
-        return false;
-    };
-    let pod_uid = |seg: &str| {
-        seg.strip_prefix("pod")
-            .is_some_and(|uid| uid.len() == 36 && uid.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-' || b == b'_'))
+fn pod_cgroup(dir: &Path) -> Option<String> {
+    let cgroups = std::fs::read(dir.join("cgroup")).ok()?;
+    let cgroups = String::from_utf8_lossy(&cgroups);
+    let pod_level = |seg: &str| {
+        let seg = seg.strip_suffix(".slice").unwrap_or(seg);
+        seg.match_indices("pod").any(|(at, _)| {
+            let uid = &seg[at + 3..];
+            (at == 0 || seg[..at].ends_with('-'))
+                && matches!(uid.len(), 32 | 36)
+                && uid.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-' || b == b'_')
+        })
     };
     cgroups
         .lines()
-        .filter_map(|l| l.splitn(3, ':').nth(2))
-        .flat_map(|path| path.split('/'))
-        .any(|seg| seg.starts_with("kubepods") || pod_uid(seg))
+        .find(|l| {
+            l.splitn(3, ':')
+                .nth(2)
+                .is_some_and(|path| path.split('/').any(|seg| seg.contains("kubepods") || pod_level(seg)))
+        })
+        .map(str::to_string)
 }
 
 /// The process's start time (clock ticks after boot, field 22 of `/proc/PID/stat`).
 fn start_time(dir: &Path) -> Option<u64> {
-    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
-    // `comm` (field 2, in parentheses) may hold spaces and `)`: count from the last `)`.
-    let (_, rest) = stat.rsplit_once(')')?;
+    let stat = std::fs::read(dir.join("stat")).ok()?;
+    // `comm` (field 2, in parentheses) may hold spaces, `)` and bytes that are not UTF-8
+    // (cut mid-character at 15 bytes): count from the last `)`.
+    let at = stat.iter().rposition(|b| *b == b')')?;
+    let rest = std::str::from_utf8(stat.get(at + 1..)?).ok()?;
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
@@ -405,6 +427,11 @@ mod tests {
         std::fs::write(p.join("cgroup"), format!("0::{cgroup}\n")).unwrap();
     }
 
+    /// The kubelet a scan of the fake `/proc` finds.
+    fn kubelet(proc: &Path, name: &str) -> CommandLine {
+        find(proc, name).unwrap().kubelet.unwrap()
+    }
+
     #[test]
     fn the_longest_running_kubelet_outside_the_pods_is_read_and_the_others_named() {
         let d = fake_proc(&[
@@ -415,46 +442,61 @@ mod tests {
         stat_and_cgroup(d.path(), 50, 9000, "/system.slice/kubelet.service");
         stat_and_cgroup(d.path(), 60, 120, "/system.slice/kubelet.service");
         // Oldest of all, but a pod's process (a nested kubelet in a kind node, say).
-        stat_and_cgroup(
-            d.path(),
-            40,
-            5,
-            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/cri-containerd-ab.scope",
-        );
-        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        let pod = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/cri-containerd-ab.scope";
+        stat_and_cgroup(d.path(), 40, 5, pod);
+        let scan = find(d.path(), "kubelet").unwrap();
+        let c = scan.kubelet.unwrap();
         assert_eq!(c.pid, 60);
         assert_eq!(c.config.as_deref(), Some(Path::new("/older.yaml")));
-        assert_eq!(c.errors.len(), 1, "{:?}", c.errors);
-        let e = c.errors[0].to_string();
-        assert!(e.contains("/proc/60/cmdline") && e.contains("pid 50"), "{e}");
-        assert!(!e.contains("40"), "a pod's process is not a candidate: {e}");
-
-        // Only pods' processes: no kubelet visible. Seen from the agent's own cgroup
-        // namespace a cgroupfs pod's path need not say `kubepods`; its `pod<UID>` level does.
-        let d = fake_proc(&[
-            (40, "kubelet", &["kubelet", "--config=/in-a-pod.yaml"]),
-            (41, "kubelet", &["kubelet", "--config=/in-another-pod.yaml"]),
-            (42, "kubelet", &["kubelet", "--config=/host.yaml"]),
-        ]);
-        stat_and_cgroup(
-            d.path(),
-            40,
-            5,
-            "/kubepods/besteffort/pod0c7e4a8e-6d1f-4a53-9d2b-1f0e6c3a9b11/abc",
-        );
-        stat_and_cgroup(
-            d.path(),
-            41,
-            6,
-            "/../../../burstable/pod0c7e4a8e-6d1f-4a53-9d2b-1f0e6c3a9b12/abc",
-        );
-        // A host service whose name merely starts with `pod` is not a pod.
-        stat_and_cgroup(d.path(), 42, 7, "/system.slice/podman.service");
-        let c = find(d.path(), "kubelet").unwrap().unwrap();
-        assert_eq!(c.pid, 42);
         assert!(c.errors.is_empty(), "{:?}", c.errors);
-        std::fs::remove_dir_all(d.path().join("42")).unwrap();
-        assert!(find(d.path(), "kubelet").unwrap().is_none());
+        assert_eq!(scan.others, vec![50]);
+        assert_eq!(scan.in_pods, vec![(40, format!("0::{pod}"))]);
+        assert!(scan.unreadable.is_empty());
+    }
+
+    #[test]
+    fn pods_are_told_by_their_cgroup_under_either_driver_and_any_cgroup_namespace() {
+        let uuid = "0c7e4a8e-6d1f-4a53-9d2b-1f0e6c3a9b11";
+        let uuid_ = uuid.replace('-', "_");
+        let static_pod = "5d41402abc4b2a76b9719d911017c592";
+        let pods = [
+            // cgroupfs, as the host sees it.
+            format!("0::/kubepods/besteffort/pod{uuid}/abc"),
+            // cgroupfs, relative to the agent's own cgroup namespace: no `kubepods` left.
+            format!("0::/../../../burstable/pod{uuid}/abc"),
+            format!("0::/../../pod{static_pod}/abc"),
+            // systemd, relative: the slice names still say it.
+            format!("0::/../../kubepods-besteffort-pod{uuid_}.slice/cri-containerd-ab.scope"),
+            // systemd with a cgroup root of `/kubelet`, as kind sets it.
+            format!(
+                "0::/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/kubelet-kubepods-burstable-pod{uuid_}.slice/x.scope"
+            ),
+            // cgroup v1: one line per hierarchy, only some of them saying it.
+            format!("12:cpuset:/\n4:memory:/kubepods/pod{uuid}/abc\n1:name=systemd:/"),
+        ];
+        let hosts = [
+            "0::/system.slice/kubelet.service",
+            "1:name=systemd:/system.slice/kubelet.service\n4:memory:/system.slice/kubelet.service",
+            // Names that merely contain `pod`.
+            "0::/system.slice/podman.service",
+            "0::/user.slice/pod-12345.scope",
+            "0::/",
+        ];
+        let d = fake_proc(&[(40, "kubelet", &["kubelet"])]);
+        let cgroup = d.path().join("40/cgroup");
+        for c in &pods {
+            std::fs::write(&cgroup, format!("{c}\n")).unwrap();
+            let scan = find(d.path(), "kubelet").unwrap();
+            assert!(scan.kubelet.is_none(), "{c}: taken for the kubelet");
+            assert_eq!(scan.in_pods.len(), 1, "{c}");
+            assert!(c.contains(&scan.in_pods[0].1), "{c}: {:?}", scan.in_pods);
+        }
+        for c in hosts {
+            std::fs::write(&cgroup, format!("{c}\n")).unwrap();
+            let scan = find(d.path(), "kubelet").unwrap();
+            assert_eq!(scan.kubelet.map(|k| k.pid), Some(40), "{c}: passed over");
+            assert!(scan.in_pods.is_empty(), "{c}");
+        }
     }
 
     #[test]
@@ -475,35 +517,55 @@ mod tests {
             ),
         ]);
         // No start times known: the lowest PID, the other named.
-        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        let scan = find(d.path(), "kubelet").unwrap();
+        assert_eq!(scan.others, vec![300]);
+        let c = scan.kubelet.unwrap();
         assert_eq!(c.pid, 120);
         assert_eq!(c.config.as_deref(), Some(Path::new("/var/lib/kubelet/config.yaml")));
         assert_eq!(c.config_dir.as_deref(), Some(Path::new("/var/lib/kubelet/conf.d")));
-        assert_eq!(c.errors.len(), 1, "{:?}", c.errors);
-        assert!(c.errors[0].to_string().contains("pid 300"), "{}", c.errors[0]);
-        assert!(find(d.path(), "kube").unwrap().is_none());
-        assert!(find(d.path(), "k3s-agent").unwrap().is_none());
+        assert!(c.errors.is_empty(), "{:?}", c.errors);
+        assert_eq!(find(d.path(), "kube").unwrap(), Scan::default());
+        assert_eq!(find(d.path(), "k3s-agent").unwrap(), Scan::default());
 
         // Its working directory unreadable: the relative path is kept under the kubelet's
         // own cwd entry (so it cannot be read against the agent's, and its read error names
         // the process), the absolute one is read as before.
         std::fs::remove_file(d.path().join("120/cwd")).unwrap();
-        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        let c = kubelet(d.path(), "kubelet");
         assert_eq!(c.config, Some(d.path().join("120/cwd/config.yaml")));
         assert_eq!(c.config_dir, Some(d.path().join("120/cwd/conf.d")));
         assert!(!c.config_files().iter().any(|p| p.exists()), "{:?}", c.config_files());
         let d = fake_proc(&[(9, "kubelet", &["kubelet", "--config=/etc/k.yaml", "--config-dir=d"])]);
         std::fs::remove_file(d.path().join("9/cwd")).unwrap();
-        let c = find(d.path(), "kubelet").unwrap().unwrap();
+        let c = kubelet(d.path(), "kubelet");
         assert_eq!(c.config.as_deref(), Some(Path::new("/etc/k.yaml")));
         assert_eq!(c.config_dir, Some(d.path().join("9/cwd/d")));
     }
 
     #[test]
+    fn an_unreadable_process_is_noted_and_the_scan_goes_on() {
+        let d = fake_proc(&[
+            (10, "kubelet", &["kubelet", "--config=/a.yaml"]),
+            (20, "kubelet", &["kubelet", "--config=/b.yaml"]),
+        ]);
+        // A command line that cannot be read (here: a directory in its place).
+        let cmdline = d.path().join("10/cmdline");
+        std::fs::remove_file(&cmdline).unwrap();
+        std::fs::create_dir(&cmdline).unwrap();
+        let scan = find(d.path(), "kubelet").unwrap();
+        assert_eq!(scan.kubelet.map(|k| k.pid), Some(20));
+        assert_eq!(scan.unreadable.len(), 1, "{:?}", scan.unreadable);
+        assert!(
+            scan.unreadable[0].to_string().contains("10/cmdline"),
+            "{:?}",
+            scan.unreadable
+        );
+    }
+
+    #[test]
     fn a_long_name_matches_the_kernels_cut_comm() {
         let d = fake_proc(&[(5, "kubelet-wrapper", &["/opt/bin/kubelet-wrapper-v2", "--config=/x"])]);
-        let c = find(d.path(), "kubelet-wrapper-v2").unwrap().unwrap();
-        assert_eq!(c.pid, 5);
+        assert_eq!(kubelet(d.path(), "kubelet-wrapper-v2").pid, 5);
     }
 
     #[test]
@@ -516,7 +578,8 @@ mod tests {
     }
 
     /// The real `/proc`: a process started here under a name of its own is found with its
-    /// arguments, as the agent finds the kubelet.
+    /// arguments, as the agent finds the kubelet. Where the tests themselves run in a pod,
+    /// the process shares their cgroup, and must then be passed over as a pod's.
     #[test]
     fn finds_a_real_process_by_its_name() {
         let d = tempfile::tempdir().unwrap();
@@ -532,17 +595,26 @@ mod tests {
             .spawn()
             .unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        let found = loop {
-            match find(Path::new("/proc"), &name).unwrap() {
-                Some(c) => break c,
-                None if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_millis(20))
-                }
-                None => panic!("process {name} not found in /proc"),
+        let scan = loop {
+            let scan = find(Path::new("/proc"), &name).unwrap();
+            if scan.kubelet.is_some() || !scan.in_pods.is_empty() {
+                break scan;
             }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "process {name} not found in /proc"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
         };
         child.kill().unwrap();
         child.wait().unwrap();
+        if let Some(cgroup) = pod_cgroup(Path::new("/proc/self")) {
+            eprintln!("these tests run in a pod ({cgroup}): the process must be passed over");
+            assert_eq!(scan.in_pods.first().map(|p| p.0), Some(child.id()));
+            assert!(scan.kubelet.is_none());
+            return;
+        }
+        let found = scan.kubelet.unwrap();
         assert_eq!(found.pid, child.id());
         assert_eq!(found.eviction_hard, pairs(&[("nodefs.available", "42%")]));
         assert_eq!(found.config, Some(d.path().join("config.yaml")));
