@@ -143,10 +143,14 @@ pub async fn run_stage_body(ctx: &Context, name: &str, progress: &Progress) -> R
     }
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, StageFailure> {
-    tokio::task::spawn_blocking(f)
+/// Run the blocking `f` (`what`, for the error) off the runtime's threads, which drive the
+/// other stages meanwhile. The blocking thread has no span of its own: it carries the
+/// stage's, so what `f` logs says `stage=...` as the rest of the stage's lines do.
+async fn blocking<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> Result<T, StageFailure> {
+    let span = tracing::Span::current();
+    tokio::task::spawn_blocking(move || span.in_scope(f))
         .await
-        .map_err(|e| StageFailure::permanent("InternalError", format!("GPU worker thread failed: {e}")))
+        .map_err(|e| StageFailure::permanent("InternalError", format!("{what} worker thread failed: {e}")))
 }
 
 /// Karpenter finished registration: label `karpenter.sh/registered=true` and no
@@ -200,7 +204,7 @@ async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, StageF
 
 async fn driver(ctx: &Context) -> Result<Evidence, StageFailure> {
     let gpu = ctx.gpu.clone();
-    let inv = blocking(move || gpu.inventory()).await??;
+    let inv = blocking("GPU inventory", move || gpu.inventory()).await??;
     let ev = evaluate_driver(&inv, &ctx.config.gpu.expect).map_err(|f| StageFailure::permanent(f.reason, f.message))?;
     let product = inv.gpus.first().map(|g| g.product.clone()).unwrap_or_default();
     let driver = inv.gpus.first().map(|g| g.driver_version.clone()).unwrap_or_default();
@@ -402,7 +406,10 @@ async fn runtime(ctx: &Context) -> Result<Evidence, StageFailure> {
         None => {
             let (dirs, kind, root) = (k.cdi_dirs.clone(), k.cdi_kind.clone(), k.host_root.clone());
             let all2 = all.clone();
-            blocking(move || kubelet::cdi::check_cdi_dirs(&all2, &dirs, &kind, &root)).await?
+            blocking("CDI spec", move || {
+                kubelet::cdi::check_cdi_dirs(&all2, &dirs, &kind, &root)
+            })
+            .await?
         }
     }
     .map_err(|f| StageFailure::permanent(f.reason(), f.to_string()))?;
@@ -536,16 +543,9 @@ async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
     }
     let mut opts = m.fetch.clone();
     if opts.reserve_bytes.is_none() {
-        // Scanning `/proc` and reading the kubelet's files is blocking work: off the
-        // runtime's threads, which drive the other stages meanwhile.
+        // Scanning `/proc` and reading the kubelet's files is blocking work.
         let kubelet = ctx.config.kubelet.clone();
-        // The blocking thread has no span of its own: carry the stage's, so these log lines
-        // say `stage=models` as the rest of the stage's do.
-        let span = tracing::Span::current();
-        let reserve = tokio::task::spawn_blocking(move || span.in_scope(|| kubelet_reserve(&kubelet)))
-            .await
-            .map_err(|e| StageFailure::permanent("InternalError", format!("kubelet reserve task failed: {e}")))?;
-        opts.default_reserve = Some(reserve);
+        opts.default_reserve = Some(blocking("kubelet reserve", move || kubelet_reserve(&kubelet)).await?);
     }
     // A progress bar only where a person watches (`check` on a terminal).
     opts.progress = opts.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -159,9 +159,36 @@ fn read_open(file: &Path, f: std::fs::File) -> Result<String, InputError> {
     String::from_utf8(bytes).map_err(|e| InputError::new(file, None, format!("not UTF-8 text: {}", e.utf8_error())))
 }
 
+/// Helpers for the tests of readers that must not wait on a FIFO.
+#[cfg(test)]
+pub(crate) mod fifo_testing {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use std::path::Path;
+
+    /// Make a FIFO at `path` (with no writer, a plain open of it waits).
+    pub(crate) fn mkfifo(path: &Path) {
+        let ok = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mkfifo {}", path.display());
+    }
+
+    /// `f`'s result, failing the test if it has none within 20 s: a read that waits on a
+    /// FIFO then fails the test instead of hanging it.
+    pub(crate) fn within_deadline<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(f()));
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .expect("no answer within 20 s: a read waited on a FIFO?")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::fifo_testing::{mkfifo, within_deadline};
     use super::*;
     use serde::Deserialize;
 
@@ -204,27 +231,15 @@ mod tests {
     fn a_pipe_is_read_when_given_and_refused_in_place_of_a_file() {
         let d = tempfile::tempdir().unwrap();
         let fifo = d.path().join("fifo.yaml");
-        assert!(
-            std::process::Command::new("mkfifo")
-                .arg(&fifo)
-                .status()
-                .unwrap()
-                .success()
-        );
-        let within = |f: Box<dyn FnOnce() -> Result<String, InputError> + Send>| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::spawn(move || tx.send(f()));
-            rx.recv_timeout(std::time::Duration::from_secs(20))
-                .expect("the read did not return: it waited on the FIFO")
-        };
+        mkfifo(&fifo);
         let path = fifo.clone();
-        let e = within(Box::new(move || read_regular_bounded(&path))).unwrap_err();
+        let e = within_deadline(move || read_regular_bounded(&path)).unwrap_err();
         assert_eq!(e.message, "not a regular file", "{e}");
         // With a writer, as a shell's process substitution has, the operator's path reads.
         let path = fifo.clone();
         let writer = std::thread::spawn(move || std::fs::write(path, "a: 1\n"));
         let path = fifo.clone();
-        assert_eq!(within(Box::new(move || read_bounded(&path))).unwrap(), "a: 1\n");
+        assert_eq!(within_deadline(move || read_bounded(&path)).unwrap(), "a: 1\n");
         writer.join().unwrap().unwrap();
         let e = read_regular_bounded(d.path()).unwrap_err();
         assert_eq!(e.message, "not a regular file", "{e}");

@@ -480,6 +480,7 @@ fn drop_ins(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::input::fifo_testing::{mkfifo, within_deadline};
 
     fn pct(p: u32) -> Threshold {
         Threshold::PartsPerMillion(p * 10_000)
@@ -815,15 +816,6 @@ mod tests {
         );
     }
 
-    /// `f`'s result, failing the test if it has none within 20 s: a read that waits on a FIFO
-    /// then fails the test instead of hanging it.
-    fn within_deadline<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || tx.send(f()));
-        rx.recv_timeout(std::time::Duration::from_secs(20))
-            .expect("no answer within 20 s: a read waited on a FIFO?")
-    }
-
     #[test]
     fn a_config_file_that_cannot_be_read_or_parsed_falls_back_too() {
         let d = tempfile::tempdir().unwrap();
@@ -832,13 +824,7 @@ mod tests {
         let garbled = d.path().join("garbled.yaml");
         std::fs::write(&garbled, "evictionHard: [unclosed\n").unwrap();
         let fifo = d.path().join("fifo");
-        assert!(
-            std::process::Command::new("mkfifo")
-                .arg(&fifo)
-                .status()
-                .unwrap()
-                .success()
-        );
+        mkfifo(&fifo);
         // Exists but is not the kubelet's file as the agent can read it: the stand-in is a
         // better guess than the defaults (10%) each time. A FIFO must not block the read.
         for config in [garbled.clone(), fifo.clone(), d.path().to_path_buf()] {
