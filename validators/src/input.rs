@@ -98,19 +98,24 @@ pub fn read_bounded(file: &Path) -> Result<String, InputError> {
 }
 
 /// Read a regular file another program keeps (the kubelet's config files, CDI specs),
-/// bounded as [`read_bounded`]. It is opened without waiting (`O_NONBLOCK`), so a FIFO in its
-/// place, whose plain open would wait for a writer for ever, is refused, as is anything else
-/// that is not a regular file.
+/// bounded as [`read_bounded`]. Anything but a regular file is refused: first by its type,
+/// before any open (opening a device can act on it); then, against a swap between that
+/// look and the open, by the type of what was opened, which is opened without waiting
+/// (`O_NONBLOCK`: a FIFO's plain open waits for a writer for ever) and without becoming
+/// the agent's terminal (`O_NOCTTY`).
 pub fn read_regular_bounded(file: &Path) -> Result<String, InputError> {
     use std::os::unix::fs::OpenOptionsExt;
+    let not_regular = || InputError::new(file, None, "not a regular file");
+    if !std::fs::metadata(file).map_err(|e| cannot_read(file, e))?.is_file() {
+        return Err(not_regular());
+    }
     let f = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .custom_flags((rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOCTTY).bits() as i32)
         .open(file)
         .map_err(|e| cannot_read(file, e))?;
-    let meta = f.metadata().map_err(|e| cannot_read(file, e))?;
-    if !meta.is_file() {
-        return Err(InputError::new(file, None, "not a regular file"));
+    if !f.metadata().map_err(|e| cannot_read(file, e))?.is_file() {
+        return Err(not_regular());
     }
     read_open(file, f)
 }

@@ -17,9 +17,8 @@
 //! directory. Missing files are skipped, so one list of the well-known locations serves
 //! kubeadm, EKS (AL2 and AL2023) and GKE nodes. Values follow the kubelet's parser: `"0%"`
 //! and `"100%"` turn a threshold off, trailing `%` signs are trimmed, and a quantity must be
-//! positive. A `null` value unsets a setting in a main file (the kubelet's default then
-//! applies) and, in a drop-in, returns it to the value the main files gave, as the kubelet's
-//! merge does. An `evictionHard` map that
+//! positive. A `null` value means what the kubelet makes of it, and where its versions
+//! differ, whichever keeps more free (see `Reading::apply`). An `evictionHard` map that
 //! names only some signals leaves the others at their default here, however the kubelet's
 //! version fills them (some leave them unset): never less free than the kubelet keeps.
 //!
@@ -61,8 +60,10 @@ const DEFAULTS: [(&str, Threshold); 3] = [
     ("evictionHard.nodefs.available", Threshold::PartsPerMillion(100_000)),
     ("evictionHard.imagefs.available", Threshold::PartsPerMillion(150_000)),
     // 85% used at most: 15% free.
-    (IMAGE_GC_HIGH, Threshold::PartsPerMillion(150_000)),
+    (IMAGE_GC_HIGH, Threshold::PartsPerMillion(GC_DEFAULT_FREE_PPM)),
 ];
+/// What the image garbage collector's default threshold (85% used) keeps free.
+const GC_DEFAULT_FREE_PPM: u32 = 150_000;
 
 /// One threshold value: an absolute byte count or a share of the filesystem's size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,7 +199,7 @@ pub fn disk_thresholds(paths: &[PathBuf]) -> Thresholds {
 /// regular file), the `fallback` files (`kubelet.config_files`) are read in its place,
 /// missing ones skipped, and that is reported: a well-known path, or the place the operator
 /// mounted it, is a better guess at the kubelet's values than its defaults. A kubelet run
-/// without `--config` reads no file, so neither does this. An unreadable `--config-dir` is
+/// without `--config` reads no main file, so neither does this. An unreadable `--config-dir` is
 /// reported and its drop-ins are not read: no list stands in for one directory. Where the
 /// kubelet's walk of it reads nothing (a symlink), nothing is read here either; a regular
 /// file in its place is read only when named `*.conf`, as that walk reads it.
@@ -327,35 +328,66 @@ impl Reading {
 
     /// Apply the settings the config document `doc`, read from `file`, makes.
     ///
-    /// A `null` in a main file unsets the setting: the kubelet's default then applies. A
-    /// `null` in a drop-in returns it to the main files' value, as the kubelet merges drop-ins:
-    /// it JSON-merge-patches each onto its config (where `null` deletes the key) and decodes
-    /// the result into the config loaded from `--config`, whose value a deleted key keeps.
+    /// `null` means what the kubelet makes of it, and where its versions differ, whichever
+    /// keeps more free. In a main file it leaves a setting at the kubelet's default
+    /// (`evictionHard: null`, `imageGCHighThresholdPercent: null`), except a single signal
+    /// (`nodefs.available: null`), which the kubelet refuses: that is reported, and the
+    /// default kept. In a drop-in (`null` deletes the key from the JSON merge patch the
+    /// kubelet applies) kubelets 1.28–1.31 keep the main file's value, while 1.32 and later
+    /// decode the result afresh: an eviction signal then has no threshold and
+    /// `imageGCHighThresholdPercent` its default. So an eviction signal returns to the main
+    /// files' value, and the image garbage collector's threshold to the stricter of that and
+    /// the default. `evictionHard: null` in a drop-in counts for each signal in it.
     fn apply(&mut self, file: &Path, doc: &serde_yaml_ng::Value, drop_in: bool, errors: &mut Vec<InputError>) {
         if drop_in && self.base.is_none() {
             self.base = Some(self.set.clone());
         }
-        let mut values: Vec<(String, &serde_yaml_ng::Value)> = Vec::new();
+        let null = serde_yaml_ng::Value::Null;
+        // (key, value, whether the whole map it is in was `null`)
+        let mut values: Vec<(String, &serde_yaml_ng::Value, bool)> = Vec::new();
         for section in ["evictionHard", "evictionSoft"] {
-            for signal in SIGNALS {
-                if let Some(v) = doc.get(section).and_then(|m| m.get(signal)) {
-                    values.push((format!("{section}.{signal}"), v));
+            match doc.get(section) {
+                Some(m) if m.is_null() => {
+                    values.extend(
+                        SIGNALS
+                            .iter()
+                            .map(|signal| (format!("{section}.{signal}"), &null, true)),
+                    );
                 }
+                Some(m) => values.extend(
+                    SIGNALS
+                        .iter()
+                        .filter_map(|signal| Some((format!("{section}.{signal}"), m.get(signal)?, false))),
+                ),
+                None => {}
             }
         }
         if let Some(v) = doc.get(IMAGE_GC_HIGH) {
-            values.push((IMAGE_GC_HIGH.to_string(), v));
+            values.push((IMAGE_GC_HIGH.to_string(), v, false));
         }
-        for (key, v) in values {
+        for (key, v, whole_map) in values {
             if v.is_null() {
-                match self.base.as_ref().filter(|_| drop_in).and_then(|b| b.get(&key)) {
-                    Some(before) => {
-                        self.set.insert(key, before.clone());
-                    }
-                    None => {
-                        self.set.remove(&key);
-                    }
+                if !drop_in && !whole_map && key != IMAGE_GC_HIGH {
+                    errors.push(InputError::new(
+                        file,
+                        Some(&key),
+                        "null: the kubelet refuses an empty threshold (and would not start); \
+                         the default is kept here",
+                    ));
                 }
+                let before = self
+                    .base
+                    .as_ref()
+                    .filter(|_| drop_in)
+                    .and_then(|b| b.get(&key))
+                    .cloned();
+                let keep = before.filter(|(t, _)| {
+                    // The image GC threshold: the main files' value only where it keeps at
+                    // least the default free.
+                    key != IMAGE_GC_HIGH
+                        || matches!(t, Some(Threshold::PartsPerMillion(p)) if *p >= GC_DEFAULT_FREE_PPM)
+                });
+                self.put(key, keep, drop_in);
                 continue;
             }
             let parsed = if key == IMAGE_GC_HIGH {
@@ -368,12 +400,26 @@ impl Reading {
                     .and_then(Threshold::parse)
             };
             match parsed {
-                Ok(t) => {
-                    self.set.insert(key, (t, Source::File(file.to_path_buf())));
-                }
+                Ok(t) => self.put(key, Some((t, Source::File(file.to_path_buf()))), drop_in),
                 Err(e) => errors.push(InputError::new(file, Some(&key), e)),
             }
         }
+    }
+
+    /// Set `key` to `value` (`None`: unset, so the default applies). A main file read after
+    /// a drop-in (a list naming a directory before a file) sets the base too, so a later
+    /// drop-in's `null` returns to it.
+    fn put(&mut self, key: String, value: Option<(Option<Threshold>, Source)>, drop_in: bool) {
+        if !drop_in && let Some(base) = &mut self.base {
+            match &value {
+                Some(v) => base.insert(key.clone(), v.clone()),
+                None => base.remove(&key),
+            };
+        }
+        match value {
+            Some(v) => self.set.insert(key, v),
+            None => self.set.remove(&key),
+        };
     }
 }
 
@@ -588,6 +634,99 @@ mod tests {
                 "5% free for evictionHard.nodefs.available in {}",
                 dropins.join("10-sub/x.conf").display()
             )
+        );
+    }
+
+    /// Files `(name, text)` under a fresh directory; a name with `/` makes its directory.
+    fn files(d: &Path, files: &[(&str, &str)]) {
+        for (name, text) in files {
+            let p = d.join(name);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+    }
+
+    #[test]
+    fn null_keeps_at_least_what_any_kubelet_version_keeps_free() {
+        // A whole map deleted by a drop-in: each signal back to the main file's value (the
+        // earlier drop-in's 5% would keep less free than any kubelet).
+        let d = tempfile::tempdir().unwrap();
+        files(
+            d.path(),
+            &[
+                (
+                    "main.yaml",
+                    "evictionHard:\n  nodefs.available: 20%\nimageGCHighThresholdPercent: 90\n",
+                ),
+                ("d/10.conf", "evictionHard:\n  nodefs.available: 5%\n"),
+                ("d/20.conf", "evictionHard: null\nimageGCHighThresholdPercent: null\n"),
+            ],
+        );
+        let t = disk_thresholds(&[d.path().join("main.yaml"), d.path().join("d")]);
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        assert_eq!(
+            keys(&t),
+            vec![
+                ("evictionHard.imagefs.available".into(), pct(15), None),
+                // The image GC threshold: the main file's 90 keeps 10% free, less than the
+                // default 85 that kubelet 1.32+ falls back to, so the default.
+                (IMAGE_GC_HIGH.into(), pct(15), None),
+                (
+                    "evictionHard.nodefs.available".into(),
+                    pct(20),
+                    Some("main.yaml".into())
+                ),
+            ]
+        );
+        // A main value stricter than the default stays.
+        files(d.path(), &[("main.yaml", "imageGCHighThresholdPercent: 60\n")]);
+        let t = disk_thresholds(&[d.path().join("main.yaml"), d.path().join("d")]);
+        assert!(
+            t.found
+                .iter()
+                .any(|f| f.key == IMAGE_GC_HIGH && f.threshold == pct(40) && f.file().is_some()),
+            "{:?}",
+            t.found
+        );
+
+        // A main file after a drop-in directory (as the well-known list has GKE's file after
+        // EKS's drop-ins): a later drop-in's null returns to that file's value.
+        let d = tempfile::tempdir().unwrap();
+        files(
+            d.path(),
+            &[
+                ("a.d/10.conf", "evictionHard:\n  nodefs.available: 5%\n"),
+                ("gke.yaml", "evictionHard:\n  nodefs.available: 25%\n"),
+                ("b.d/10.conf", "evictionHard:\n  nodefs.available: null\n"),
+            ],
+        );
+        let paths = [d.path().join("a.d"), d.path().join("gke.yaml"), d.path().join("b.d")];
+        let t = disk_thresholds(&paths);
+        assert!(t.errors.is_empty(), "{:?}", t.errors);
+        assert!(
+            t.found
+                .iter()
+                .any(|f| f.key == "evictionHard.nodefs.available" && f.threshold == pct(25)),
+            "{:?}",
+            t.found
+        );
+
+        // A single signal null in a main file: the kubelet refuses it; named, default kept.
+        let d = tempfile::tempdir().unwrap();
+        files(d.path(), &[("main.yaml", "evictionHard:\n  nodefs.available: null\n")]);
+        let t = disk_thresholds(&[d.path().join("main.yaml")]);
+        assert_eq!(t.errors.len(), 1, "{:?}", t.errors);
+        let e = t.errors[0].to_string();
+        assert!(
+            e.contains("evictionHard.nodefs.available") && e.contains("refuses"),
+            "{e}"
+        );
+        assert!(
+            t.found
+                .iter()
+                .any(|f| f.key == "evictionHard.nodefs.available" && f.source == Source::Default),
+            "{:?}",
+            t.found
         );
     }
 

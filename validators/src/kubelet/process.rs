@@ -167,7 +167,8 @@ fn langle_pairs(value: &str, out: &mut Vec<(String, String)>) -> Result<(), Stri
 pub struct Scan {
     /// The kubelet's command line, when one is visible.
     pub kubelet: Option<CommandLine>,
-    /// Other processes of that name outside the pods, passed over (they started later).
+    /// Other processes of that name outside the pods, passed over (they started later, or,
+    /// with start times equal or unknown, have a higher PID).
     pub others: Vec<u32>,
     /// Processes of that name in a pod's cgroup, passed over: the PID and the cgroup that
     /// marked it, so a wrong call can be seen in the log.
@@ -210,7 +211,12 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Scan, InputError> {
         let raw = match std::fs::read(dir.join("cmdline")) {
             Ok(raw) => raw,
             // Gone meanwhile (ESRCH: it exited while being read).
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(3) => continue,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    || e.raw_os_error() == Some(rustix::io::Errno::SRCH.raw_os_error()) =>
+            {
+                continue;
+            }
             Err(e) => {
                 scan.unreadable.push(InputError::new(
                     dir.join("cmdline"),
@@ -252,15 +258,17 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Scan, InputError> {
     Ok(scan)
 }
 
-/// The cgroup line that puts the process in `dir` in a pod, if one does. A pod's cgroup is
-/// below `kubepods` and has a level named for the pod's UID: `pod<UID>` under the cgroupfs
-/// driver, `kubepods-<qos>-pod<UID>.slice` under systemd (with a non-default cgroup root,
-/// as kind sets, `kubelet-kubepods-...`). The UID is 36 characters (a UUID; `_` for `-`
-/// under systemd) or 32 (a static pod's hash). Both marks are looked for, because an agent
-/// in a cgroup namespace of its own sees another pod's cgroup relative to its own
-/// (`/../../besteffort/pod<UID>/<container>`), where `kubepods` may not appear. Unreadable:
-/// not known to be in a pod.
-fn pod_cgroup(dir: &Path) -> Option<String> {
+/// The cgroup line that puts the process in `dir` (`/proc/PID`) in a pod, if one does. A
+/// pod's cgroup is below `kubepods` and has a level named for the pod's UID: `pod<UID>`
+/// under the cgroupfs driver, `kubepods[-<qos>]-pod<UID>.slice` under systemd (with a
+/// non-default cgroup root, as kind sets, `kubelet-kubepods-...`). The UID is 36
+/// characters (a UUID; `_` for `-` under systemd) or 32 (a static pod's hash). Both marks
+/// are looked for, because an agent in a cgroup namespace of its own sees another pod's
+/// cgroup relative to its own (`/../../besteffort/pod<UID>/<container>`), where `kubepods`
+/// may not appear. Not told apart: a sibling container of the agent's own pod seen from its
+/// private cgroup namespace, pods of a kubelet run with `cgroupsPerQOS: false`, and a static
+/// pod whose manifest sets a UID that is not hex. Unreadable: not known to be in a pod.
+pub fn pod_cgroup(dir: &Path) -> Option<String> {
     let cgroups = std::fs::read(dir.join("cgroup")).ok()?;
     let cgroups = String::from_utf8_lossy(&cgroups);
     let pod_level = |seg: &str| {
