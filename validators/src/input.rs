@@ -94,7 +94,8 @@ pub fn load_yaml<T: DeserializeOwned>(file: &Path) -> Result<T, InputError> {
 /// no size, and `/dev/zero` must not fill the memory.
 pub fn read_bounded(file: &Path) -> Result<String, InputError> {
     let f = std::fs::File::open(file).map_err(|e| cannot_read(file, e))?;
-    read_open(file, f)
+    let meta = f.metadata().ok();
+    read_open(file, f, meta)
 }
 
 /// Read a regular file another program keeps (the kubelet's config files, CDI specs),
@@ -114,10 +115,11 @@ pub fn read_regular_bounded(file: &Path) -> Result<String, InputError> {
         .custom_flags((rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOCTTY).bits() as i32)
         .open(file)
         .map_err(|e| cannot_read(file, e))?;
-    if !f.metadata().map_err(|e| cannot_read(file, e))?.is_file() {
+    let meta = f.metadata().map_err(|e| cannot_read(file, e))?;
+    if !meta.is_file() {
         return Err(not_regular());
     }
-    read_open(file, f)
+    read_open(file, f, Some(meta))
 }
 
 /// Read and parse a YAML/JSON file with [`read_regular_bounded`].
@@ -129,13 +131,14 @@ fn cannot_read(file: &Path, e: std::io::Error) -> InputError {
     InputError::new(file, None, format!("cannot read: {e}"))
 }
 
-/// Read the open `f` (named `file`) as UTF-8 text, at most [`MAX_INPUT_BYTES`].
-fn read_open(file: &Path, f: std::fs::File) -> Result<String, InputError> {
+/// Read the open `f` (named `file`, of metadata `meta` where known) as UTF-8 text, at most
+/// [`MAX_INPUT_BYTES`].
+fn read_open(file: &Path, f: std::fs::File, meta: Option<std::fs::Metadata>) -> Result<String, InputError> {
     use std::io::Read;
     // A regular file says its size up front: refuse a large one before reading it, and
     // size the buffer once for the rest.
     let mut len_hint = 0;
-    if let Ok(meta) = f.metadata()
+    if let Some(meta) = meta
         && meta.is_file()
     {
         if meta.len() > MAX_INPUT_BYTES {

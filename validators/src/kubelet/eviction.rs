@@ -259,10 +259,8 @@ pub fn kubelet_thresholds(cmd: &CommandLine, fallback: &[PathBuf]) -> Thresholds
                 Vec::new()
             }
         }
-        Some(dir) => expand(std::slice::from_ref(dir), true, &mut out.errors)
-            .into_iter()
-            .map(|(p, _)| (p, true))
-            .collect(),
+        // A directory: `expand` marks what it walks there as drop-ins.
+        Some(dir) => expand(std::slice::from_ref(dir), true, &mut out.errors),
     };
     read.files(drop_ins, &mut out.errors);
     let mut set = read.set;

@@ -244,14 +244,16 @@ pub fn find(proc_root: &Path, name: &str) -> Result<Scan, InputError> {
     scan.others = found.map(|(_, p, _)| p).collect();
     let mut cmd = parse(pid, &args);
     let dir = proc_root.join(pid.to_string());
+    // Read once, and only when a path is relative. Unreadable, the kubelet's own `cwd` entry
+    // still names its file, which then fails to read just as the link did: the error names
+    // `/proc/PID/cwd/...`, and a `--config` falls back to `kubelet.config_files` as for any
+    // file not visible.
+    let mut cwd = None;
     for slot in [&mut cmd.config, &mut cmd.config_dir] {
         let Some(path) = slot.as_ref().filter(|p| p.is_relative()) else {
             continue;
         };
-        // Unreadable, the kubelet's own `cwd` entry still names its file, which then fails
-        // to read just as the link did: the error names `/proc/PID/cwd/...`, and a
-        // `--config` falls back to `kubelet.config_files` as for any file not visible.
-        let cwd = std::fs::read_link(dir.join("cwd")).unwrap_or_else(|_| dir.join("cwd"));
+        let cwd = cwd.get_or_insert_with(|| std::fs::read_link(dir.join("cwd")).unwrap_or_else(|_| dir.join("cwd")));
         *slot = Some(cwd.join(path));
     }
     scan.kubelet = Some(cmd);
