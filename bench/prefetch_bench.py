@@ -215,6 +215,30 @@ def openssl_hash(root):
     return dt, digests
 
 
+def serial_hash_floor(root, repeats=3):
+    """sha256 of the data set's largest file by one `openssl dgst` alone, from the page cache:
+    (path, bytes, median wall s, median user cpu-s), or None without openssl.
+
+    SHA-256 chains every 64-byte block to the one before, so one file is hashed on one core,
+    whatever the tool and however many cores the machine has. openssl's user CPU time is the
+    compute alone (its reads from the page cache are system time, which a tool hashing the
+    bytes it received does not pay), so no verified download of this data set can finish in
+    less: a floor set by the CPU, not by any engine. The stretch target (verified taintgate
+    no slower than the fastest unverified download) is out of reach for any tool on a
+    machine where this floor is above that download's time."""
+    if not shutil.which("openssl"):
+        return None
+    big = max(all_files(root), key=os.path.getsize)
+    walls, users = [], []
+    for _ in range(repeats):
+        u0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+        t = time.perf_counter()
+        subprocess.run(["openssl", "dgst", "-sha256", big], stdout=subprocess.DEVNULL, check=True)
+        walls.append(time.perf_counter() - t)
+        users.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - u0)
+    return big, os.path.getsize(big), statistics.median(walls), statistics.median(users)
+
+
 def drop_page_cache():
     """Start from free memory, as a freshly booted node does. On this VM a page cache filled
     by earlier work (builds, test runs) slowed every run: the same engine binary took
@@ -463,6 +487,7 @@ def main():
     raws = {}  # "tool mode" -> median download-only seconds, for competitors
     raw_samples = {}  # "tool mode" -> its samples, for the fastest one's CPU floor
     hash_only = None
+    serial = None
     # (tool, mode) -> list of (download wall, download cpu, hash wall, hash cpu, origin cpu
     # during the download)
     samples = {}
@@ -600,6 +625,8 @@ def main():
         rows += [(tool, mode, NOT_INSTALLED, None, None) for tool, mode in missing]
         if hash_only_samples and have_openssl:
             hash_only = med(hash_only_samples)
+        # Measured alone, after every round, with the origin's files in the page cache.
+        serial = serial_hash_floor(http_root)
     finally:
         nginx.stop()
 
@@ -645,6 +672,20 @@ def main():
                       f"packing {f_r / tg_r[0]:.0%}, floor-bound overlap {f_r / max(best, hash_only):.2f}")
     elif tg_t and not have_openssl:
         print("\nhash overlap: not measured (openssl not installed)")
+    if serial and raws:
+        path, size, wall, user = serial
+        best_key = min(raws, key=raws.get)
+        if user >= raws[best_key]:
+            verdict = f"out of reach on this machine for any tool that verifies ({user:.2f} s >= {raws[best_key]:.2f} s)"
+        else:
+            verdict = "not ruled out by this floor"
+        if tg_t:
+            verdict += f"; taintgate verified {tg_t:.2f} s = {tg_t / raws[best_key]:.2f}x that download"
+        print(f"serial-hash floor: sha256 of the largest file ({os.path.basename(path)}, {size / GIB:.2f} GiB) on one "
+              f"core, openssl alone: {user:.2f} cpu-s of compute ({wall:.2f} s wall with its page-cache reads), "
+              f"{size / user / 1e9:.2f} GB/s; SHA-256 is a chain, so no verified download of this data set finishes "
+              f"sooner on any number of cores. Stretch target (verified <= fastest download-only, {best_key} "
+              f"{raws[best_key]:.2f} s): {verdict}")
     if s3rows:
         s3_total = (args.s3_big_mib + args.s3_small_count * args.s3_small_mib) * MIB
         print_table(s3rows, s3_total,
