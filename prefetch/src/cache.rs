@@ -96,6 +96,37 @@ pub(crate) fn write_nofollow(path: &Path, bytes: &[u8]) -> Result<(), PrefetchEr
     open_nofollow(path, true)?.write_all(bytes).map_err(io("write", path))
 }
 
+/// Read a small file the cache itself wrote (a marker, a chunk map), at most `limit` bytes.
+/// Opened without following a symlink and without waiting (`O_NONBLOCK`), and refused
+/// unless it is a regular file: something planted at such a path (a FIFO, a link to
+/// `/dev/zero`) would otherwise block the read for good or fill memory.
+pub(crate) fn read_small(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags((rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32)
+        .open(path)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not a regular file ({:?})", meta.file_type()),
+        ));
+    }
+    let mut bytes = Vec::new();
+    f.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("longer than {limit} bytes"),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Longest marker read back: a few hundred bytes of JSON.
+const MARKER_LIMIT: u64 = 64 << 10;
+
 /// Names of temporary links, unique within this process (the cache lock excludes others).
 static LINK_SEQ: AtomicU64 = AtomicU64::new(0);
 
@@ -287,7 +318,7 @@ impl Cache {
     }
 
     fn marker_matches(&self, digest: &str, meta: &fs::Metadata) -> bool {
-        let Ok(bytes) = fs::read(self.marker_path(digest)) else {
+        let Ok(bytes) = read_small(&self.marker_path(digest), MARKER_LIMIT) else {
             return false;
         };
         match serde_json::from_slice::<Marker>(&bytes) {
@@ -416,6 +447,19 @@ impl Cache {
         }
         let mut removed = Vec::new();
         let base = self.bundles_dir().join(bundle);
+        // The bundle's own directory first: `read_dir` would follow a symlink planted there
+        // and prune the directory it points to, outside the cache. Anything but a real
+        // directory goes, as any other entry would; `link_view` then makes the directory.
+        match fs::symlink_metadata(&base) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                remove_any(&base, false)?;
+                removed.push(base);
+                return Ok(removed);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+            Err(e) => return Err(PrefetchError::io("stat", &base, e)),
+        }
         let mut todo = vec![(base, String::new())];
         while let Some((dir, rel)) = todo.pop() {
             let entries = match fs::read_dir(&dir) {
@@ -607,6 +651,82 @@ pub(crate) mod tests {
             std::slice::from_ref(&odd)
         );
         assert!(!odd.exists());
+    }
+
+    #[test]
+    fn prune_does_not_follow_a_symlinked_bundle_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let d = committed(&c, b"x");
+        let outside = tempfile::tempdir().unwrap();
+        fs::write(outside.path().join("precious"), b"p").unwrap();
+        fs::create_dir(outside.path().join("tree")).unwrap();
+        fs::write(outside.path().join("tree/f"), b"f").unwrap();
+        let view = c.bundles_dir().join("b");
+        std::os::unix::fs::symlink(outside.path(), &view).unwrap();
+        // Nothing under the link's target is a manifest path: followed, all of it would go.
+        assert_eq!(c.prune_view("b", &["a.bin"]).unwrap(), std::slice::from_ref(&view));
+        assert!(outside.path().join("precious").exists() && outside.path().join("tree/f").exists());
+        assert!(fs::symlink_metadata(&view).is_err(), "the planted link itself goes");
+        // A file where the bundle's directory belongs goes too, and the view is then built.
+        fs::write(&view, b"planted").unwrap();
+        assert_eq!(c.prune_view("b", &["a.bin"]).unwrap(), std::slice::from_ref(&view));
+        c.link_view("b", "a.bin", &d).unwrap();
+        assert!(fs::symlink_metadata(&view).unwrap().is_dir() && view.join("a.bin").is_file());
+    }
+
+    /// Run `f` on a thread and fail if it has not returned within 10 s: a read that blocks
+    /// (a FIFO) then fails the test instead of hanging it.
+    pub(crate) fn within_deadline<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("{what} did not return within 10 s"))
+    }
+
+    /// Make a FIFO at `path` (mkfifo(1), as the other crates' tests do).
+    pub(crate) fn mkfifo(path: &Path) {
+        let ok = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "mkfifo {}", path.display());
+    }
+
+    #[test]
+    fn a_planted_marker_neither_blocks_nor_fills_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let d = committed(&c, b"hello");
+        let marker = c.marker_path(&d);
+        // Each planted marker is not trusted (the blob is re-hashed, and is fine), and the
+        // check returns: a FIFO would block a plain read, /dev/zero would never end.
+        type Plant<'a> = (&'a str, &'a dyn Fn(&Path));
+        let plants: [Plant; 3] = [
+            ("a FIFO", &|p| mkfifo(p)),
+            ("a link to /dev/zero", &|p| {
+                std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+            }),
+            ("an oversized file", &|p| {
+                fs::write(p, vec![b' '; MARKER_LIMIT as usize + 1]).unwrap()
+            }),
+        ];
+        for (what, plant) in plants {
+            fs::remove_file(&marker).unwrap();
+            plant(&marker);
+            let c2 = c.clone();
+            let d2 = d.clone();
+            let state = within_deadline(what, move || c2.check_blob(&d2, 5, false).unwrap());
+            assert_eq!(state, BlobState::Rehashed, "{what}");
+            assert_eq!(
+                c.check_blob(&d, 5, false).unwrap(),
+                BlobState::Marked,
+                "{what}: marker rewritten"
+            );
+        }
+        assert_eq!(read_small(&marker, MARKER_LIMIT).unwrap(), fs::read(&marker).unwrap());
     }
 
     #[test]

@@ -123,6 +123,14 @@ fn chunks(size: u64, chunk: u64) -> usize {
     size.div_ceil(chunk) as usize
 }
 
+/// Whether an ETag can go into `If-Match`. That header compares strongly (RFC 9110
+/// 13.1.1), so a weak tag (`W/"..."`, as servers that compress or generate their answers
+/// give) never matches and every request would be refused with 412 as if the object had
+/// changed. Without it, the tag each response carries is still compared with the first.
+fn is_strong(e_tag: &str) -> bool {
+    !e_tag.starts_with("W/")
+}
+
 /// Length of chunk `i` of a `size`-byte file cut into `chunk`-byte chunks.
 fn chunk_len(size: u64, chunk: u64, i: usize) -> u64 {
     let start = (i as u64).saturating_mul(chunk);
@@ -542,10 +550,10 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
     let mut delays = backoff(ctx.retries);
     let uri = &ctx.src.uri;
     while start + got < end {
-        let (if_match, version) = ctx.identity.get().cloned().unwrap_or_default();
+        let (e_tag, version) = ctx.identity.get().cloned().unwrap_or_default();
         let opts = GetOptions {
             range: Some(GetRange::Bounded(start + got..end)),
-            if_match,
+            if_match: e_tag.filter(|t| is_strong(t)),
             version,
             ..Default::default()
         };
@@ -767,9 +775,13 @@ fn write_all_at(file: &File, bufs: &[Bytes], mut offset: u64) -> std::io::Result
 }
 
 fn load_map(path: &std::path::Path) -> Option<ChunkMap> {
-    let bytes = std::fs::read(path).ok()?;
+    let bytes = crate::cache::read_small(path, MAP_LIMIT).ok()?;
     serde_json::from_slice(&bytes).ok()
 }
+
+/// Longest chunk map read back. Its bitmap takes a hex digit per 4 chunks: 4 MiB for a
+/// 1 TiB file in the smallest chunks allowed (64 KiB).
+const MAP_LIMIT: u64 = 64 << 20;
 
 /// Persist the chunk map atomically (write a temp file, rename).
 async fn persist_map(ctx: &Arc<ChunkCtx>) -> Result<(), PrefetchError> {
@@ -807,6 +819,34 @@ pub(crate) async fn blocking<T: Send + 'static>(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn a_planted_chunk_map_neither_blocks_nor_fills_memory() {
+        use crate::cache::tests::{mkfifo, within_deadline};
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.state");
+        mkfifo(&fifo);
+        let zero = dir.path().join("zero.state");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        for p in [fifo, zero] {
+            let shown = p.display().to_string();
+            assert!(within_deadline(&shown, move || load_map(&p)).is_none(), "{shown}");
+        }
+        // A real map still loads.
+        let ok = dir.path().join("ok.state");
+        std::fs::write(&ok, serde_json::to_vec(&ChunkMap::new("d", 10, 4)).unwrap()).unwrap();
+        assert_eq!(load_map(&ok).map(|m| m.size), Some(10));
+    }
+
+    #[test]
+    fn only_a_strong_etag_goes_into_if_match() {
+        assert!(is_strong("\"5f0c-61a2\""));
+        assert!(
+            is_strong("\"d41d8cd98f00b204e9800998ecf8427e-3\""),
+            "an S3 multipart ETag is strong"
+        );
+        assert!(!is_strong("W/\"5f0c-61a2\""));
+    }
 
     #[test]
     fn chunk_len_covers_the_file_exactly() {

@@ -154,6 +154,31 @@ pub enum ProxyFault {
     /// they are forwarded: the fault lands after the source answered and before the
     /// client has seen any of the body.
     OnFirstResponse(Box<dyn Fn() -> Result<(), String> + Send + Sync>),
+    /// Make every response's ETag weak (`ETag: "x"` becomes `ETag: W/"x"`), as servers
+    /// that compress or generate their answers send it. The request headers pass as they
+    /// are, so nginx behind the proxy still compares `If-Match` with its strong tag.
+    WeakETag,
+}
+
+/// The header nginx writes, and its weak form.
+const STRONG_ETAG: &[u8] = b"\r\nETag: \"";
+const WEAK_ETAG: &[u8] = b"\r\nETag: W/\"";
+
+/// `bytes` with every strong ETag header made weak, and how many were.
+fn weaken_etags(bytes: &[u8]) -> (Vec<u8>, usize) {
+    let mut out = Vec::with_capacity(bytes.len() + 16);
+    let (mut i, mut n) = (0, 0);
+    while i < bytes.len() {
+        if bytes[i..].starts_with(STRONG_ETAG) {
+            out.extend_from_slice(WEAK_ETAG);
+            i += STRONG_ETAG.len();
+            n += 1;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    (out, n)
 }
 
 /// What a fault proxy did.
@@ -208,7 +233,7 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                                         (n < *conns).then_some(*after)
                                     }
                                     ProxyFault::ResetEach { after } => after.get(n).copied(),
-                                    ProxyFault::OnFirstResponse(_) => None,
+                                    ProxyFault::OnFirstResponse(_) | ProxyFault::WeakETag => None,
                                 };
                                 if let Some(after) = limit.filter(|&after| sent + r > after) {
                                     let _ = client.write_all(&b[..after - sent]).await;
@@ -224,7 +249,16 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                                 {
                                     st.errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
                                 }
-                                if client.write_all(&b[..r]).await.is_err() { return }
+                                if let ProxyFault::WeakETag = &*fault {
+                                    // A response's headers come in one read from loopback
+                                    // nginx; a random body holds the 9-byte pattern with
+                                    // odds of 2^-72 per position.
+                                    let (weak, n) = weaken_etags(&b[..r]);
+                                    st.fired.fetch_add(n, Ordering::SeqCst);
+                                    if client.write_all(&weak).await.is_err() { return }
+                                } else if client.write_all(&b[..r]).await.is_err() {
+                                    return;
+                                }
                                 sent += r;
                             }
                         },

@@ -958,6 +958,40 @@ async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
     eprintln!("requests {}, bytes sent {sent} for {}", data.len(), 4 * MIB);
 }
 
+/// A server whose ETags are weak (`W/"..."`): `If-Match` compares strongly, so a weak tag
+/// sent back in it never matches and nginx answers 412 to every chunk after the first, as
+/// if the object had changed. The engine sends `If-Match` only with a strong tag and still
+/// compares each response's tag with the first. A 4 MiB file in 1 MiB chunks, one at a
+/// time, so every chunk after the first is requested once the tag is known.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weak_etag_is_compared_but_not_sent_in_if_match() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let f = write_file(origin.path(), "model.bin", 4 * MIB, 83);
+    let (b, stats) = through_fault_proxy(origin.path(), &nginx, &f, ProxyFault::WeakETag).await;
+    let cache = tempfile::tempdir().unwrap();
+    let mut o = opts(cache.path());
+    (o.chunk_size, o.concurrency, o.file_concurrency) = (MIB, 1, 1);
+    let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("a weak ETag failed the fetch ({}): {e}", e.reason()));
+    assert_eq!(r.bundles[0].files[0].sha256, f.sha256);
+    assert_eq!(r.bundles[0].files[0].attempts, 1);
+    assert!(
+        stats.fired() >= 4,
+        "every chunk's response carried a weak tag: {}",
+        stats.fired()
+    );
+    let data: Vec<AccessEntry> = nginx
+        .requests()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.uri == "/model.bin")
+        .collect();
+    assert_eq!(data.len(), 4, "one request per chunk, none refused: {data:?}");
+    assert!(data.iter().all(|e| e.status == 206), "{data:?}");
+}
+
 /// A chunk that fails twice in a row (its retry too) fails the file's attempt; the next
 /// attempt re-reads the chunk this run already fetched from the partial instead of asking
 /// for it again, and the report counts nothing as resumed: every byte came over the
