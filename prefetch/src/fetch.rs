@@ -428,6 +428,13 @@ impl Engine {
 
         let slots = self.slots.clone();
         let ctx2 = ctx.clone();
+        // Every chunk task of this attempt, so that the attempt ends only after all of them
+        // have: a task stops at its next `select!` once cancelled, but one already writing
+        // finishes its write, and `persist_map`. Detached, such a late write could land in
+        // the next attempt's partial (the same inode after a transient failure) on top of
+        // bytes that attempt fetched and hashed, and so reach the blob unverified.
+        let tracker = tokio_util::task::TaskTracker::new();
+        let spawner = tracker.clone();
         // Slots are acquired sequentially in chunk order (`then`), so the lowest
         // outstanding chunk of every file always holds one: no deadlock however the
         // window and the global slots interleave. The pool also caps what one file holds,
@@ -441,7 +448,7 @@ impl Engine {
                 })
                 .map(move |(i, permit)| {
                     let ctx = ctx2.clone();
-                    let task = tokio::spawn(fetch_chunk(ctx, i));
+                    let task = spawner.spawn(fetch_chunk(ctx, i));
                     async move { (task.await, permit) }
                 })
                 .buffered(window)
@@ -476,6 +483,8 @@ impl Engine {
         }
         drop(stream);
         drop(tx);
+        tracker.close();
+        tracker.wait().await;
         out.bytes_fetched += ctx.received.load(std::sync::atomic::Ordering::Relaxed);
         let (hashed, actual) = hasher
             .await
@@ -676,6 +685,8 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
 
     // Write the rest at its offset, then record the chunk in the chunk map: only a chunk
     // wholly on disk is ever marked, so a resumed download never trusts a torn one.
+    #[cfg(test)]
+    tests::before_final_write(&ctx.part, i).await?;
     if written < bufs.len() {
         let file = ctx.file.clone();
         let part = ctx.part.clone();
@@ -819,6 +830,90 @@ pub(crate) async fn blocking<T: Send + 'static>(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    /// What the final write of a chunk does first, set by a test for one partial file (by
+    /// its path, so tests running at once do not meet).
+    #[derive(Clone, Copy)]
+    enum BeforeWrite {
+        Fail,
+        Sleep(Duration),
+    }
+
+    static BEFORE_WRITE: Mutex<Vec<(PathBuf, usize, BeforeWrite)>> = Mutex::new(Vec::new());
+
+    /// Called by `fetch_chunk` (tests only) before it writes the rest of chunk `i`.
+    pub(super) async fn before_final_write(part: &std::path::Path, i: usize) -> Result<(), PrefetchError> {
+        let action = BEFORE_WRITE
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(p, c, _)| p == part && *c == i)
+            .map(|(_, _, a)| *a);
+        match action {
+            Some(BeforeWrite::Fail) => Err(PrefetchError::io(
+                "write",
+                part,
+                std::io::Error::other("injected by the test"),
+            )),
+            Some(BeforeWrite::Sleep(d)) => {
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// An attempt that fails ends only after all of its chunk tasks have: chunk 0 fails at
+    /// once, chunk 1 has all its bytes and writes them 300 ms later. Returned while chunk 1
+    /// was still on its way (as it was, detached), its write would land afterwards, in
+    /// whatever the next attempt made of the partial; awaited, it is on disk and recorded
+    /// in the chunk map when the error comes back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_attempt_waits_for_its_chunks_writes() {
+        let origin = tempfile::tempdir().unwrap();
+        let chunk = 64u64 << 10;
+        let data: Vec<u8> = (0..2 * chunk).map(|i| (i * 7 % 251) as u8).collect();
+        let src = origin.path().join("model.bin");
+        std::fs::write(&src, &data).unwrap();
+        let digest = crate::manifest::sha256_hex(&data);
+        let root = tempfile::tempdir().unwrap();
+        let cache = Cache::open(root.path()).unwrap();
+        let part = cache.part_path(&digest);
+        let state = cache.state_path(&digest);
+        BEFORE_WRITE.lock().unwrap().extend([
+            (part.clone(), 0, BeforeWrite::Fail),
+            (part.clone(), 1, BeforeWrite::Sleep(Duration::from_millis(300))),
+        ]);
+        let engine = Arc::new(Engine {
+            cache,
+            sources: Sources::new(Duration::from_secs(30), 2, &Default::default()),
+            chunk_size: chunk,
+            file_window: 2,
+            retries: 0,
+            slots: Arc::new(Slots::new(2, 2)),
+            progress: Arc::new(Progress::new(
+                vec![("b".into(), 2 * chunk)],
+                false,
+                Arc::new(crate::progress::NoopObserver),
+            )),
+        });
+        let job = BlobJob {
+            digest: digest.clone(),
+            size: 2 * chunk,
+            uri: format!("file://{}", src.display()),
+            label: "b/model.bin".into(),
+            bundles: vec![0],
+        };
+        let err = engine
+            .fetch_blob(job, 0, CancellationToken::new())
+            .await
+            .expect_err("chunk 0's write fails");
+        assert!(err.to_string().contains("injected by the test"), "{err}");
+        let map = load_map(&state).expect("chunk 1 recorded before the attempt returned");
+        assert!(map.is_done(1) && !map.is_done(0), "{map:?}");
+        let on_disk = std::fs::read(&part).unwrap();
+        assert_eq!(&on_disk[chunk as usize..], &data[chunk as usize..]);
+    }
 
     #[test]
     fn a_planted_chunk_map_neither_blocks_nor_fills_memory() {
