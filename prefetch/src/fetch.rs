@@ -835,14 +835,19 @@ mod tests {
     /// its path, so tests running at once do not meet).
     #[derive(Clone, Copy)]
     enum BeforeWrite {
-        Fail,
+        /// Fail, once chunk `.0` of the same file has reached its own final write (past
+        /// every point where a cancellation stops it).
+        FailAfter(usize),
         Sleep(Duration),
     }
 
     static BEFORE_WRITE: Mutex<Vec<(PathBuf, usize, BeforeWrite)>> = Mutex::new(Vec::new());
+    /// The chunks that reached their final write.
+    static REACHED: Mutex<Vec<(PathBuf, usize)>> = Mutex::new(Vec::new());
 
     /// Called by `fetch_chunk` (tests only) before it writes the rest of chunk `i`.
     pub(super) async fn before_final_write(part: &std::path::Path, i: usize) -> Result<(), PrefetchError> {
+        REACHED.lock().unwrap().push((part.to_path_buf(), i));
         let action = BEFORE_WRITE
             .lock()
             .unwrap()
@@ -850,11 +855,18 @@ mod tests {
             .find(|(p, c, _)| p == part && *c == i)
             .map(|(_, _, a)| *a);
         match action {
-            Some(BeforeWrite::Fail) => Err(PrefetchError::io(
-                "write",
-                part,
-                std::io::Error::other("injected by the test"),
-            )),
+            Some(BeforeWrite::FailAfter(other)) => {
+                let reached = || REACHED.lock().unwrap().iter().any(|(p, c)| p == part && *c == other);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !reached() && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(PrefetchError::io(
+                    "write",
+                    part,
+                    std::io::Error::other("injected by the test"),
+                ))
+            }
             Some(BeforeWrite::Sleep(d)) => {
                 tokio::time::sleep(d).await;
                 Ok(())
@@ -863,8 +875,8 @@ mod tests {
         }
     }
 
-    /// An attempt that fails ends only after all of its chunk tasks have: chunk 0 fails at
-    /// once, chunk 1 has all its bytes and writes them 300 ms later. Returned while chunk 1
+    /// An attempt that fails ends only after all of its chunk tasks have: chunk 0 fails as
+    /// soon as chunk 1 has all its bytes, and chunk 1 writes them 300 ms later. Returned while chunk 1
     /// was still on its way (as it was, detached), its write would land afterwards, in
     /// whatever the next attempt made of the partial; awaited, it is on disk and recorded
     /// in the chunk map when the error comes back.
@@ -881,7 +893,7 @@ mod tests {
         let part = cache.part_path(&digest);
         let state = cache.state_path(&digest);
         BEFORE_WRITE.lock().unwrap().extend([
-            (part.clone(), 0, BeforeWrite::Fail),
+            (part.clone(), 0, BeforeWrite::FailAfter(1)),
             (part.clone(), 1, BeforeWrite::Sleep(Duration::from_millis(300))),
         ]);
         let engine = Arc::new(Engine {
