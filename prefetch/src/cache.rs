@@ -341,12 +341,55 @@ impl Cache {
         Ok(())
     }
 
-    /// Remove a blob and its marker (a directory planted at the blob's path too).
+    /// Remove a blob and its marker (a directory planted at the blob's path too), and the
+    /// bundle views that are hard links to it. A blob is removed when it is found corrupt;
+    /// its views are the same inode, so left in place they would go on serving the corrupt
+    /// bytes, to this run if the fetch that replaces the blob fails, and to every bundle
+    /// not in this run until it runs again.
     pub fn remove_blob(&self, digest: &str) -> Result<(), PrefetchError> {
+        let blob = self.blob_path(digest);
+        if let Ok(m) = fs::symlink_metadata(&blob)
+            && m.is_file()
+            && m.nlink() > 1
+        {
+            for view in self.unlink_views(m.dev(), m.ino())? {
+                tracing::warn!(view = %view.display(), blob = %blob.display(), "removed a bundle view of a corrupt blob");
+            }
+        }
         for p in [self.marker_path(digest), self.blob_path(digest)] {
             remove_any(&p, fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()))?;
         }
         Ok(())
+    }
+
+    /// Remove every regular file under `bundles/` that is this inode (of this device), and
+    /// return their paths. Symlinks are not followed.
+    fn unlink_views(&self, dev: u64, ino: u64) -> Result<Vec<PathBuf>, PrefetchError> {
+        let mut removed = Vec::new();
+        let mut todo = vec![self.bundles_dir()];
+        while let Some(dir) = todo.pop() {
+            let entries = match fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(PrefetchError::io("list", &dir, e)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(io("list", &dir))?;
+                let path = entry.path();
+                let kind = entry.file_type().map_err(io("stat", &path))?;
+                if kind.is_dir() {
+                    todo.push(path);
+                } else if kind.is_file() {
+                    // `DirEntry::metadata` does not follow a symlink either.
+                    let m = entry.metadata().map_err(io("stat", &path))?;
+                    if m.dev() == dev && m.ino() == ino {
+                        remove_any(&path, false)?;
+                        removed.push(path);
+                    }
+                }
+            }
+        }
+        Ok(removed)
     }
 
     /// Move a fully written and verified temp file into the blob store: fsync the data,
@@ -552,6 +595,39 @@ pub(crate) mod tests {
         assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Marked);
         assert_eq!(c.check_blob(&d, 5, true).unwrap(), BlobState::Corrupt);
         assert!(!blob.exists());
+    }
+
+    #[test]
+    fn a_corrupt_blob_takes_its_views_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let d = committed(&c, b"hello");
+        let other = committed(&c, b"other");
+        let views = [
+            c.link_view("a", "w.bin", &d).unwrap(),
+            c.link_view("a", "sub/copy.bin", &d).unwrap(),
+            c.link_view("b", "w.bin", &d).unwrap(),
+        ];
+        let kept = c.link_view("b", "other.bin", &other).unwrap();
+        // A plain copy of the bytes (another inode) is not a view of the blob.
+        let copy = c.bundles_dir().join("b/copy-of-w.bin");
+        fs::write(&copy, b"hello").unwrap();
+        rewrite_keeping_mtime(&c.blob_path(&d), b"jello");
+        assert_eq!(c.check_blob(&d, 5, true).unwrap(), BlobState::Corrupt);
+        for v in &views {
+            assert!(
+                fs::symlink_metadata(v).is_err(),
+                "{} still serves the corrupt bytes",
+                v.display()
+            );
+        }
+        assert_eq!(fs::read(&kept).unwrap(), b"other");
+        assert_eq!(fs::read(&copy).unwrap(), b"hello");
+        // The wrong size is found without a re-hash, and takes its views too.
+        let v = c.link_view("b", "other.bin", &other).unwrap();
+        fs::write(c.blob_path(&other), b"longer now").unwrap();
+        assert_eq!(c.check_blob(&other, 5, false).unwrap(), BlobState::Corrupt);
+        assert!(fs::symlink_metadata(&v).is_err());
     }
 
     #[test]
