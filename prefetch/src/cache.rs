@@ -185,9 +185,16 @@ impl Cache {
                         ),
                     ));
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    fs::create_dir(&d).map_err(io("create directory", &d))?;
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => match fs::create_dir(&d) {
+                    Ok(()) => {}
+                    // Another process opening the same new cache (the agent and a `bundle
+                    // fetch` by hand; the lock is taken only after this) made it between
+                    // the stat and here: fine if what it made is a real directory.
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::AlreadyExists
+                            && fs::symlink_metadata(&d).is_ok_and(|m| m.is_dir()) => {}
+                    Err(e) => return Err(PrefetchError::io("create directory", &d, e)),
+                },
                 Err(e) => return Err(PrefetchError::io("stat", &d, e)),
             }
         }
@@ -352,8 +359,14 @@ impl Cache {
             && m.is_file()
             && m.nlink() > 1
         {
-            for view in self.unlink_views(m.dev(), m.ino())? {
+            // Best effort: a view that cannot be reached (a directory this user cannot list)
+            // is logged, and must not keep the corrupt blob itself in place.
+            let (removed, failed) = self.unlink_views(m.dev(), m.ino());
+            for view in removed {
                 tracing::warn!(view = %view.display(), blob = %blob.display(), "removed a bundle view of a corrupt blob");
+            }
+            for e in failed {
+                tracing::warn!(error = %e, blob = %blob.display(), "could not look for or remove a bundle view of a corrupt blob");
             }
         }
         for p in [self.marker_path(digest), self.blob_path(digest)] {
@@ -362,34 +375,53 @@ impl Cache {
         Ok(())
     }
 
-    /// Remove every regular file under `bundles/` that is this inode (of this device), and
-    /// return their paths. Symlinks are not followed.
-    fn unlink_views(&self, dev: u64, ino: u64) -> Result<Vec<PathBuf>, PrefetchError> {
-        let mut removed = Vec::new();
+    /// Remove every regular file under `bundles/` that is this inode (of this device).
+    /// Returns the paths removed and what failed; an entry gone meanwhile (another check
+    /// removing the views of its own corrupt blob) is no failure. Symlinks are not followed.
+    fn unlink_views(&self, dev: u64, ino: u64) -> (Vec<PathBuf>, Vec<PrefetchError>) {
+        let (mut removed, mut failed) = (Vec::new(), Vec::new());
+        let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
         let mut todo = vec![self.bundles_dir()];
         while let Some(dir) = todo.pop() {
             let entries = match fs::read_dir(&dir) {
                 Ok(e) => e,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(PrefetchError::io("list", &dir, e)),
+                Err(e) if gone(&e) => continue,
+                Err(e) => {
+                    failed.push(PrefetchError::io("list", &dir, e));
+                    continue;
+                }
             };
             for entry in entries {
-                let entry = entry.map_err(io("list", &dir))?;
-                let path = entry.path();
-                let kind = entry.file_type().map_err(io("stat", &path))?;
-                if kind.is_dir() {
-                    todo.push(path);
-                } else if kind.is_file() {
-                    // `DirEntry::metadata` does not follow a symlink either.
-                    let m = entry.metadata().map_err(io("stat", &path))?;
-                    if m.dev() == dev && m.ino() == ino {
-                        remove_any(&path, false)?;
-                        removed.push(path);
+                let entry = match entry {
+                    Ok(e) => e,
+                    Err(e) => {
+                        failed.push(PrefetchError::io("list", &dir, e));
+                        continue;
                     }
+                };
+                let path = entry.path();
+                // Neither `file_type` nor `metadata` of a `DirEntry` follows a symlink.
+                let same = entry.file_type().map(|kind| {
+                    if kind.is_dir() {
+                        todo.push(path.clone());
+                        false
+                    } else {
+                        kind.is_file() && entry.metadata().is_ok_and(|m| m.dev() == dev && m.ino() == ino)
+                    }
+                });
+                match same {
+                    Ok(true) => match fs::remove_file(&path) {
+                        Ok(()) => removed.push(path),
+                        Err(e) if gone(&e) => {}
+                        Err(e) => failed.push(PrefetchError::io("remove", &path, e)),
+                    },
+                    Ok(false) => {}
+                    Err(e) if gone(&e) => {}
+                    Err(e) => failed.push(PrefetchError::io("stat", &path, e)),
                 }
             }
         }
-        Ok(removed)
+        (removed, failed)
     }
 
     /// Move a fully written and verified temp file into the blob store: fsync the data,
@@ -595,6 +627,30 @@ pub(crate) mod tests {
         assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Marked);
         assert_eq!(c.check_blob(&d, 5, true).unwrap(), BlobState::Corrupt);
         assert!(!blob.exists());
+    }
+
+    /// Processes opening one new cache at once (the lock comes after `open`): each must
+    /// succeed, whoever creates each directory. Threads released together by a barrier, on
+    /// 200 fresh caches.
+    #[test]
+    fn a_new_cache_opened_by_several_at_once() {
+        for _ in 0..200 {
+            let dir = tempfile::tempdir().unwrap();
+            let root = dir.path().join("cache");
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+            let opens: Vec<_> = (0..4)
+                .map(|_| {
+                    let (root, barrier) = (root.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        Cache::open(&root).map(|_| ())
+                    })
+                })
+                .collect();
+            for o in opens {
+                o.join().unwrap().unwrap();
+            }
+        }
     }
 
     #[test]

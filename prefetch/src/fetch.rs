@@ -332,7 +332,7 @@ impl Engine {
             }
             Err(_) => false,
         };
-        let previous = load_map(&state_path)
+        let previous = load_map(&state_path, job.size, self.chunk_size, true)
             .filter(|m| m.digest == *digest && m.size == job.size && m.chunk_size == self.chunk_size && part_ok);
         let resumed = previous.is_some();
         let map = previous.unwrap_or_else(|| ChunkMap::new(digest, job.size, self.chunk_size));
@@ -476,11 +476,11 @@ impl Engine {
                 break;
             }
         }
-        if result.is_err() {
-            // Stop the other chunks now, so what they receive after the failure is a frame
-            // at most, not counted (they stop at their next `select!`).
-            ctx.cancel.cancel();
-        }
+        // Stop the other chunks now, so what they receive after a failure is a frame at
+        // most, not counted (they stop at their next `select!`). After success every chunk
+        // has ended already; after a hasher that went away (the loop's other break), the
+        // chunks still running are not worth finishing.
+        ctx.cancel.cancel();
         drop(stream);
         drop(tx);
         tracker.close();
@@ -709,7 +709,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
 
 /// See [`Engine::resumable_bytes`]: `state` is the chunk map, `part` the partial file.
 fn resumable(state: &std::path::Path, part: &std::path::Path, digest: &str, size: u64, chunk_size: u64) -> u64 {
-    match load_map(state) {
+    match load_map(state, size, chunk_size, false) {
         Some(m) if m.digest == digest && m.size == size && m.chunk_size == chunk_size => {
             // A chunk map without its partial is not resumed either (see `attempt`).
             let Ok(md) = std::fs::metadata(part) else {
@@ -785,14 +785,29 @@ fn write_all_at(file: &File, bufs: &[Bytes], mut offset: u64) -> std::io::Result
     Ok(())
 }
 
-fn load_map(path: &std::path::Path) -> Option<ChunkMap> {
-    let bytes = crate::cache::read_small(path, MAP_LIMIT).ok()?;
-    serde_json::from_slice(&bytes).ok()
+/// The chunk map at `path`, read for a file of `size` bytes in `chunk_size` chunks, or
+/// `None`; with `warn`, a map that is there but cannot be used is logged.
+fn load_map(path: &std::path::Path, size: u64, chunk_size: u64, warn: bool) -> Option<ChunkMap> {
+    // The map of this geometry: a hex digit per 4 chunks, plus the digest, the ETag and the
+    // JSON around them.
+    let limit = (chunks(size, chunk_size.max(1)) as u64).div_ceil(8) * 2 + MAP_SLACK;
+    let read = crate::cache::read_small(path, limit)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| serde_json::from_slice::<ChunkMap>(&bytes).map_err(|e| format!("does not parse: {e}")));
+    match read {
+        Ok(m) => Some(m),
+        Err(why) => {
+            if warn && std::fs::symlink_metadata(path).is_ok() {
+                tracing::warn!(path = %path.display(), %why, "chunk map unusable; the partial download starts over");
+            }
+            None
+        }
+    }
 }
 
-/// Longest chunk map read back. Its bitmap takes a hex digit per 4 chunks: 4 MiB for a
-/// 1 TiB file in the smallest chunks allowed (64 KiB).
-const MAP_LIMIT: u64 = 64 << 20;
+/// What a chunk map holds besides its bitmap, at most: the digest, an ETag and version
+/// (response headers, a few KiB at most), field names.
+const MAP_SLACK: u64 = 64 << 10;
 
 /// Persist the chunk map atomically (write a temp file, rename).
 async fn persist_map(ctx: &Arc<ChunkCtx>) -> Result<(), PrefetchError> {
@@ -921,7 +936,7 @@ mod tests {
             .await
             .expect_err("chunk 0's write fails");
         assert!(err.to_string().contains("injected by the test"), "{err}");
-        let map = load_map(&state).expect("chunk 1 recorded before the attempt returned");
+        let map = load_map(&state, 2 * chunk, chunk, false).expect("chunk 1 recorded before the attempt returned");
         assert!(map.is_done(1) && !map.is_done(0), "{map:?}");
         let on_disk = std::fs::read(&part).unwrap();
         assert_eq!(&on_disk[chunk as usize..], &data[chunk as usize..]);
@@ -937,12 +952,25 @@ mod tests {
         std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
         for p in [fifo, zero] {
             let shown = p.display().to_string();
-            assert!(within_deadline(&shown, move || load_map(&p)).is_none(), "{shown}");
+            assert!(
+                within_deadline(&shown, move || load_map(&p, 10, 4, true)).is_none(),
+                "{shown}"
+            );
         }
         // A real map still loads.
         let ok = dir.path().join("ok.state");
         std::fs::write(&ok, serde_json::to_vec(&ChunkMap::new("d", 10, 4)).unwrap()).unwrap();
-        assert_eq!(load_map(&ok).map(|m| m.size), Some(10));
+        assert_eq!(load_map(&ok, 10, 4, true).map(|m| m.size), Some(10));
+        // The limit follows the file's geometry: a 16 TiB file in 64 KiB chunks has a map of
+        // 64 MiB and more, which a fixed limit of that size refused (silently starting over).
+        let big = ChunkMap::new("d", 16 << 40, 64 << 10);
+        let big_path = dir.path().join("big.state");
+        std::fs::write(&big_path, serde_json::to_vec(&big).unwrap()).unwrap();
+        assert!(std::fs::metadata(&big_path).unwrap().len() > 64 << 20);
+        assert_eq!(
+            load_map(&big_path, 16 << 40, 64 << 10, true).map(|m| m.size),
+            Some(16 << 40)
+        );
     }
 
     #[test]

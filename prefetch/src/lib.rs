@@ -715,19 +715,20 @@ async fn load_manifest(cache: &Cache, sources: &Sources, b: &BundleRef) -> Resul
 /// else found there (another content, not a regular file, over the size limit) is removed
 /// so the manifest is fetched again.
 fn read_cached_manifest(cache: &Cache, digest: &str) -> Result<Option<Vec<u8>>, PrefetchError> {
-    use std::io::Read;
     let path = cache.blob_path(digest);
-    let bytes = match std::fs::symlink_metadata(&path) {
+    // One open that neither follows a symlink nor waits on a FIFO, and checks the type of
+    // what it opened: a stat before the open left a window for a swap.
+    let bytes = match cache::read_small(&path, MAX_MANIFEST_BYTES) {
+        Ok(bytes) => (sha256_hex(&bytes) == digest).then_some(bytes),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(PrefetchError::io("stat", &path, e)),
-        Ok(m) if !m.is_file() => None,
-        Ok(_) => {
-            let mut bytes = Vec::new();
-            std::fs::File::open(&path)
-                .and_then(|f| f.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut bytes))
-                .map_err(|e| PrefetchError::io("read", &path, e))?;
-            (bytes.len() as u64 <= MAX_MANIFEST_BYTES && sha256_hex(&bytes) == digest).then_some(bytes)
+        // Not a regular file, over the limit, or a symlink (O_NOFOLLOW: ELOOP).
+        Err(e)
+            if e.kind() == std::io::ErrorKind::InvalidData
+                || e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) =>
+        {
+            None
         }
+        Err(e) => return Err(PrefetchError::io("read", &path, e)),
     };
     if bytes.is_none() {
         tracing::warn!(blob = %path.display(), "cached manifest does not hash to its pinned sha256; fetching it again");
@@ -853,6 +854,17 @@ mod tests {
         assert_eq!(c.check_blob(&d, text.len() as u64, false).unwrap(), BlobState::Marked);
         assert!(read_cached_manifest(&c, &d).unwrap().is_none());
         assert!(!blob.exists(), "the tampered copy is removed so it is fetched again");
+        // Planted at the blob's path: each is removed, and none blocks or fills memory.
+        cache::tests::mkfifo(&blob);
+        let (c2, d2) = (c.clone(), d.clone());
+        let read = cache::tests::within_deadline("a FIFO", move || read_cached_manifest(&c2, &d2).unwrap());
+        assert!(read.is_none() && std::fs::symlink_metadata(&blob).is_err());
+        std::os::unix::fs::symlink("/dev/zero", &blob).unwrap();
+        assert!(read_cached_manifest(&c, &d).unwrap().is_none());
+        assert!(std::fs::symlink_metadata(&blob).is_err());
+        std::fs::create_dir(&blob).unwrap();
+        assert!(read_cached_manifest(&c, &d).unwrap().is_none());
+        assert!(std::fs::symlink_metadata(&blob).is_err());
     }
 
     #[test]

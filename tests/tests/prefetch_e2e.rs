@@ -992,6 +992,65 @@ async fn a_weak_etag_is_compared_but_not_sent_in_if_match() {
     assert!(data.iter().all(|e| e.status == 206), "{data:?}");
 }
 
+/// The same server with weak ETags, its object replaced mid-download: no `If-Match` goes
+/// out (so nginx refuses nothing with 412), and the new weak tag on a later response
+/// still tells the objects apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weak_etag_still_detects_an_object_replaced_mid_download() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "8m"));
+    let (proxy, stats) = spawn_fault_proxy(nginx.port, ProxyFault::WeakETag).await.unwrap();
+    let mut f = write_file(origin.path(), "model.bin", 16 * MIB, 33);
+    f.source = Some(format!("http://127.0.0.1:{proxy}/slow/model.bin"));
+    let digest = f.sha256.clone();
+    let m = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let cache = tempfile::tempdir().unwrap();
+    let target = origin.path().join("model.bin");
+    let replacement = origin.path().join(".model.bin.new");
+    let trigger = Arc::new(Trigger {
+        fetched: AtomicU64::new(0),
+        threshold: 3 * MIB,
+        fired: AtomicBool::new(false),
+        action: Box::new(move || {
+            std::fs::write(&replacement, pseudo_random(16 * MIB, 34)).unwrap();
+            let later = std::time::SystemTime::now() + std::time::Duration::from_secs(100);
+            std::fs::File::options()
+                .write(true)
+                .open(&replacement)
+                .unwrap()
+                .set_modified(later)
+                .unwrap();
+            std::fs::rename(&replacement, &target).unwrap();
+        }),
+    });
+    let err = prefetch_bundles_observed(
+        std::slice::from_ref(&b),
+        &opts(cache.path()),
+        CancellationToken::new(),
+        trigger.clone(),
+    )
+    .await
+    .expect_err("a replaced object must not verify");
+    assert!(trigger.fired.load(Ordering::SeqCst));
+    assert!(stats.fired() > 0, "the proxy weakened no ETag");
+    assert_eq!(err.reason(), "SourceChanged", "{err}");
+    assert!(err.to_string().contains("W/"), "the weak tags compared: {err}");
+    let log = nginx.requests().unwrap();
+    assert!(
+        log.iter().all(|e| e.status != 412),
+        "If-Match sent with a weak tag: {log:?}"
+    );
+    assert_no_blob(cache.path(), &digest);
+    assert!(
+        !cache.path().join("tmp").join(format!("{digest}.part")).exists(),
+        "stale partial kept"
+    );
+}
+
 /// A chunk that fails twice in a row (its retry too) fails the file's attempt; the next
 /// attempt re-reads the chunk this run already fetched from the partial instead of asking
 /// for it again, and the report counts nothing as resumed: every byte came over the
