@@ -391,28 +391,29 @@ impl PrefetchObserver for Trigger {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn object_replaced_mid_download_is_detected_not_stitched() {
-    let origin = tempfile::tempdir().unwrap();
-    let nginx = require_service!("nginx", Nginx::start(origin.path(), "8m"));
-    let mut f = write_file(origin.path(), "model.bin", 16 * MIB, 31);
-    f.source = Some("slow/model.bin".into());
+/// Fetch a 16 MiB `model.bin` (seed `seed`) from `source`, a URI that serves nginx's
+/// `slow/model.bin`, and replace the object at the origin with another of the same size
+/// (seed `seed + 1`, a later mtime, so only the ETag tells them apart) once 3 MiB have
+/// arrived. Asserts the fetch failed with `SourceChanged` and left neither a blob nor a
+/// partial; returns the error.
+async fn fetch_while_the_object_is_replaced(origin: &Path, nginx: &Nginx, source: String, seed: u64) -> PrefetchError {
+    let mut f = write_file(origin, "model.bin", 16 * MIB, seed);
+    f.source = Some(source);
     let digest = f.sha256.clone();
     let m = Manifest {
         base_uri: None,
         files: vec![f],
     };
-    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let b = publish_manifest(origin, "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
     let cache = tempfile::tempdir().unwrap();
-    let target = origin.path().join("model.bin");
-    let replacement = origin.path().join(".model.bin.new");
+    let target = origin.join("model.bin");
+    let replacement = origin.join(".model.bin.new");
     let trigger = Arc::new(Trigger {
         fetched: AtomicU64::new(0),
         threshold: 3 * MIB,
         fired: AtomicBool::new(false),
         action: Box::new(move || {
-            // A new object with the same size: only the ETag can tell them apart.
-            std::fs::write(&replacement, pseudo_random(16 * MIB, 32)).unwrap();
+            std::fs::write(&replacement, pseudo_random(16 * MIB, seed + 1)).unwrap();
             let later = std::time::SystemTime::now() + std::time::Duration::from_secs(100);
             std::fs::File::options()
                 .write(true)
@@ -433,14 +434,22 @@ async fn object_replaced_mid_download_is_detected_not_stitched() {
     .expect_err("a replaced object must not verify");
     assert!(trigger.fired.load(Ordering::SeqCst));
     assert_eq!(err.reason(), "SourceChanged", "{err}");
-    assert!(
-        nginx.requests().unwrap().iter().any(|e| e.status == 412),
-        "no If-Match refusal seen"
-    );
     assert_no_blob(cache.path(), &digest);
     assert!(
         !cache.path().join("tmp").join(format!("{digest}.part")).exists(),
         "stale partial kept"
+    );
+    err
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_replaced_mid_download_is_detected_not_stitched() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "8m"));
+    fetch_while_the_object_is_replaced(origin.path(), &nginx, "slow/model.bin".into(), 31).await;
+    assert!(
+        nginx.requests().unwrap().iter().any(|e| e.status == 412),
+        "no If-Match refusal seen"
     );
 }
 
@@ -1000,54 +1009,14 @@ async fn a_weak_etag_still_detects_an_object_replaced_mid_download() {
     let origin = tempfile::tempdir().unwrap();
     let nginx = require_service!("nginx", Nginx::start(origin.path(), "8m"));
     let (proxy, stats) = spawn_fault_proxy(nginx.port, ProxyFault::WeakETag).await.unwrap();
-    let mut f = write_file(origin.path(), "model.bin", 16 * MIB, 33);
-    f.source = Some(format!("http://127.0.0.1:{proxy}/slow/model.bin"));
-    let digest = f.sha256.clone();
-    let m = Manifest {
-        base_uri: None,
-        files: vec![f],
-    };
-    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
-    let cache = tempfile::tempdir().unwrap();
-    let target = origin.path().join("model.bin");
-    let replacement = origin.path().join(".model.bin.new");
-    let trigger = Arc::new(Trigger {
-        fetched: AtomicU64::new(0),
-        threshold: 3 * MIB,
-        fired: AtomicBool::new(false),
-        action: Box::new(move || {
-            std::fs::write(&replacement, pseudo_random(16 * MIB, 34)).unwrap();
-            let later = std::time::SystemTime::now() + std::time::Duration::from_secs(100);
-            std::fs::File::options()
-                .write(true)
-                .open(&replacement)
-                .unwrap()
-                .set_modified(later)
-                .unwrap();
-            std::fs::rename(&replacement, &target).unwrap();
-        }),
-    });
-    let err = prefetch_bundles_observed(
-        std::slice::from_ref(&b),
-        &opts(cache.path()),
-        CancellationToken::new(),
-        trigger.clone(),
-    )
-    .await
-    .expect_err("a replaced object must not verify");
-    assert!(trigger.fired.load(Ordering::SeqCst));
+    let source = format!("http://127.0.0.1:{proxy}/slow/model.bin");
+    let err = fetch_while_the_object_is_replaced(origin.path(), &nginx, source, 33).await;
     assert!(stats.fired() > 0, "the proxy weakened no ETag");
-    assert_eq!(err.reason(), "SourceChanged", "{err}");
     assert!(err.to_string().contains("W/"), "the weak tags compared: {err}");
     let log = nginx.requests().unwrap();
     assert!(
         log.iter().all(|e| e.status != 412),
         "If-Match sent with a weak tag: {log:?}"
-    );
-    assert_no_blob(cache.path(), &digest);
-    assert!(
-        !cache.path().join("tmp").join(format!("{digest}.part")).exists(),
-        "stale partial kept"
     );
 }
 
