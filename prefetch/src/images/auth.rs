@@ -73,11 +73,19 @@ struct DockerConfigJson {
     auths: BTreeMap<String, Auth>,
 }
 
+/// One key of the file, normalised: the registry host (`host[:port]`, or `*.suffix`) and
+/// the repository path the credentials are scoped to (empty: the whole registry).
+#[derive(Debug, Clone)]
+struct Key {
+    host: String,
+    path: String,
+}
+
 /// The parsed credentials file: registry key → credentials.
 #[derive(Debug, Clone, Default)]
 pub struct AuthFile {
     path: PathBuf,
-    entries: Vec<(String, Auth)>,
+    entries: Vec<(Key, Auth)>,
 }
 
 impl AuthFile {
@@ -122,40 +130,76 @@ impl AuthFile {
         &self.path
     }
 
-    /// Registries (normalised keys) the file has credentials for.
-    pub fn registries(&self) -> impl Iterator<Item = &str> {
-        self.entries.iter().map(|(k, _)| k.as_str())
+    /// Registries (normalised keys, `host[/path]`) the file has credentials for.
+    pub fn registries(&self) -> impl Iterator<Item = String> + '_ {
+        self.entries.iter().map(|(k, _)| {
+            if k.path.is_empty() {
+                k.host.clone()
+            } else {
+                format!("{}/{}", k.host, k.path)
+            }
+        })
     }
 
-    /// Credentials for registry `domain` (`host[:port]`, as in [`super::ImageRef::domain`]):
-    /// an exact key first, then a `*.suffix` wildcard key matching one leading label, as the
-    /// kubelet matches them.
-    pub fn lookup(&self, domain: &str) -> Option<&Auth> {
+    /// Credentials for repository `repository` of registry `domain` (as in
+    /// [`super::ImageRef::domain`] and [`super::ImageRef::repository`]), matched as the
+    /// kubelet matches its keyring: the key's host is the registry's, exactly or through a
+    /// `*.suffix` wildcard standing for one leading label, and the key's path, if it has one,
+    /// is a prefix of the repository, whole components only (`reg/team` does not stand for
+    /// `reg/team-b`; the kubelet compares strings, so there it does). CRI takes one
+    /// `AuthConfig` per pull where the kubelet tries every match in turn, so the most
+    /// specific one with credentials is taken: the longest path, then an exact host over a
+    /// wildcard. An entry without credentials is passed over, not taken as "no credentials".
+    pub fn lookup(&self, domain: &str, repository: &str) -> Option<&Auth> {
         let domain = domain.to_ascii_lowercase();
-        let exact = self.entries.iter().find(|(k, _)| *k == domain);
-        exact
-            .or_else(|| {
-                self.entries.iter().find(|(k, _)| {
-                    k.strip_prefix("*.")
-                        .is_some_and(|suffix| domain.split_once('.').is_some_and(|(_, rest)| rest == suffix))
-                })
-            })
+        let host_matches = |k: &Key| {
+            k.host == domain
+                || k.host
+                    .strip_prefix("*.")
+                    .is_some_and(|suffix| domain.split_once('.').is_some_and(|(_, rest)| rest == suffix))
+        };
+        let path_matches = |k: &Key| {
+            k.path.is_empty()
+                || repository
+                    .strip_prefix(k.path.as_str())
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        };
+        self.entries
+            .iter()
+            .filter(|(k, a)| !a.is_empty() && host_matches(k) && path_matches(k))
+            .max_by_key(|(k, _)| (k.path.len(), !k.host.starts_with("*.")))
             .map(|(_, a)| a)
-            .filter(|a| !a.is_empty())
     }
 }
 
-/// `https://index.docker.io/v1/` → `docker.io`; `http://127.0.0.1:5000` → `127.0.0.1:5000`.
-fn normalize_registry_key(key: &str) -> String {
+/// `https://index.docker.io/v1/` → `docker.io` and no path; `http://127.0.0.1:5000` →
+/// `127.0.0.1:5000`; `reg.example.com/team-a/` → `reg.example.com` scoped to `team-a`. A
+/// leading `v1/` or `v2/` of the path is the registry API's, not a repository's (the
+/// kubelet drops it too).
+fn normalize_registry_key(key: &str) -> Key {
     let k = key.trim();
     let k = k
         .strip_prefix("https://")
         .or_else(|| k.strip_prefix("http://"))
         .unwrap_or(k);
-    let host = k.split('/').next().unwrap_or(k).to_ascii_lowercase();
-    match host.as_str() {
+    let (host, path) = k.split_once('/').unwrap_or((k, ""));
+    let host = host.to_ascii_lowercase();
+    let host = match host.as_str() {
         "index.docker.io" | "registry-1.docker.io" | "registry.hub.docker.com" => DEFAULT_DOMAIN.to_string(),
         _ => host,
+    };
+    let path = path.trim_matches('/');
+    let path = ["v1", "v2"]
+        .iter()
+        .find_map(|api| {
+            path.strip_prefix(api)
+                .filter(|rest| rest.is_empty() || rest.starts_with('/'))
+        })
+        .unwrap_or(path)
+        .trim_matches('/');
+    Key {
+        host,
+        path: path.to_string(),
     }
 }
 
@@ -173,14 +217,47 @@ mod tests {
             "empty.example":{}
         }}"#;
         let f = AuthFile::parse(json, Path::new("/x")).unwrap();
-        assert_eq!(f.lookup("docker.io").unwrap().auth, "dTpw");
-        let local = f.lookup("127.0.0.1:5000").unwrap();
+        assert_eq!(f.lookup("docker.io", "library/nginx").unwrap().auth, "dTpw");
+        let local = f.lookup("127.0.0.1:5000", "app").unwrap();
         assert_eq!(local.username, "u");
         assert_eq!(local.server_address, "");
-        assert!(f.lookup("127.0.0.1:5001").is_none());
-        assert_eq!(f.lookup("reg.corp.example").unwrap().registry_token, "t");
-        assert!(f.lookup("a.reg.corp.example").is_none());
-        assert!(f.lookup("empty.example").is_none());
+        assert!(f.lookup("127.0.0.1:5001", "app").is_none());
+        assert_eq!(f.lookup("reg.corp.example", "x").unwrap().registry_token, "t");
+        assert!(f.lookup("a.reg.corp.example", "x").is_none());
+        assert!(f.lookup("empty.example", "x").is_none());
+    }
+
+    /// Keys scoped to a repository path go to that path only, the most specific first; an
+    /// entry without credentials hides nothing.
+    #[test]
+    fn lookup_honours_repository_paths() {
+        let json = br#"{"auths":{
+            "reg.example.com/team-a":{"username":"a","password":"pa"},
+            "reg.example.com/team-b/":{"username":"b","password":"pb"},
+            "reg.example.com/team":{"username":"t","password":"pt"},
+            "reg.example.com":{"username":"any","password":"p"},
+            "*.example.com/team-b":{"username":"wild-b","password":"p"},
+            "docker.io":{},
+            "https://index.docker.io/v1/":{"auth":"dTpw"},
+            "other.example/v2/":{"username":"o","password":"p"}
+        }}"#;
+        let f = AuthFile::parse(json, Path::new("/x")).unwrap();
+        let user = |domain: &str, repo: &str| f.lookup(domain, repo).map(|a| a.username.clone());
+        assert_eq!(user("reg.example.com", "team-a/app").as_deref(), Some("a"));
+        assert_eq!(user("reg.example.com", "team-b/app").as_deref(), Some("b"));
+        assert_eq!(user("reg.example.com", "team/app").as_deref(), Some("t"));
+        assert_eq!(user("reg.example.com", "team-c/app").as_deref(), Some("any"));
+        assert_eq!(user("reg.example.com", "team-a").as_deref(), Some("a"));
+        // A wildcard key with a path: for its path only, after an exact host.
+        assert_eq!(user("eu.example.com", "team-b/app").as_deref(), Some("wild-b"));
+        assert_eq!(user("eu.example.com", "team-a/app"), None);
+        // `v2/` is the registry API's path, not a repository scope.
+        assert_eq!(user("other.example", "x/y").as_deref(), Some("o"));
+        // The empty exact `docker.io` entry does not hide Docker Hub's credentials.
+        assert_eq!(f.lookup("docker.io", "library/nginx").unwrap().auth, "dTpw");
+        let mut keys: Vec<String> = f.registries().collect();
+        keys.sort();
+        assert!(keys.contains(&"reg.example.com/team-b".to_string()), "{keys:?}");
     }
 
     #[test]

@@ -200,9 +200,21 @@ fn runtime_unavailable(s: &Status) -> Option<bool> {
 ///   credentials fail the same way);
 /// - "not found" / "manifest unknown" → permanent [`ImageError::PullFailed`];
 /// - connection, timeout, 5xx and 429 wording → transient [`ImageError::PullFailed`];
-/// - anything else: transient unless the code says the request itself is wrong.
+/// - anything else: transient unless the code says the request itself is wrong;
+///   `Cancelled` is containerd giving up on a pull that made no progress for its
+///   `image_pull_progress_timeout` (a stalled registry), so it is transient too.
+///
+/// The message quotes the image, and its URLs the repository: both are taken out before
+/// the wording is matched, so an image named `acme/unauthorized-audit` that fails for
+/// another reason is not taken for an authentication failure.
 pub fn classify_pull_status(image: &ImageRef, code: Code, message: &str) -> ImageError {
-    let m = message.to_ascii_lowercase();
+    let mut m = message.to_ascii_lowercase();
+    for name in [image.to_string(), image.runtime_ref(), image.repository().to_string()] {
+        let name = name.to_ascii_lowercase();
+        if !name.is_empty() {
+            m = m.replace(&name, "<image>");
+        }
+    }
     let any = |needles: &[&str]| needles.iter().any(|n| m.contains(n));
     let text = format!("{code:?}: {message}");
     let pull_failed = |transient| ImageError::PullFailed {
@@ -252,9 +264,12 @@ pub fn classify_pull_status(image: &ImageRef, code: Code, message: &str) -> Imag
         return pull_failed(false);
     }
     match code {
-        Code::DeadlineExceeded | Code::Aborted | Code::ResourceExhausted | Code::Internal | Code::Unknown => {
-            pull_failed(true)
-        }
+        Code::DeadlineExceeded
+        | Code::Aborted
+        | Code::ResourceExhausted
+        | Code::Internal
+        | Code::Unknown
+        | Code::Cancelled => pull_failed(true),
         _ => pull_failed(false),
     }
 }
@@ -302,5 +317,36 @@ mod tests {
         }
         let e = classify_pull_status(&img(), Code::InvalidArgument, "bad ref");
         assert!(!e.is_transient());
+        // containerd cancelling a pull that stalled (image_pull_progress_timeout).
+        let e = classify_pull_status(
+            &img(),
+            Code::Cancelled,
+            "failed to pull and unpack image \"127.0.0.1:5000/app@sha256:01\": context canceled",
+        );
+        assert_eq!((e.reason(), e.is_transient()), ("ImagePullFailed", true), "{e}");
+    }
+
+    /// The image's own name is not read as the registry's wording.
+    #[test]
+    fn an_image_named_like_an_error_is_not_taken_for_one() {
+        let digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+        let image = ImageRef::parse(&format!("127.0.0.1:5000/acme/unauthorized-audit@{digest}")).unwrap();
+        let msg = format!(
+            "failed to pull and unpack image \"127.0.0.1:5000/acme/unauthorized-audit@{digest}\": failed to extract layer: \
+             write /var/lib/containerd/tmp: no space left on device; GET http://127.0.0.1:5000/v2/acme/unauthorized-audit/blobs/x"
+        );
+        let e = classify_pull_status(&image, Code::Unknown, &msg);
+        assert_eq!(e.reason(), "ImagePullFailed", "{e}");
+        assert!(
+            e.to_string().contains("unauthorized-audit"),
+            "the message itself is kept: {e}"
+        );
+        // The same image really refused is still an authentication failure.
+        let e = classify_pull_status(
+            &image,
+            Code::Unknown,
+            "pulling from host 127.0.0.1:5000 failed: 401 Unauthorized",
+        );
+        assert_eq!(e.reason(), "ImageAuthFailed", "{e}");
     }
 }

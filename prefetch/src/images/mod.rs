@@ -343,7 +343,9 @@ pub async fn prepull(
 
     let work = futures::stream::iter(leaders.into_iter().map(|i| {
         let image = &refs[i];
-        let auth = auths.as_ref().and_then(|a| a.lookup(image.domain()));
+        let auth = auths
+            .as_ref()
+            .and_then(|a| a.lookup(image.domain(), image.repository()));
         let span = info_span!("image", image = %image);
         async move { (i, ensure_image(cfg, runtime, image, auth).await) }.instrument(span)
     }))
