@@ -66,7 +66,16 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
     {
         {
             let t0 = Instant::now();
-            let r = crate::regate::regate(api.as_ref(), &ctx.config.taint, &ctx.config.reporting).await;
+            let cfg = &ctx.config;
+            let r = crate::regate::regate(
+                api.as_ref(),
+                &cfg.taint,
+                &cfg.reporting,
+                cfg.api.untaint_deadline.min(crate::regate::REGATE_DEADLINE),
+                cfg.api.backoff_min,
+                cfg.api.backoff_max,
+            )
+            .await;
             crate::systemd::ready(&format!(
                 "gate in place: {}",
                 match &r {

@@ -185,6 +185,16 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         None => Config::default(),
     };
     let mut config = config;
+    if !args.stages.is_empty() && !dry_run {
+        // A stage left out is turned off, and a turned-off stage does not hold the node:
+        // `run --stages driver` would release it after one check. Turning a required check
+        // off on a real run is a decision for the config, where it is seen and reviewed.
+        return bad_input(
+            "--stages is for `check` and `run --dry-run` only: a run that can release the node runs every \
+             stage the config enables (turn one off with stages.<name>.enabled: false in the config)"
+                .to_string(),
+        );
+    }
     if !args.stages.is_empty() {
         if let Some(bad) = args.stages.iter().find(|s| !crate::graph::STAGES.contains(&s.as_str())) {
             return bad_input(format!(

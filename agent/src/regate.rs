@@ -7,10 +7,11 @@
 
 use crate::config::{ReportingConfig, TaintConfig};
 use crate::node_api::{ApiError, NodeApi};
-use crate::untaint::taint_index;
+use crate::untaint::{Retry, taint_index};
 use json_patch::{AddOperation, Patch, PatchOperation, TestOperation};
 use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
+use std::time::Duration;
 
 /// Annotation key holding the boot ID the node was last released under.
 pub fn boot_annotation(cfg: &ReportingConfig) -> String {
@@ -69,15 +70,34 @@ pub fn add_taint_patch(node: &Node, taint: &TaintConfig) -> Patch {
     ])
 }
 
+/// How long the boot-time re-gate keeps retrying an API that fails. The systemd unit
+/// starts before the kubelet and waits up to 2 minutes (`TimeoutStartSec`) for the gate:
+/// a failed re-gate lets the kubelet start on a node that may serve before it is checked,
+/// so a brief API outage at boot must be waited out, within that window.
+pub const REGATE_DEADLINE: Duration = Duration::from_secs(90);
+
 /// Re-add the taint if this boot has not been validated. Returns whether it was added.
-pub async fn regate(api: &dyn NodeApi, taint: &TaintConfig, reporting: &ReportingConfig) -> Result<bool, ApiError> {
-    for _ in 0..10 {
+/// Conflicts, failed tests and server or transport errors are retried with backoff until
+/// `deadline`; a refusal (403) is not.
+pub async fn regate(
+    api: &dyn NodeApi,
+    taint: &TaintConfig,
+    reporting: &ReportingConfig,
+    deadline: Duration,
+    backoff_min: Duration,
+    backoff_max: Duration,
+) -> Result<bool, ApiError> {
+    let mut retry = Retry::new(deadline, backoff_min, backoff_max).limited_by("the re-gate deadline");
+    loop {
         // First boot: the kubelet has not created the Node yet, so there is nothing to
         // re-gate (the kubelet registers it with its taints).
         let node = match api.get().await {
             Ok(n) => n,
             Err(e) if e.kind == crate::node_api::ApiErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(e),
+            Err(e) => {
+                retry.after(e, "re-gate").await?;
+                continue;
+            }
         };
         let Some(boot) = current_boot_id(&node) else {
             return Ok(false);
@@ -90,15 +110,9 @@ pub async fn regate(api: &dyn NodeApi, taint: &TaintConfig, reporting: &Reportin
                 tracing::warn!(boot_id = %boot, "node was released under another boot; startup taint re-added until evidence is in again");
                 return Ok(true);
             }
-            Err(e) if e.retryable() => continue,
-            Err(e) => return Err(e),
+            Err(e) => retry.after(e, "re-gate").await?,
         }
     }
-    Err(ApiError::from_code(
-        "re-add startup taint",
-        409,
-        "the node kept changing; gave up after 10 attempts",
-    ))
 }
 
 #[cfg(test)]
@@ -112,6 +126,110 @@ mod tests {
             n["metadata"]["annotations"] = json!({"taintgate.io/released-boot-id": a});
         }
         serde_json::from_value(n).unwrap()
+    }
+
+    use crate::node_api::{NodePredicate, SimNodeApi};
+    use k8s_openapi::api::core::v1::{Event, Pod};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A simulated API whose first `fail_gets` reads and `fail_patches` JSON patches fail
+    /// with `code`, as an API server at boot (restarting, behind a load balancer) does.
+    struct Flaky {
+        sim: Arc<SimNodeApi>,
+        code: u16,
+        fail_gets: AtomicU32,
+        fail_patches: AtomicU32,
+        gets: AtomicU32,
+    }
+
+    impl Flaky {
+        fn fail(&self, left: &AtomicU32, op: &str) -> Result<(), ApiError> {
+            match left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
+                Ok(_) => Err(ApiError::from_code(op, self.code, "injected")),
+                Err(_) => Ok(()),
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl NodeApi for Flaky {
+        fn node_name(&self) -> &str {
+            self.sim.node_name()
+        }
+        async fn get(&self) -> Result<Node, ApiError> {
+            self.gets.fetch_add(1, Ordering::SeqCst);
+            self.fail(&self.fail_gets, "get node")?;
+            self.sim.get().await
+        }
+        async fn wait_for<'a>(&'a self, pred: &'a NodePredicate<'a>) -> Result<Node, ApiError> {
+            self.sim.wait_for(pred).await
+        }
+        async fn json_patch(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
+            self.fail(&self.fail_patches, "patch node")?;
+            self.sim.json_patch(patch).await
+        }
+        async fn json_patch_status(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
+            self.sim.json_patch_status(patch).await
+        }
+        async fn merge_patch(&self, patch: &serde_json::Value) -> Result<Node, ApiError> {
+            self.sim.merge_patch(patch).await
+        }
+        async fn create_event(&self, event: &Event) -> Result<(), ApiError> {
+            self.sim.create_event(event).await
+        }
+        async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError> {
+            self.sim.pods_on_node().await
+        }
+    }
+
+    /// A node released under an earlier boot, untainted, behind an API that fails.
+    async fn released_node_behind(code: u16, fail_gets: u32, fail_patches: u32) -> Flaky {
+        let profile = taintgate_validators::profile::NodeProfile::load("builtin").unwrap();
+        let sim = SimNodeApi::new(&profile);
+        let r = ReportingConfig::default();
+        sim.merge_patch(&json!({
+            "metadata": {"annotations": {boot_annotation(&r): "an-earlier-boot"}},
+            "spec": {"taints": null},
+        }))
+        .await
+        .unwrap();
+        Flaky {
+            sim,
+            code,
+            fail_gets: AtomicU32::new(fail_gets),
+            fail_patches: AtomicU32::new(fail_patches),
+            gets: AtomicU32::new(0),
+        }
+    }
+
+    /// An API that fails for a moment at boot is waited out: the taint goes back on. It was
+    /// one read and no pause before, and the unit then let the kubelet start on a node that
+    /// could serve before it was checked again.
+    #[tokio::test]
+    async fn a_brief_api_outage_at_boot_is_retried_and_the_taint_goes_back() {
+        let (t, r) = (TaintConfig::default(), ReportingConfig::default());
+        let api = released_node_behind(503, 3, 2).await;
+        let ms = Duration::from_millis;
+        let added = regate(&api, &t, &r, Duration::from_secs(10), ms(1), ms(5))
+            .await
+            .unwrap();
+        assert!(added);
+        assert!(
+            taint_index(&api.sim.get().await.unwrap(), &t).is_some(),
+            "taint back on"
+        );
+        assert!(api.gets.load(Ordering::SeqCst) >= 4, "three failed reads, then more");
+        // The same outage for longer than the deadline: an error naming the deadline.
+        let api = released_node_behind(503, u32::MAX, 0).await;
+        let e = regate(&api, &t, &r, ms(50), ms(1), ms(5)).await.unwrap_err();
+        assert!(e.message.contains("gave up at the re-gate deadline"), "{}", e.message);
+        // A refusal is not retried.
+        let api = released_node_behind(403, u32::MAX, 0).await;
+        regate(&api, &t, &r, Duration::from_secs(10), ms(1), ms(5))
+            .await
+            .unwrap_err();
+        assert_eq!(api.gets.load(Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -89,8 +89,11 @@ pub struct UntaintOutcome {
     pub node: Option<Node>,
 }
 
-/// Exponential backoff with jitter until a deadline, shared by the taint write loops.
-struct Retry {
+/// Exponential backoff with jitter until a deadline, shared by the taint write loops and
+/// the boot-time re-gate.
+pub(crate) struct Retry {
+    /// The setting that bounds it, named in the error when it gives up.
+    limit: &'static str,
     until: Instant,
     backoff: backon::ExponentialBackoff,
     max: Duration,
@@ -99,8 +102,9 @@ struct Retry {
 }
 
 impl Retry {
-    fn new(deadline: Duration, backoff_min: Duration, backoff_max: Duration) -> Self {
+    pub(crate) fn new(deadline: Duration, backoff_min: Duration, backoff_max: Duration) -> Self {
         Self {
+            limit: "api.untaint_deadline",
             until: Instant::now() + deadline,
             backoff: ExponentialBuilder::default()
                 .with_min_delay(backoff_min)
@@ -112,6 +116,12 @@ impl Retry {
             attempts: 0,
             retries: 0,
         }
+    }
+
+    /// Name the setting (or rule) that bounds this loop, for the error when it gives up.
+    pub(crate) fn limited_by(mut self, limit: &'static str) -> Self {
+        self.limit = limit;
+        self
     }
 
     /// The outcome of a write loop that ends with `node`.
@@ -126,7 +136,7 @@ impl Retry {
 
     /// After a failed attempt: back off and return `Ok` to try again (with a fresh read),
     /// or the error when retrying cannot help or would pass the deadline.
-    async fn after(&mut self, e: ApiError, what: &str) -> Result<(), ApiError> {
+    pub(crate) async fn after(&mut self, e: ApiError, what: &str) -> Result<(), ApiError> {
         if !(e.retryable() || e.kind == ApiErrorKind::NotFound) {
             return Err(e);
         }
@@ -136,8 +146,8 @@ impl Retry {
         if Instant::now() + delay > self.until {
             return Err(ApiError {
                 message: format!(
-                    "{} (gave up at api.untaint_deadline after {} attempts)",
-                    e.message, self.attempts
+                    "{} (gave up at {} after {} attempts)",
+                    e.message, self.limit, self.attempts
                 ),
                 ..e
             });
@@ -188,6 +198,12 @@ async fn write_loop(
             Ok(Ok(node)) => {
                 retry.attempts += 1;
                 if plan(&node).is_some() {
+                    // Several writes are legitimate (one per duplicate entry), but something
+                    // that undoes each one (a mutating admission hook) would keep this going
+                    // for ever: back off and keep to the deadline, as after a conflict.
+                    let again =
+                        ApiError::from_code(what, 409, "the Node still needs a change after a successful write");
+                    retry.after(again, what).await?;
                     known = Some(node);
                     continue;
                 }

@@ -293,6 +293,45 @@ fn fake_nvml(dir: &std::path::Path, profile: &str) -> PathBuf {
     lib
 }
 
+/// `--stages` turns the other stages off, and a turned-off stage does not hold the node,
+/// so on a run that could release it the flag is refused before anything runs; a dry run
+/// takes it.
+#[test]
+fn stages_flag_is_refused_on_a_run_that_could_release_the_node() {
+    let o = bin()
+        .args([
+            "run",
+            "--once",
+            "--stages",
+            "driver",
+            "--simulate",
+            "builtin",
+            "--node-name",
+            "n",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--stages is for `check` and `run --dry-run` only"),
+        "{err}"
+    );
+    let o = bin()
+        .args([
+            "run",
+            "--dry-run",
+            "--once",
+            "--stages",
+            "driver",
+            "--simulate",
+            "builtin",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 #[test]
 fn check_without_a_driver_says_driver_not_loaded() {
     let dir = tempfile::tempdir().unwrap();
