@@ -246,6 +246,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             &node_name,
             args.kubeconfig.as_deref(),
             &config.reporting.event_namespace,
+            config.api.request_timeout,
         )
         .await
         {

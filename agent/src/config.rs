@@ -423,6 +423,12 @@ pub struct ApiConfig {
     /// Largest backoff delay.
     #[serde(with = "humantime_serde")]
     pub backoff_max: Duration,
+    /// Longest wait for any bytes of an answer from the API server (the client's read
+    /// timeout; the node watch is asked to close well before it). Without it a call on a
+    /// connection that died half-open (an API server failover, a load balancer dropping it)
+    /// waited for ever: deadlines are checked between calls, not during one.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
 }
 
 impl Default for ApiConfig {
@@ -431,6 +437,7 @@ impl Default for ApiConfig {
             untaint_deadline: Duration::from_secs(600),
             backoff_min: Duration::from_millis(50),
             backoff_max: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -525,6 +532,9 @@ impl Config {
         }
         if self.api.backoff_min.is_zero() || self.api.backoff_min > self.api.backoff_max {
             return err("api.backoff_min", "must be > 0 and <= api.backoff_max".into());
+        }
+        if self.api.request_timeout < Duration::from_secs(1) {
+            return err("api.request_timeout", "must be at least 1s".into());
         }
         let ct = &self.continuous.taint;
         if !valid_qualified_name(&ct.key) {

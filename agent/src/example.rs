@@ -139,13 +139,16 @@ images:
 
 # After a reboot of a node released under another boot ID, put the startup taint back
 # before validating (image-baked nodes under systemd; the kubelet registers taints only
-# when the Node is created). Needs a credential allowed to add that one taint.
+# when the Node is created). Needs a credential allowed to add that one taint. An API
+# that fails (5xx, conflicts, no connection) is retried with backoff for up to 90 s (or
+# api.untaint_deadline if shorter), inside the unit's 2-minute start window.
 regate_on_boot: false
 
 api:
   untaint_deadline: 10m         # conflicts and 5xx are retried with backoff until then
   backoff_min: 50ms
   backoff_max: 5s
+  request_timeout: 1m           # longest wait for any answer from the API server
 
 # After release the agent stays resident and waits on the GPUs' XID event subscription.
 # Every XID is logged and counted (taintgate_xids_total); warning-class XIDs also get an

@@ -18,6 +18,16 @@ pub struct KubeNodeApi {
     pods: Api<Pod>,
     client: kube::Client,
     event_namespace: String,
+    /// `timeoutSeconds` of the node watch.
+    watch_timeout_secs: u32,
+}
+
+/// The node watch's `timeoutSeconds` for a read timeout: 290 s (under the API server's
+/// own 5-minute cap), or less so that the server ends a quiet watch 5 s before the client
+/// would give up on it; at least 1 s.
+fn watch_timeout(read_timeout: Duration) -> u32 {
+    let secs = read_timeout.as_secs().saturating_sub(5).clamp(1, 290);
+    u32::try_from(secs).unwrap_or(290)
 }
 
 fn to_api_error(op: &str, e: kube::Error) -> ApiError {
@@ -25,16 +35,34 @@ fn to_api_error(op: &str, e: kube::Error) -> ApiError {
         kube::Error::Api(status) => {
             ApiError::from_code(op, status.code, format!("{} {}", status.reason, status.message))
         }
-        other => ApiError::from_code(op, 0, other.to_string()),
+        // The chain, not only the top: kube's transport errors say "client error
+        // (SendRequest)", and the cause (a timeout, a refused connection) is below it.
+        other => {
+            let mut message = other.to_string();
+            let mut source = std::error::Error::source(&other);
+            while let Some(s) = source {
+                message.push_str(": ");
+                message.push_str(&s.to_string());
+                source = s.source();
+            }
+            ApiError::from_code(op, 0, message)
+        }
     }
 }
 
 impl KubeNodeApi {
     /// Connect with an explicit kubeconfig, or the standard inference (in-cluster service
     /// account, then `$KUBECONFIG` / `~/.kube/config`).
-    pub async fn connect(node: &str, kubeconfig: Option<&Path>, event_namespace: &str) -> Result<Self, ApiError> {
+    /// `request_timeout` bounds the wait for any bytes of an answer (see
+    /// `ApiConfig::request_timeout`).
+    pub async fn connect(
+        node: &str,
+        kubeconfig: Option<&Path>,
+        event_namespace: &str,
+        request_timeout: Duration,
+    ) -> Result<Self, ApiError> {
         let op = "load kube config";
-        let config = match kubeconfig {
+        let mut config = match kubeconfig {
             Some(p) => {
                 let kc = kube::config::Kubeconfig::read_from(p)
                     .map_err(|e| ApiError::from_code(op, 0, format!("{}: {e}", p.display())))?;
@@ -46,9 +74,14 @@ impl KubeNodeApi {
                 .await
                 .map_err(|e| ApiError::from_code(op, 0, e.to_string()))?,
         };
+        config.read_timeout = Some(request_timeout);
         let client =
             kube::Client::try_from(config).map_err(|e| ApiError::from_code("build kube client", 0, e.to_string()))?;
-        Ok(Self::from_client(node, client, event_namespace))
+        let mut api = Self::from_client(node, client, event_namespace);
+        // The server closes a watch after `timeoutSeconds`; asked for less than the read
+        // timeout, a quiet watch ends that way instead of as a timeout.
+        api.watch_timeout_secs = watch_timeout(request_timeout);
+        Ok(api)
     }
 
     /// Wrap an existing client.
@@ -59,6 +92,7 @@ impl KubeNodeApi {
             pods: Api::all(client.clone()),
             client,
             event_namespace: event_namespace.to_string(),
+            watch_timeout_secs: 290,
         }
     }
 }
@@ -80,7 +114,7 @@ impl NodeApi for KubeNodeApi {
         let op = format!("watch node {}", self.name);
         let wp = WatchParams::default()
             .fields(&format!("metadata.name={}", self.name))
-            .timeout(290);
+            .timeout(self.watch_timeout_secs);
         let mut backoff = ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(100))
             .with_max_delay(Duration::from_secs(10))
