@@ -259,20 +259,45 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
 
 fn xid_gate(ctx: &Context) -> Option<StageRecord> {
     let t0 = Instant::now();
-    let xids = match ctx.gpu.drain_xids() {
+    xid_record(&ctx.config.gpu.expect.xid, ctx.clock, t0, ctx.gpu.drain_xids())
+}
+
+/// The XID gate's record for what draining the validation's XID events gave: none when
+/// there were none, failed on a fatal one, and failed (with the GPU error's reason,
+/// `NvmlError` for a failed event wait) when they could not be read. The last passed before: a fatal XID during validation went unseen whenever NVML
+/// failed on the read, and the node was released.
+fn xid_record(
+    policy: &taintgate_validators::gpu::decide::XidPolicy,
+    clock: crate::timeline::Clock,
+    t0: Instant,
+    drained: Result<Vec<(u32, u32)>, taintgate_validators::gpu::GpuError>,
+) -> Option<StageRecord> {
+    let xids = match drained {
         Ok(x) => x,
         Err(e) => {
-            tracing::warn!(error = %e, "could not read XID events");
-            return None;
+            tracing::warn!(error = %e, "could not read the XID events of the validation; holding the node");
+            return Some(StageRecord {
+                stage: "xid-watch".into(),
+                start: clock.wall(t0),
+                start_ms: clock.offset(t0).as_millis() as u64,
+                duration_ms: 0,
+                outcome: Outcome::Failed,
+                required: true,
+                attempts: 1,
+                reason: Some(e.reason().into()),
+                message: Some(format!(
+                    "could not read the XID events of the validation ({e}); a fatal XID may have gone unseen"
+                )),
+                summary: "XID events unreadable".into(),
+                evidence: serde_json::Value::Null,
+            });
         }
     };
-    let policy = &ctx.config.gpu.expect.xid;
     let fatal: Vec<String> = xids
         .iter()
         .filter(|(_, x)| policy.classify(*x) == XidClass::Fatal)
         .map(|(g, x)| format!("GPU {g}: XID {x}"))
         .collect();
-    let clock = ctx.clock;
     (!xids.is_empty()).then(|| StageRecord {
         stage: "xid-watch".into(),
         start: clock.wall(t0),
@@ -394,5 +419,37 @@ async fn report(
             }
             Err(e) => tracing::warn!(error = %e, "reading the node for the event failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use taintgate_validators::gpu::GpuError;
+    use taintgate_validators::gpu::decide::XidPolicy;
+
+    /// XID events that cannot be read hold the node: a fatal one may be among them.
+    #[test]
+    fn unreadable_xids_hold_the_node() {
+        let (policy, clock) = (XidPolicy::default(), crate::timeline::Clock::start());
+        let err = GpuError::Nvml {
+            call: "nvmlEventSetWait_v2".into(),
+            gpu: Some("3".into()),
+            message: "Unknown Error".into(),
+        };
+        let rec = xid_record(&policy, clock, Instant::now(), Err(err)).expect("a record that holds");
+        assert_eq!((rec.outcome, rec.required), (Outcome::Failed, true));
+        assert_eq!(rec.reason.as_deref(), Some("NvmlError"));
+        assert!(
+            rec.message.as_deref().unwrap().contains("nvmlEventSetWait_v2"),
+            "{rec:?}"
+        );
+        // None read: nothing to record; a fatal one fails, a warning passes.
+        assert!(xid_record(&policy, clock, Instant::now(), Ok(vec![])).is_none());
+        let fatal = xid_record(&policy, clock, Instant::now(), Ok(vec![(0, 79)])).unwrap();
+        assert_eq!(fatal.reason.as_deref(), Some("XidFatal"));
+        let warn = xid_record(&policy, clock, Instant::now(), Ok(vec![(0, 13)])).unwrap();
+        assert_eq!(warn.outcome, Outcome::Passed);
     }
 }

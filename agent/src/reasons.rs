@@ -120,7 +120,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "NvmlError",
         "driver",
-        "An NVML call failed; the message names the call and GPU.",
+        "An NVML call failed; the message names the call and GPU. On the `xid-watch` record: the XID events of the validation could not be read, so the node is held (a fatal XID may have gone unseen).",
     ),
     r(
         "GpuLost",

@@ -158,6 +158,7 @@ impl NvmlBackend {
     /// sets are only drained.
     fn collect_events(&self, block: Option<std::time::Duration>) -> Result<(), GpuError> {
         let mut fresh = Vec::new();
+        let mut failed = None;
         self.cell.with_dependent(|_nvml, sets| -> Result<(), GpuError> {
             let sets = sets.lock().map_err(|_| poisoned())?;
             let share_ms = block.map_or(0, |b| {
@@ -183,7 +184,11 @@ impl NvmlBackend {
                             break;
                         }
                         Err(e) => {
-                            return Err(nvml_err("nvmlEventSetWait_v2", Some(index.to_string()), e));
+                            // Reported after every other GPU was read and what arrived was
+                            // kept: returning here dropped the XIDs already collected from
+                            // the GPUs before this one, and never read those after it.
+                            failed.get_or_insert_with(|| nvml_err("nvmlEventSetWait_v2", Some(index.to_string()), e));
+                            break;
                         }
                     }
                 }
@@ -195,7 +200,7 @@ impl NvmlBackend {
             log.seen.extend_from_slice(&fresh);
             log.undrained.extend_from_slice(&fresh);
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// XIDs received since the last call.
