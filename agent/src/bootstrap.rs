@@ -343,7 +343,8 @@ async fn report(
     } else {
         None
     };
-    match write_annotation(api, cfg, t, pre, boot.as_deref()).await {
+    let retry_for = ctx.config.api.untaint_deadline.min(crate::report::ANNOTATION_RETRY);
+    match write_annotation(api, cfg, t, pre, boot.as_deref(), retry_for).await {
         Ok(n) => latest = Some(n),
         Err(e) => tracing::warn!(error = %e, "writing the timeline annotation failed"),
     }

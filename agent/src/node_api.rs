@@ -368,3 +368,65 @@ impl<A: NodeApi + ?Sized> NodeApi for ReadOnly<A> {
         self.0.stamp_source()
     }
 }
+
+/// Test doubles built on [`SimNodeApi`].
+#[cfg(test)]
+pub(crate) mod testing {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A simulated API whose first `fail_gets` reads, `fail_patches` JSON patches and
+    /// `fail_merges` merge patches fail with `code`, as an API server at boot (restarting,
+    /// behind a load balancer) does.
+    pub(crate) struct Flaky {
+        pub sim: Arc<SimNodeApi>,
+        pub code: u16,
+        pub fail_gets: AtomicU32,
+        pub fail_patches: AtomicU32,
+        pub fail_merges: AtomicU32,
+        /// Reads asked for, failed or not.
+        pub gets: AtomicU32,
+    }
+
+    impl Flaky {
+        fn fail(&self, left: &AtomicU32, op: &str) -> Result<(), ApiError> {
+            match left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
+                Ok(_) => Err(ApiError::from_code(op, self.code, "injected")),
+                Err(_) => Ok(()),
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl NodeApi for Flaky {
+        fn node_name(&self) -> &str {
+            self.sim.node_name()
+        }
+        async fn get(&self) -> Result<Node, ApiError> {
+            self.gets.fetch_add(1, Ordering::SeqCst);
+            self.fail(&self.fail_gets, "get node")?;
+            self.sim.get().await
+        }
+        async fn wait_for<'a>(&'a self, pred: &'a NodePredicate<'a>) -> Result<Node, ApiError> {
+            self.sim.wait_for(pred).await
+        }
+        async fn json_patch(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
+            self.fail(&self.fail_patches, "patch node")?;
+            self.sim.json_patch(patch).await
+        }
+        async fn json_patch_status(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
+            self.sim.json_patch_status(patch).await
+        }
+        async fn merge_patch(&self, patch: &serde_json::Value) -> Result<Node, ApiError> {
+            self.fail(&self.fail_merges, "merge-patch node")?;
+            self.sim.merge_patch(patch).await
+        }
+        async fn create_event(&self, event: &Event) -> Result<(), ApiError> {
+            self.sim.create_event(event).await
+        }
+        async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError> {
+            self.sim.pods_on_node().await
+        }
+    }
+}

@@ -128,60 +128,9 @@ mod tests {
         serde_json::from_value(n).unwrap()
     }
 
-    use crate::node_api::{NodePredicate, SimNodeApi};
-    use k8s_openapi::api::core::v1::{Event, Pod};
-    use std::sync::Arc;
+    use crate::node_api::SimNodeApi;
+    use crate::node_api::testing::Flaky;
     use std::sync::atomic::{AtomicU32, Ordering};
-
-    /// A simulated API whose first `fail_gets` reads and `fail_patches` JSON patches fail
-    /// with `code`, as an API server at boot (restarting, behind a load balancer) does.
-    struct Flaky {
-        sim: Arc<SimNodeApi>,
-        code: u16,
-        fail_gets: AtomicU32,
-        fail_patches: AtomicU32,
-        gets: AtomicU32,
-    }
-
-    impl Flaky {
-        fn fail(&self, left: &AtomicU32, op: &str) -> Result<(), ApiError> {
-            match left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
-                Ok(_) => Err(ApiError::from_code(op, self.code, "injected")),
-                Err(_) => Ok(()),
-            }
-        }
-    }
-
-    #[async_trait::async_trait]
-    impl NodeApi for Flaky {
-        fn node_name(&self) -> &str {
-            self.sim.node_name()
-        }
-        async fn get(&self) -> Result<Node, ApiError> {
-            self.gets.fetch_add(1, Ordering::SeqCst);
-            self.fail(&self.fail_gets, "get node")?;
-            self.sim.get().await
-        }
-        async fn wait_for<'a>(&'a self, pred: &'a NodePredicate<'a>) -> Result<Node, ApiError> {
-            self.sim.wait_for(pred).await
-        }
-        async fn json_patch(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
-            self.fail(&self.fail_patches, "patch node")?;
-            self.sim.json_patch(patch).await
-        }
-        async fn json_patch_status(&self, patch: &json_patch::Patch) -> Result<Node, ApiError> {
-            self.sim.json_patch_status(patch).await
-        }
-        async fn merge_patch(&self, patch: &serde_json::Value) -> Result<Node, ApiError> {
-            self.sim.merge_patch(patch).await
-        }
-        async fn create_event(&self, event: &Event) -> Result<(), ApiError> {
-            self.sim.create_event(event).await
-        }
-        async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError> {
-            self.sim.pods_on_node().await
-        }
-    }
 
     /// A node released under an earlier boot, untainted, behind an API that fails.
     async fn released_node_behind(code: u16, fail_gets: u32, fail_patches: u32) -> Flaky {
@@ -199,6 +148,7 @@ mod tests {
             code,
             fail_gets: AtomicU32::new(fail_gets),
             fail_patches: AtomicU32::new(fail_patches),
+            fail_merges: AtomicU32::new(0),
             gets: AtomicU32::new(0),
         }
     }

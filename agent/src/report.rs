@@ -180,14 +180,23 @@ pub async fn set_condition(
     Err(last.unwrap_or_else(|| crate::node_api::ApiError::from_code("set condition", 0, "no attempt made")))
 }
 
+/// The longest the annotation write retries an API that fails.
+pub const ANNOTATION_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Write the timeline annotation (and, on release, the boot ID released under) with a
-/// merge patch touching only our keys. Returns the Node as the write left it.
+/// merge patch touching only our keys, retrying conflicts and server or transport errors
+/// with backoff for `retry_for` (the caller passes `api.untaint_deadline`, at most
+/// [`ANNOTATION_RETRY`]). Returns the Node as the write left it.
+///
+/// Retried because of the boot ID: a reboot's re-gate compares with it, and a node whose
+/// first release lost this write had none, so every later reboot skipped the re-gate.
 pub async fn write_annotation(
     api: &dyn NodeApi,
     cfg: &ReportingConfig,
     t: &Timeline,
     pre: &[crate::telemetry::prestamps::Stamp],
     released_boot_id: Option<&str>,
+    retry_for: std::time::Duration,
 ) -> Result<Node, crate::node_api::ApiError> {
     let key = format!("{}/timeline", cfg.annotation_prefix);
     let mut annotations = serde_json::Map::new();
@@ -199,7 +208,18 @@ pub async fn write_annotation(
         annotations.insert(crate::regate::boot_annotation(cfg), json!(b));
     }
     let patch = json!({"metadata": {"annotations": annotations}});
-    api.merge_patch(&patch).await
+    let mut retry = crate::untaint::Retry::new(
+        retry_for,
+        std::time::Duration::from_millis(100),
+        std::time::Duration::from_secs(5),
+    )
+    .limited_by("the annotation write's deadline");
+    loop {
+        match api.merge_patch(&patch).await {
+            Ok(n) => return Ok(n),
+            Err(e) => retry.after(e, "annotation write").await?,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -208,6 +228,44 @@ mod tests {
     use super::*;
     use crate::timeline::Outcome;
     use serde_json::Value;
+
+    /// The release's annotation write (with the boot ID a reboot's re-gate needs) is
+    /// retried through a brief outage; a refusal is not.
+    #[tokio::test]
+    async fn the_release_annotation_survives_a_brief_outage() {
+        use crate::node_api::testing::Flaky;
+        use std::sync::atomic::AtomicU32;
+        let profile = taintgate_validators::profile::NodeProfile::load("builtin").unwrap();
+        let flaky = |code, merges| Flaky {
+            sim: crate::node_api::SimNodeApi::new(&profile),
+            code,
+            fail_gets: AtomicU32::new(0),
+            fail_patches: AtomicU32::new(0),
+            fail_merges: AtomicU32::new(merges),
+            gets: AtomicU32::new(0),
+        };
+        let cfg = ReportingConfig::default();
+        let t = Timeline {
+            node: "n".into(),
+            agent_start: Timestamp::UNIX_EPOCH,
+            gpu_backend: "simulated".into(),
+            stages: Vec::new(),
+            verdict: None,
+        };
+        let api = flaky(503, 2);
+        let n = write_annotation(&api, &cfg, &t, &[], Some("boot-7"), ANNOTATION_RETRY)
+            .await
+            .unwrap();
+        let a = n.metadata.annotations.unwrap();
+        assert_eq!(
+            a.get(&crate::regate::boot_annotation(&cfg)).map(String::as_str),
+            Some("boot-7")
+        );
+        let api = flaky(403, 1);
+        write_annotation(&api, &cfg, &t, &[], Some("boot-7"), ANNOTATION_RETRY)
+            .await
+            .unwrap_err();
+    }
 
     #[test]
     fn condition_patch_replaces_only_our_type() {
