@@ -917,6 +917,11 @@ fn bundle_ref_and_options_embed_in_yaml_config() {
     assert!(serde_yaml_ng::from_str::<PrefetchOptions>("concurency: 8\n").is_err());
 }
 
+/// The requests nginx logged for `uri`.
+fn requests_for(nginx: &Nginx, uri: &str) -> Vec<AccessEntry> {
+    nginx.requests().unwrap().into_iter().filter(|e| e.uri == uri).collect()
+}
+
 /// A one-file bundle whose file `f` (under `origin`) is fetched through a fault proxy in
 /// front of `nginx`, injecting `fault`; the manifest comes from nginx directly.
 async fn through_fault_proxy(
@@ -955,12 +960,7 @@ async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
         .await
         .unwrap_or_else(|e| panic!("cut connections were not survived ({}): {e}", e.reason()));
     assert_eq!(r.bundles[0].files[0].sha256, f.sha256);
-    let data = nginx
-        .requests()
-        .unwrap()
-        .into_iter()
-        .filter(|e| e.uri == "/model.bin")
-        .collect::<Vec<_>>();
+    let data = requests_for(&nginx, "/model.bin");
     // Some re-request starts inside a chunk: only the missing range was asked for again.
     assert!(resumed_inside_a_chunk(&data, MIB), "no resumed range request: {data:?}");
     let sent: u64 = data.iter().map(|e| e.body_bytes).sum();
@@ -991,12 +991,7 @@ async fn a_weak_etag_is_compared_but_not_sent_in_if_match() {
         "every chunk's response carried a weak tag: {}",
         stats.fired()
     );
-    let data: Vec<AccessEntry> = nginx
-        .requests()
-        .unwrap()
-        .into_iter()
-        .filter(|e| e.uri == "/model.bin")
-        .collect();
+    let data: Vec<AccessEntry> = requests_for(&nginx, "/model.bin");
     assert_eq!(data.len(), 4, "one request per chunk, none refused: {data:?}");
     assert!(data.iter().all(|e| e.status == 206), "{data:?}");
 }
@@ -1056,12 +1051,7 @@ async fn a_file_retried_after_a_transient_failure_reports_nothing_resumed() {
         "the second reset failed the file's first attempt: {file:?}"
     );
     assert_eq!(file.bytes_resumed, 0, "{file:?}");
-    let data: Vec<AccessEntry> = nginx
-        .requests()
-        .unwrap()
-        .into_iter()
-        .filter(|e| e.uri == "/model.bin")
-        .collect();
+    let data: Vec<AccessEntry> = requests_for(&nginx, "/model.bin");
     // Chunk 0 was asked for once: the second attempt read it back from the partial.
     let chunk0 = data.iter().filter(|e| e.range.starts_with("bytes=0-")).count();
     assert_eq!(chunk0, 1, "{data:?}");
