@@ -67,15 +67,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
         {
             let t0 = Instant::now();
             let cfg = &ctx.config;
-            let r = crate::regate::regate(
-                api.as_ref(),
-                &cfg.taint,
-                &cfg.reporting,
-                cfg.api.untaint_deadline.min(crate::regate::REGATE_DEADLINE),
-                cfg.api.backoff_min,
-                cfg.api.backoff_max,
-            )
-            .await;
+            let r = crate::regate::regate(api.as_ref(), &cfg.taint, &cfg.reporting, &cfg.api).await;
             crate::systemd::ready(&format!(
                 "gate in place: {}",
                 match &r {
@@ -343,8 +335,7 @@ async fn report(
     } else {
         None
     };
-    let retry_for = ctx.config.api.untaint_deadline.min(crate::report::ANNOTATION_RETRY);
-    match write_annotation(api, cfg, t, pre, boot.as_deref(), retry_for).await {
+    match write_annotation(api, cfg, t, pre, boot.as_deref(), &ctx.config.api).await {
         Ok(n) => latest = Some(n),
         Err(e) => tracing::warn!(error = %e, "writing the timeline annotation failed"),
     }

@@ -390,6 +390,19 @@ pub(crate) mod testing {
     }
 
     impl Flaky {
+        /// `sim` behind an API whose first `[reads, JSON patches, merge patches]` fail
+        /// with `code`.
+        pub(crate) fn new(sim: Arc<SimNodeApi>, code: u16, [gets, patches, merges]: [u32; 3]) -> Self {
+            Self {
+                sim,
+                code,
+                fail_gets: AtomicU32::new(gets),
+                fail_patches: AtomicU32::new(patches),
+                fail_merges: AtomicU32::new(merges),
+                gets: AtomicU32::new(0),
+            }
+        }
+
         fn fail(&self, left: &AtomicU32, op: &str) -> Result<(), ApiError> {
             match left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
                 Ok(_) => Err(ApiError::from_code(op, self.code, "injected")),

@@ -5,7 +5,7 @@
 //! different boot ID and the startup taint is gone, it puts the taint back before running
 //! any stage, then removes it again when the evidence is in.
 
-use crate::config::{ReportingConfig, TaintConfig};
+use crate::config::{ApiConfig, ReportingConfig, TaintConfig};
 use crate::node_api::{ApiError, NodeApi};
 use crate::untaint::{Retry, taint_index};
 use json_patch::{AddOperation, Patch, PatchOperation, TestOperation};
@@ -77,17 +77,16 @@ pub fn add_taint_patch(node: &Node, taint: &TaintConfig) -> Patch {
 pub const REGATE_DEADLINE: Duration = Duration::from_secs(90);
 
 /// Re-add the taint if this boot has not been validated. Returns whether it was added.
-/// Conflicts, failed tests and server or transport errors are retried with backoff until
-/// `deadline`; a refusal (403) is not.
+/// Conflicts, failed tests and server or transport errors are retried with the `api`
+/// settings' backoff until `api.untaint_deadline` or [`REGATE_DEADLINE`], whichever comes
+/// first; a refusal (403) is not.
 pub async fn regate(
     api: &dyn NodeApi,
     taint: &TaintConfig,
     reporting: &ReportingConfig,
-    deadline: Duration,
-    backoff_min: Duration,
-    backoff_max: Duration,
+    settings: &ApiConfig,
 ) -> Result<bool, ApiError> {
-    let mut retry = Retry::new(deadline, backoff_min, backoff_max).limited_by("the re-gate deadline");
+    let mut retry = Retry::for_api(settings, REGATE_DEADLINE, "the re-gate deadline");
     loop {
         // First boot: the kubelet has not created the Node yet, so there is nothing to
         // re-gate (the kubelet registers it with its taints).
@@ -130,7 +129,7 @@ mod tests {
 
     use crate::node_api::SimNodeApi;
     use crate::node_api::testing::Flaky;
-    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::atomic::Ordering;
 
     /// A node released under an earlier boot, untainted, behind an API that fails.
     async fn released_node_behind(code: u16, fail_gets: u32, fail_patches: u32) -> Flaky {
@@ -143,14 +142,7 @@ mod tests {
         }))
         .await
         .unwrap();
-        Flaky {
-            sim,
-            code,
-            fail_gets: AtomicU32::new(fail_gets),
-            fail_patches: AtomicU32::new(fail_patches),
-            fail_merges: AtomicU32::new(0),
-            gets: AtomicU32::new(0),
-        }
+        Flaky::new(sim, code, [fail_gets, fail_patches, 0])
     }
 
     /// An API that fails for a moment at boot is waited out: the taint goes back on. It was
@@ -161,9 +153,13 @@ mod tests {
         let (t, r) = (TaintConfig::default(), ReportingConfig::default());
         let api = released_node_behind(503, 3, 2).await;
         let ms = Duration::from_millis;
-        let added = regate(&api, &t, &r, Duration::from_secs(10), ms(1), ms(5))
-            .await
-            .unwrap();
+        let within = |deadline| ApiConfig {
+            untaint_deadline: deadline,
+            backoff_min: ms(1),
+            backoff_max: ms(5),
+            ..ApiConfig::default()
+        };
+        let added = regate(&api, &t, &r, &within(Duration::from_secs(10))).await.unwrap();
         assert!(added);
         assert!(
             taint_index(&api.sim.get().await.unwrap(), &t).is_some(),
@@ -172,11 +168,11 @@ mod tests {
         assert!(api.gets.load(Ordering::SeqCst) >= 4, "three failed reads, then more");
         // The same outage for longer than the deadline: an error naming the deadline.
         let api = released_node_behind(503, u32::MAX, 0).await;
-        let e = regate(&api, &t, &r, ms(50), ms(1), ms(5)).await.unwrap_err();
+        let e = regate(&api, &t, &r, &within(ms(50))).await.unwrap_err();
         assert!(e.message.contains("gave up at the re-gate deadline"), "{}", e.message);
         // A refusal is not retried.
         let api = released_node_behind(403, u32::MAX, 0).await;
-        regate(&api, &t, &r, Duration::from_secs(10), ms(1), ms(5))
+        regate(&api, &t, &r, &within(Duration::from_secs(10)))
             .await
             .unwrap_err();
         assert_eq!(api.gets.load(Ordering::SeqCst), 1);

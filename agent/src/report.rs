@@ -181,12 +181,12 @@ pub async fn set_condition(
 }
 
 /// The longest the annotation write retries an API that fails.
-pub const ANNOTATION_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
+const ANNOTATION_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Write the timeline annotation (and, on release, the boot ID released under) with a
 /// merge patch touching only our keys, retrying conflicts and server or transport errors
-/// with backoff for `retry_for` (the caller passes `api.untaint_deadline`, at most
-/// [`ANNOTATION_RETRY`]). Returns the Node as the write left it.
+/// with the `api` settings' backoff until `api.untaint_deadline`, at most
+/// [`ANNOTATION_RETRY`]. Returns the Node as the write left it.
 ///
 /// Retried because of the boot ID: a reboot's re-gate compares with it, and a node whose
 /// first release lost this write had none, so every later reboot skipped the re-gate.
@@ -196,7 +196,7 @@ pub async fn write_annotation(
     t: &Timeline,
     pre: &[crate::telemetry::prestamps::Stamp],
     released_boot_id: Option<&str>,
-    retry_for: std::time::Duration,
+    settings: &crate::config::ApiConfig,
 ) -> Result<Node, crate::node_api::ApiError> {
     let key = format!("{}/timeline", cfg.annotation_prefix);
     let mut annotations = serde_json::Map::new();
@@ -208,12 +208,7 @@ pub async fn write_annotation(
         annotations.insert(crate::regate::boot_annotation(cfg), json!(b));
     }
     let patch = json!({"metadata": {"annotations": annotations}});
-    let mut retry = crate::untaint::Retry::new(
-        retry_for,
-        std::time::Duration::from_millis(100),
-        std::time::Duration::from_secs(5),
-    )
-    .limited_by("the annotation write's deadline");
+    let mut retry = crate::untaint::Retry::for_api(settings, ANNOTATION_RETRY, "the annotation write's deadline");
     loop {
         match api.merge_patch(&patch).await {
             Ok(n) => return Ok(n),
@@ -234,17 +229,10 @@ mod tests {
     #[tokio::test]
     async fn the_release_annotation_survives_a_brief_outage() {
         use crate::node_api::testing::Flaky;
-        use std::sync::atomic::AtomicU32;
         let profile = taintgate_validators::profile::NodeProfile::load("builtin").unwrap();
-        let flaky = |code, merges| Flaky {
-            sim: crate::node_api::SimNodeApi::new(&profile),
-            code,
-            fail_gets: AtomicU32::new(0),
-            fail_patches: AtomicU32::new(0),
-            fail_merges: AtomicU32::new(merges),
-            gets: AtomicU32::new(0),
-        };
+        let flaky = |code, merges| Flaky::new(crate::node_api::SimNodeApi::new(&profile), code, [0, 0, merges]);
         let cfg = ReportingConfig::default();
+        let settings = crate::config::ApiConfig::default();
         let t = Timeline {
             node: "n".into(),
             agent_start: Timestamp::UNIX_EPOCH,
@@ -253,7 +241,7 @@ mod tests {
             verdict: None,
         };
         let api = flaky(503, 2);
-        let n = write_annotation(&api, &cfg, &t, &[], Some("boot-7"), ANNOTATION_RETRY)
+        let n = write_annotation(&api, &cfg, &t, &[], Some("boot-7"), &settings)
             .await
             .unwrap();
         let a = n.metadata.annotations.unwrap();
@@ -262,7 +250,7 @@ mod tests {
             Some("boot-7")
         );
         let api = flaky(403, 1);
-        write_annotation(&api, &cfg, &t, &[], Some("boot-7"), ANNOTATION_RETRY)
+        write_annotation(&api, &cfg, &t, &[], Some("boot-7"), &settings)
             .await
             .unwrap_err();
     }

@@ -118,6 +118,13 @@ impl Retry {
         }
     }
 
+    /// The retry of a write outside the taint loops (the re-gate, the annotation): the
+    /// `api` settings' backoff, until `api.untaint_deadline` or `longest`, whichever comes
+    /// first; `limit` names that bound in the error when it gives up.
+    pub(crate) fn for_api(api: &crate::config::ApiConfig, longest: Duration, limit: &'static str) -> Self {
+        Self::new(api.untaint_deadline.min(longest), api.backoff_min, api.backoff_max).limited_by(limit)
+    }
+
     /// Name the setting (or rule) that bounds this loop, for the error when it gives up.
     pub(crate) fn limited_by(mut self, limit: &'static str) -> Self {
         self.limit = limit;

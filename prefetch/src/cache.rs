@@ -369,7 +369,7 @@ impl Cache {
                 tracing::warn!(error = %e, blob = %blob.display(), "could not look for or remove a bundle view of a corrupt blob");
             }
         }
-        for p in [self.marker_path(digest), self.blob_path(digest)] {
+        for p in [self.marker_path(digest), blob] {
             remove_any(&p, fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()))?;
         }
         Ok(())
