@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# A local Kubernetes control plane on loopback: etcd + kube-apiserver, both built from their
+# Go modules by scripts/install-test-deps-kube.sh. The test harness starts its clusters with
+# this same script.
+#
+#   scripts/local-cluster.sh up [DIR] [--watch-pid PID]
+#   scripts/local-cluster.sh down [DIR]
+#   scripts/local-cluster.sh env [DIR]      # prints the cluster's settings (shell syntax)
+#
+# DIR defaults to ${TMPDIR:-/tmp}/taintgate-cluster. `up` generates a CA, serving and admin
+# client certificates and the service-account signing key with openssl, starts etcd and
+# kube-apiserver on free loopback ports (or ETCD_PORT / APISERVER_PORT), TLS everywhere a
+# client talks to the API, --authorization-mode=Node,RBAC, NodeRestriction on, waits for
+# /readyz and prints the admin kubeconfig's path. With --watch-pid, the cluster is taken
+# down when that process exits (the test harness passes its own pid, so a test run never
+# leaves a control plane behind). `down` stops exactly what `up` started and removes DIR.
+#
+# Deliberate differences from a production control plane (the docs' testing page says so):
+#   - no controller-manager or scheduler runs; the TaintNodesByCondition admission plugin
+#     is off, because without the node lifecycle controller nothing would ever remove the
+#     not-ready taint it adds to every new Node;
+#   - the nodes watch cache is off (--watch-cache-sizes=nodes#0), so a watch resumed from a
+#     compacted revision gets etcd's real 410 Gone; periodic compaction is off, tests compact;
+#   - etcd runs with --unsafe-no-fsync (test data only).
+# Extra kube-apiserver flags: TAINTGATE_APISERVER_ARGS (space-separated).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=tools/go/lib.sh
+. "$ROOT/tools/go/lib.sh"
+
+die() { echo "local-cluster: $*" >&2; exit 1; }
+
+usage() {
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+cmd=${1:-}
+[ -n "$cmd" ] || usage
+shift
+DIR=""
+WATCH_PID=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --watch-pid) WATCH_PID=${2:?--watch-pid needs a pid}; shift 2 ;;
+        -h|--help) usage ;;
+        -*) die "unknown option $1" ;;
+        *) [ -z "$DIR" ] || die "more than one DIR given"; DIR=$1; shift ;;
+    esac
+done
+DIR=${DIR:-${TMPDIR:-/tmp}/taintgate-cluster}
+STATE="$DIR/cluster.env"
+
+pid_alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
+
+port_in_use() {
+    python3 - "$1" <<'PY'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(0)
+sys.exit(1)
+PY
+}
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# Stop the processes named in $STATE: TERM, up to 10 s, then KILL.
+stop_recorded() {
+    # shellcheck disable=SC1090
+    . "$STATE"
+    local p
+    for p in ${APISERVER_PID:-} ${ETCD_PID:-} ${WATCHDOG_PID:-}; do
+        pid_alive "$p" && kill -TERM "$p" 2>/dev/null || true
+    done
+    for _ in $(seq 1 100); do
+        local alive=0
+        for p in ${APISERVER_PID:-} ${ETCD_PID:-}; do pid_alive "$p" && alive=1; done
+        [ "$alive" = 0 ] && break
+        sleep 0.1
+    done
+    for p in ${APISERVER_PID:-} ${ETCD_PID:-} ${WATCHDOG_PID:-}; do
+        pid_alive "$p" && kill -KILL "$p" 2>/dev/null || true
+    done
+}
+
+gen_certs() {
+    local d="$DIR/pki"
+    mkdir -p "$d"
+    (
+        cd "$d"
+        openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 30 \
+            -subj "/CN=taintgate-test-ca" >/dev/null 2>&1
+        cat > server.ext <<EXT
+subjectAltName = IP:127.0.0.1, IP:10.96.0.1, DNS:localhost, DNS:kubernetes, DNS:kubernetes.default, DNS:kubernetes.default.svc, DNS:kubernetes.default.svc.cluster.local
+extendedKeyUsage = serverAuth
+EXT
+        openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr \
+            -subj "/CN=kube-apiserver" >/dev/null 2>&1
+        openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial \
+            -out server.crt -days 30 -extfile server.ext >/dev/null 2>&1
+        echo "extendedKeyUsage = clientAuth" > client.ext
+        openssl req -newkey rsa:2048 -nodes -keyout admin.key -out admin.csr \
+            -subj "/O=system:masters/CN=taintgate-admin" >/dev/null 2>&1
+        openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial \
+            -out admin.crt -days 30 -extfile client.ext >/dev/null 2>&1
+        openssl genrsa -out sa.key 2048 >/dev/null 2>&1
+        openssl rsa -in sa.key -pubout -out sa.pub >/dev/null 2>&1
+        rm -f ./*.csr ./*.ext ca.srl
+    ) || die "generating certificates with openssl failed"
+}
+
+write_kubeconfig() {
+    local d="$DIR/pki"
+    cat > "$DIR/kubeconfig" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority: $d/ca.crt
+users:
+- name: admin
+  user:
+    client-certificate: $d/admin.crt
+    client-key: $d/admin.key
+contexts:
+- name: local
+  context: {cluster: local, user: admin}
+current-context: local
+KC
+}
+
+wait_ready() {
+    local d="$DIR/pki" i
+    for i in $(seq 1 600); do
+        if curl -fsS --max-time 2 --cacert "$d/ca.crt" --cert "$d/admin.crt" --key "$d/admin.key" \
+            "https://127.0.0.1:$APISERVER_PORT/readyz" >/dev/null 2>&1; then
+            return 0
+        fi
+        pid_alive "$ETCD_PID" || { tail -20 "$DIR/etcd.log" >&2; return 1; }
+        pid_alive "$APISERVER_PID" || { tail -20 "$DIR/kube-apiserver.log" >&2; return 1; }
+        sleep 0.2
+    done
+    tail -20 "$DIR/kube-apiserver.log" >&2
+    return 1
+}
+
+up() {
+    if [ -f "$STATE" ]; then
+        # shellcheck disable=SC1090
+        . "$STATE"
+        if pid_alive "${APISERVER_PID:-}" || pid_alive "${ETCD_PID:-}"; then
+            die "a cluster is already running in $DIR (kube-apiserver pid ${APISERVER_PID:-?}); run '$0 down $DIR' first"
+        fi
+        die "$DIR holds a stopped cluster's state; run '$0 down $DIR' to clear it"
+    fi
+    for v in ETCD_PORT APISERVER_PORT; do
+        if [ -n "${!v:-}" ] && port_in_use "${!v}"; then
+            die "port ${!v} ($v) is already in use on 127.0.0.1"
+        fi
+    done
+    tg_go_check || exit 2
+    local etcd apiserver
+    if ! etcd=$(tg_tool_path etcd) || [ ! -x "$etcd" ] \
+        || ! apiserver=$(tg_tool_path kube-apiserver) || [ ! -x "$apiserver" ]; then
+        echo "local-cluster: etcd/kube-apiserver not built yet; running scripts/install-test-deps-kube.sh (a cold build takes several minutes)" >&2
+        bash "$ROOT/scripts/install-test-deps-kube.sh" >&2 || die "building the control plane failed"
+        etcd=$(tg_tool_path etcd)
+        apiserver=$(tg_tool_path kube-apiserver)
+    fi
+    mkdir -p "$DIR"
+    DIR=$(cd "$DIR" && pwd)
+    STATE="$DIR/cluster.env"
+    ETCD_PORT=${ETCD_PORT:-$(free_port)}
+    ETCD_PEER_PORT=$(free_port)
+    APISERVER_PORT=${APISERVER_PORT:-$(free_port)}
+    gen_certs
+    ETCD_PID="" APISERVER_PID="" WATCHDOG_PID=""
+    # Record what runs as soon as it runs, so a failure below can stop exactly that.
+    save_state() {
+        cat > "$STATE" <<ST
+DIR=$DIR
+ETCD_PORT=$ETCD_PORT
+APISERVER_PORT=$APISERVER_PORT
+ETCD_PID=$ETCD_PID
+APISERVER_PID=$APISERVER_PID
+WATCHDOG_PID=$WATCHDOG_PID
+KUBECONFIG=$DIR/kubeconfig
+CA=$DIR/pki/ca.crt
+SERVER_CERT=$DIR/pki/server.crt
+SERVER_KEY=$DIR/pki/server.key
+SA_KEY=$DIR/pki/sa.key
+ETCD_URL=http://127.0.0.1:$ETCD_PORT
+APISERVER_URL=https://127.0.0.1:$APISERVER_PORT
+ST
+    }
+    fail_up() {
+        echo "local-cluster: $*" >&2
+        stop_recorded
+        rm -rf "$DIR"
+        exit 1
+    }
+    setsid "$etcd" --name local --data-dir "$DIR/etcd" \
+        --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
+        --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+        --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-cluster "local=http://127.0.0.1:$ETCD_PEER_PORT" \
+        --unsafe-no-fsync --log-level warn </dev/null >"$DIR/etcd.log" 2>&1 &
+    ETCD_PID=$!
+    save_state
+    local p="$DIR/pki"
+    # shellcheck disable=SC2086
+    setsid "$apiserver" \
+        --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+        --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
+        --endpoint-reconciler-type none \
+        --tls-cert-file "$p/server.crt" --tls-private-key-file "$p/server.key" \
+        --client-ca-file "$p/ca.crt" \
+        --service-account-issuer https://kubernetes.default.svc.cluster.local \
+        --service-account-key-file "$p/sa.pub" \
+        --service-account-signing-key-file "$p/sa.key" \
+        --service-cluster-ip-range 10.96.0.0/12 \
+        --authorization-mode Node,RBAC \
+        --enable-admission-plugins NodeRestriction \
+        --disable-admission-plugins TaintNodesByCondition \
+        --watch-cache-sizes nodes#0 \
+        --etcd-compaction-interval 0 \
+        --profiling=false \
+        ${TAINTGATE_APISERVER_ARGS:-} \
+        </dev/null >"$DIR/kube-apiserver.log" 2>&1 &
+    APISERVER_PID=$!
+    save_state
+    write_kubeconfig
+    wait_ready || fail_up "kube-apiserver did not become ready (logs above; $DIR/kube-apiserver.log)"
+    if [ -n "$WATCH_PID" ]; then
+        pid_alive "$WATCH_PID" || fail_up "--watch-pid $WATCH_PID is not a running process"
+        setsid bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; exec "$2" down "$3"' \
+            watchdog "$WATCH_PID" "$ROOT/scripts/local-cluster.sh" "$DIR" </dev/null >/dev/null 2>&1 &
+        WATCHDOG_PID=$!
+        save_state
+    fi
+    echo "local-cluster: up: kube-apiserver https://127.0.0.1:$APISERVER_PORT ($("$apiserver" --version)), etcd 127.0.0.1:$ETCD_PORT" >&2
+    echo "$DIR/kubeconfig"
+}
+
+down() {
+    [ -f "$STATE" ] || die "no cluster state in $DIR (nothing that 'up' started is there)"
+    stop_recorded
+    rm -rf "$DIR"
+    echo "local-cluster: down: $DIR" >&2
+}
+
+case "$cmd" in
+    up) up ;;
+    down) down ;;
+    env) [ -f "$STATE" ] || die "no cluster state in $DIR"; cat "$STATE" ;;
+    *) usage ;;
+esac
