@@ -112,6 +112,9 @@ EXT
         openssl genrsa -out sa.key 2048 >/dev/null 2>&1
         openssl rsa -in sa.key -pubout -out sa.pub >/dev/null 2>&1
         rm -f ./*.csr ./*.ext ca.srl
+        # A static bearer token in system:masters, for clients that can only pass a token
+        # through (the test harness's fault proxy forwards the Authorization header).
+        echo "$(openssl rand -hex 24),taintgate-admin-token,taintgate-admin-token,system:masters" > tokens.csv
     ) || die "generating certificates with openssl failed"
 }
 
@@ -197,6 +200,7 @@ CA=$DIR/pki/ca.crt
 SERVER_CERT=$DIR/pki/server.crt
 SERVER_KEY=$DIR/pki/server.key
 SA_KEY=$DIR/pki/sa.key
+ADMIN_TOKEN=$(cut -d, -f1 "$DIR/pki/tokens.csv")
 ETCD_URL=http://127.0.0.1:$ETCD_PORT
 APISERVER_URL=https://127.0.0.1:$APISERVER_PORT
 ST
@@ -224,6 +228,7 @@ ST
         --endpoint-reconciler-type none \
         --tls-cert-file "$p/server.crt" --tls-private-key-file "$p/server.key" \
         --client-ca-file "$p/ca.crt" \
+        --token-auth-file "$p/tokens.csv" \
         --service-account-issuer https://kubernetes.default.svc.cluster.local \
         --service-account-key-file "$p/sa.pub" \
         --service-account-signing-key-file "$p/sa.key" \

@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod bundles;
+pub mod cluster;
 pub mod continuous;
 pub mod deploy;
 pub mod emulator;
