@@ -3,7 +3,9 @@
 # pinned under tools/go/ (one tools module per program):
 #   - kube-apiserver and kubectl from k8s.io/kubernetes (the staging replaces in their
 #     go.mod come from tools/go/k8s-replaces.sh);
-#   - etcd from go.etcd.io/etcd/server/v3.
+#   - etcd from go.etcd.io/etcd/server/v3;
+#   - Karpenter with its KWOK cloud provider from sigs.k8s.io/karpenter (kwok/), whose
+#     module also provides the CRDs the tests install (tools/go/module-dir.sh karpenter).
 # Binaries go to the cache outside the clone ($TAINTGATE_TOOLS_CACHE, default
 # ~/.cache/taintgate-tools), keyed by version, go.sum hash and Go version: a present binary
 # is never rebuilt. Go module and build caches stay in Go's own (outside the clone too).
@@ -13,7 +15,7 @@ set -euo pipefail
 # shellcheck source=tools/go/lib.sh
 . "$(dirname "$0")/../tools/go/lib.sh"
 
-TOOLS=(${TAINTGATE_KUBE_TOOLS:-etcd kube-apiserver kubectl})
+TOOLS=(${TAINTGATE_KUBE_TOOLS:-etcd kube-apiserver kubectl karpenter})
 
 tg_go_check
 echo "install-test-deps-kube: $(go env GOVERSION), cache $TAINTGATE_TOOLS_CACHE"

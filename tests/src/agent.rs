@@ -1,7 +1,7 @@
-//! Helpers for end-to-end tests that run the real `taintgate` binary against the API
-//! emulator: the reference node as the emulator serves it, and a bounded agent run.
+//! Helpers for end-to-end tests that run the real `taintgate` binary against the real API
+//! server: the reference node as Kubernetes serves it, and a bounded agent run.
 
-use crate::emulator::NodeBuilder;
+use crate::cluster::NodeBuilder;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};

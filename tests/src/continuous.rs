@@ -5,7 +5,7 @@
 //! scrape. The assert helpers panic with the agent's output: they are the tests' failures.
 
 use crate::agent::{NODE, condition, reference_node};
-use crate::emulator::{Emulator, RecordedRequest};
+use crate::cluster::{ApiServer, RecordedRequest};
 use crate::faults::{AgentRun, RunningAgent, has_startup_taint, taints, wait_until};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
@@ -30,7 +30,7 @@ pub fn node_with_foreign_taint() -> Value {
 }
 
 /// The Events about the reference node with `reason`.
-pub fn events_with_reason(emu: &Emulator, reason: &str) -> Vec<Value> {
+pub fn events_with_reason(emu: &ApiServer, reason: &str) -> Vec<Value> {
     emu.list_objects("events")
         .unwrap_or_else(|e| panic!("listing events: {e}"))
         .into_iter()
@@ -39,7 +39,7 @@ pub fn events_with_reason(emu: &Emulator, reason: &str) -> Vec<Value> {
 }
 
 /// Wait (up to 30 s) until an Event about the reference node with `reason` exists.
-pub fn wait_for_event(emu: &Emulator, reason: &str) {
+pub fn wait_for_event(emu: &ApiServer, reason: &str) {
     wait_until(&format!("the {reason} event"), Duration::from_secs(30), || {
         !events_with_reason(emu, reason).is_empty()
     })
@@ -89,19 +89,19 @@ pub fn is_taint_addition(r: &RecordedRequest, key: &str) -> bool {
 }
 
 /// How many node PATCHes added a taint with `key`.
-pub fn taint_additions(emu: &Emulator, key: &str) -> usize {
+pub fn taint_additions(emu: &ApiServer, key: &str) -> usize {
     emu.requests().iter().filter(|r| is_taint_addition(r, key)).count()
 }
 
 /// Wait until the [`UNHEALTHY`] taint is on the reference node and return the node.
-pub fn wait_unhealthy_taint(emu: &Emulator, timeout: Duration) -> Value {
+pub fn wait_unhealthy_taint(emu: &ApiServer, timeout: Duration) -> Value {
     emu.wait_for_blocking("nodes", NODE, |n| taints(n).iter().any(|t| t == UNHEALTHY), timeout)
         .unwrap_or_else(|e| panic!("unhealthy taint never appeared: {e}"))
 }
 
 /// Wait until both `AcceleratedHardwareReady` and `TaintgateVerified` carry reason
 /// `XidFatal` (they are written right after the taint) and return the node.
-pub fn wait_xid_fatal_conditions(emu: &Emulator, timeout: Duration) -> Value {
+pub fn wait_xid_fatal_conditions(emu: &ApiServer, timeout: Duration) -> Value {
     emu.wait_for_blocking(
         "nodes",
         NODE,
@@ -142,7 +142,7 @@ impl ResidentAgent {
 
     /// Wait for the release on `emu` (startup taint gone within `timeout`, then the
     /// `Released` Event); on a timeout kill the agent and fail with its output.
-    pub fn wait_released(&mut self, emu: &Emulator, timeout: Duration) {
+    pub fn wait_released(&mut self, emu: &ApiServer, timeout: Duration) {
         if let Err(e) = emu.wait_for_blocking("nodes", NODE, |n| !has_startup_taint(n), timeout) {
             self.fail(&format!("not released: {e}"));
         }

@@ -5,7 +5,7 @@
 //! of evidence, and nothing on the Node changed except what the agent owns.
 
 use crate::agent::{NODE, TAINT};
-use crate::emulator::{Emulator, RecordedRequest};
+use crate::cluster::{ApiServer, RecordedRequest};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -242,9 +242,9 @@ impl RunningAgent {
     }
 }
 
-/// Standard agent arguments against an emulator: `run --simulate P --kubeconfig K
+/// Standard agent arguments against the API server: `run --simulate P --kubeconfig K
 /// --config C --output json --log-format json` (plus `--once` when `once`).
-pub fn agent_args(profile: &Path, config: &Path, emu: &Emulator, once: bool) -> Vec<String> {
+pub fn agent_args(profile: &Path, config: &Path, emu: &ApiServer, once: bool) -> Vec<String> {
     let mut a: Vec<String> = [
         "run",
         "--simulate",
@@ -296,8 +296,8 @@ pub fn is_taint_removal(r: &RecordedRequest, node: &str) -> bool {
         })
 }
 
-/// Every taint-removal patch the emulator saw for `node`.
-pub fn taint_removals(emu: &Emulator, node: &str) -> Vec<RecordedRequest> {
+/// Every taint-removal patch the proxy saw for `node`.
+pub fn taint_removals(emu: &ApiServer, node: &str) -> Vec<RecordedRequest> {
     emu.requests()
         .into_iter()
         .filter(|r| is_taint_removal(r, node))
@@ -327,9 +327,9 @@ pub fn evidence_to_untaint_ms(t: &Timeline) -> Option<u64> {
     Some(u.end_ms().saturating_sub(last))
 }
 
-/// Check that no taint-removal patch reached the emulator before the evidence was
+/// Check that no taint-removal patch reached the API server before the evidence was
 /// complete. `held_by_stage`: the node was held by a stage, so no removal may exist at all.
-pub fn check_no_early_untaint(emu: &Emulator, node: &str, t: &Timeline) -> Result<(), String> {
+pub fn check_no_early_untaint(emu: &ApiServer, node: &str, t: &Timeline) -> Result<(), String> {
     let removals = taint_removals(emu, node);
     let blocked = t
         .stages
@@ -409,10 +409,10 @@ pub fn has_startup_taint(node: &Value) -> bool {
     taints(node).iter().any(|t| *t == format!("{TAINT}:NoSchedule"))
 }
 
-/// The reference node's JSON as stored in an emulator.
-pub fn reference(emu: &Emulator) -> anyhow::Result<Value> {
+/// The reference node's JSON as the API server stores it.
+pub fn reference(emu: &ApiServer) -> anyhow::Result<Value> {
     emu.get_object("nodes", NODE)?
-        .ok_or_else(|| anyhow::anyhow!("node {NODE} missing from the emulator"))
+        .ok_or_else(|| anyhow::anyhow!("node {NODE} missing from the API server"))
 }
 
 /// Parse the JSON log lines of an agent's stderr (`--log-format json`); other lines are
@@ -511,7 +511,7 @@ impl RowRun {
 /// actions failed, the agent did not finish, printed no timeline, or the Node is gone; the
 /// failure carries the agent's output.
 pub fn run_row_agent(
-    emu: &Emulator,
+    emu: &ApiServer,
     profile: &Path,
     config: &Path,
     once: bool,
@@ -571,7 +571,7 @@ pub fn check_verified_condition(after: &Value, expect: Expect) -> Result<(), Str
 
 /// Check that an Event about the reference node carries the verdict (type and reason);
 /// other failed stages may add their own Warnings.
-pub fn check_verdict_event(emu: &Emulator, expect: Expect) -> Result<(), String> {
+pub fn check_verdict_event(emu: &ApiServer, expect: Expect) -> Result<(), String> {
     let (want_type, want_reason) = (expect.event_type(), expect.reason());
     let events = emu.list_objects("events").map_err(|e| e.to_string())?;
     if !events

@@ -1,24 +1,24 @@
-//! End to end: the real `taintgate` binary, a simulated GPU node, and the Kubernetes API
-//! emulator with real API semantics. Asserts exactly what the agent wrote.
+//! End to end: the real `taintgate` binary, a simulated GPU node, and a real kube-apiserver
+//! (through the harness's recording proxy). Asserts exactly what the agent wrote.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::{Value, json};
 use std::time::Duration;
 use taintgate_tests::agent::*;
-use taintgate_tests::emulator::{Emulator, RequestMatch};
+use taintgate_tests::cluster::{ApiServer, RequestMatch};
 
-fn start(registered: bool) -> Emulator {
-    let emu = Emulator::start_blocking().unwrap();
+fn start(registered: bool) -> ApiServer {
+    let emu = ApiServer::start_blocking().unwrap();
     emu.put_object(reference_node(registered).build()).unwrap();
     emu
 }
 
-fn node(emu: &Emulator) -> Value {
+fn node(emu: &ApiServer) -> Value {
     emu.get_object("nodes", NODE).unwrap().unwrap()
 }
 
-fn kubeconfig(emu: &Emulator) -> String {
+fn kubeconfig(emu: &ApiServer) -> String {
     emu.kubeconfig_path().to_string_lossy().into_owned()
 }
 
@@ -28,6 +28,8 @@ fn without_our_changes(mut n: Value) -> Value {
     // Server-managed fields.
     n["metadata"].as_object_mut().unwrap().remove("resourceVersion");
     n["metadata"].as_object_mut().unwrap().remove("generation");
+    // The real server records who wrote which field; the writers are the point.
+    n["metadata"].as_object_mut().unwrap().remove("managedFields");
     if let Some(a) = n["metadata"]["annotations"].as_object_mut() {
         a.retain(|k, _| !k.starts_with("taintgate.io/"));
     }
@@ -389,7 +391,7 @@ fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() 
 /// The reference note's worked example: 96 vCPU / 768 GiB, 6 vCPU + 24 GiB reserved by the
 /// kubelet, DaemonSets requesting 2 vCPU + 8 GiB: 88 vCPU / 736 GiB left for TP4 groups of
 /// 4 GPU / 40 vCPU / 300 GiB -> 2 groups.
-fn fit_fixture(emu: &Emulator, promised: u32) -> tempfile::TempDir {
+fn fit_fixture(emu: &ApiServer, promised: u32) -> tempfile::TempDir {
     for (name, cpu, mem) in [
         ("device-plugin", "500m", "2Gi"),
         ("dcgm-exporter", "500m", "2Gi"),
@@ -398,7 +400,7 @@ fn fit_fixture(emu: &Emulator, promised: u32) -> tempfile::TempDir {
         emu.put_object(json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "kube-system"},
-            "spec": {"nodeName": NODE, "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu, "memory": mem}}}]},
+            "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "example/c:1", "resources": {"requests": {"cpu": cpu, "memory": mem}}}]},
             "status": {"phase": "Running"}
         }))
         .unwrap();
@@ -407,7 +409,7 @@ fn fit_fixture(emu: &Emulator, promised: u32) -> tempfile::TempDir {
     emu.put_object(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "old-job", "namespace": "default"},
-        "spec": {"nodeName": NODE, "containers": [{"name": "c", "resources": {"requests": {"cpu": "80"}}}]},
+        "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "example/c:1", "resources": {"requests": {"cpu": "80"}}}]},
         "status": {"phase": "Succeeded"}
     }))
     .unwrap();

@@ -58,6 +58,19 @@ pub fn kubectl() -> anyhow::Result<PathBuf> {
     go_tool("kubectl")
 }
 
+/// The module folder of the pinned `sigs.k8s.io/karpenter` (its CRDs live there).
+pub fn karpenter_module_dir() -> anyhow::Result<PathBuf> {
+    let out = Command::new("bash")
+        .arg(repo_root().join("tools/go/module-dir.sh"))
+        .args(["karpenter", "sigs.k8s.io/karpenter"])
+        .output()
+        .context("running tools/go/module-dir.sh")?;
+    if !out.status.success() {
+        bail!("{}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
 /// One request as the proxy saw it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecordedRequest {
@@ -302,14 +315,19 @@ impl Admin {
         let mut new = old.clone();
         f(&mut new);
         let diff = json_patch::diff(&old, &new);
-        let mut cur = old;
+        self.write_change(&base, old, diff).await
+    }
+
+    /// Write `diff` (made against `cur`) with `cur`'s resourceVersion; on a conflict apply
+    /// the same diff to the fresh object and try again.
+    async fn write_change(&self, base: &ObjectRef, mut cur: Value, diff: json_patch::Patch) -> anyhow::Result<Value> {
         for _ in 0..20 {
             let mut want = cur.clone();
             json_patch::patch(&mut want, &diff).map_err(|e| anyhow!("re-applying a change to {}: {e}", base.path()))?;
             want["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"].clone();
             let (code, v) = self.req(reqwest::Method::PUT, &base.path(), None, Some(&want)).await?;
             if code == 409 {
-                cur = self.get(&base).await?.ok_or_else(|| anyhow!("{} vanished", base.path()))?;
+                cur = self.get(base).await?.ok_or_else(|| anyhow!("{} vanished", base.path()))?;
                 continue;
             }
             if code != 200 {
@@ -320,7 +338,7 @@ impl Admin {
                 stored["status"] = want["status"].clone();
                 let (code, v) = self.req(reqwest::Method::PUT, &format!("{}/status", base.path()), None, Some(&stored)).await?;
                 if code == 409 {
-                    cur = self.get(&base).await?.ok_or_else(|| anyhow!("{} vanished", base.path()))?;
+                    cur = self.get(base).await?.ok_or_else(|| anyhow!("{} vanished", base.path()))?;
                     continue;
                 }
                 if code != 200 {
@@ -620,6 +638,31 @@ impl ApiServer {
         Ok(())
     }
 
+    /// Install Karpenter's CRDs (NodePool, NodeClaim, KWOKNodeClass) from the Karpenter
+    /// module the tools installer pins, and wait until the server serves them.
+    pub fn install_karpenter_crds(&self) -> anyhow::Result<()> {
+        let dir = karpenter_module_dir()?;
+        for f in [
+            "kwok/charts/crds/karpenter.sh_nodepools.yaml",
+            "kwok/charts/crds/karpenter.sh_nodeclaims.yaml",
+            "kwok/apis/crds/karpenter.kwok.sh_kwoknodeclasses.yaml",
+        ] {
+            self.apply_file(&dir.join(f))?;
+        }
+        let out = self.plane.kubectl(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/nodepools.karpenter.sh",
+            "crd/nodeclaims.karpenter.sh",
+            "crd/kwoknodeclasses.karpenter.kwok.sh",
+        ])?;
+        if !out.status.success() {
+            bail!("Karpenter CRDs not established: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
+    }
+
     /// A `kube::Client` through the proxy with the admin token. Call inside a runtime.
     pub fn client(&self) -> anyhow::Result<kube::Client> {
         let mut config = kube::Config::new(self.url().parse()?);
@@ -673,10 +716,15 @@ impl ApiServer {
 
     /// Change an object with a closure (any field, `.status` included), as another writer:
     /// a real read-modify-write with resourceVersion, retried on conflict.
-    pub fn mutate_object(&self, resource: &str, name: &str, f: impl FnOnce(&mut Value) + Send + 'static) -> anyhow::Result<Value> {
+    /// The closure runs on the caller's thread.
+    pub fn mutate_object(&self, resource: &str, name: &str, f: impl FnOnce(&mut Value)) -> anyhow::Result<Value> {
         let r = ObjectRef::new(resource, name)?;
+        let old = self.get_object(resource, name)?.ok_or_else(|| anyhow!("{} not found", r.path()))?;
+        let mut new = old.clone();
+        f(&mut new);
+        let diff = json_patch::diff(&old, &new);
         let admin = self.admin.clone();
-        self.run(async move { admin.mutate_with(&r, f).await })
+        self.run(async move { admin.write_change(&r, old, diff).await })
     }
 
     /// Delete an object; returns what the server answered.
