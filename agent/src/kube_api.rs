@@ -161,11 +161,16 @@ impl NodeApi for KubeNodeApi {
                                 return Ok(n);
                             }
                         }
-                        Ok(Some(WatchEvent::Deleted(n))) => {
-                            tracing::warn!(node = %self.name, "node deleted while waiting; waiting for it to return");
-                            if let Some(v) = &n.metadata.resource_version {
-                                rv = v.clone();
-                            }
+                        Ok(Some(WatchEvent::Deleted(_))) => {
+                            // A Node that existed and was deleted is going away (Karpenter
+                            // deletes the Node with its NodeClaim): a named end, not a wait
+                            // until the deadline. A Node not created yet is waited for above.
+                            tracing::warn!(node = %self.name, "node deleted while waiting for it");
+                            return Err(ApiError::from_code(
+                                format!("watch node {}", self.name),
+                                404,
+                                "the Node was deleted while the agent waited for it",
+                            ));
                         }
                         Ok(Some(WatchEvent::Bookmark(b))) => rv = b.metadata.resource_version,
                         Ok(Some(WatchEvent::Error(status))) => {

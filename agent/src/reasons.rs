@@ -70,7 +70,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "NodeNotFound",
         "register",
-        "The Node object does not exist (yet). The agent keeps watching; check NODE_NAME matches the node's name.",
+        "The Node object does not exist (yet): the agent keeps watching until the deadline; check NODE_NAME matches the node's name. A Node deleted while the agent waits for it ends the wait at once with this reason.",
     ),
     r(
         "ApiUnavailable",

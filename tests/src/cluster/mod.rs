@@ -198,7 +198,13 @@ pub(crate) struct Admin {
 }
 
 impl Admin {
-    async fn req(&self, method: reqwest::Method, path: &str, ct: Option<&str>, body: Option<&Value>) -> anyhow::Result<(u16, Value)> {
+    async fn req(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        ct: Option<&str>,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(u16, Value)> {
         let mut r = self
             .http
             .request(method.clone(), format!("{}{path}", self.base))
@@ -212,14 +218,24 @@ impl Admin {
         let resp = r.send().await.with_context(|| format!("{method} {path}"))?;
         let code = resp.status().as_u16();
         let bytes = resp.bytes().await.with_context(|| format!("{method} {path}: body"))?;
-        let v = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+        let v =
+            serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
         Ok((code, v))
     }
 
-    async fn ok(&self, method: reqwest::Method, path: &str, ct: Option<&str>, body: Option<&Value>) -> anyhow::Result<Value> {
+    async fn ok(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        ct: Option<&str>,
+        body: Option<&Value>,
+    ) -> anyhow::Result<Value> {
         let (code, v) = self.req(method.clone(), path, ct, body).await?;
         if !(200..300).contains(&code) {
-            bail!("{method} {path}: {code}: {}", v.get("message").and_then(Value::as_str).unwrap_or(&v.to_string()));
+            bail!(
+                "{method} {path}: {code}: {}",
+                v.get("message").and_then(Value::as_str).unwrap_or(&v.to_string())
+            );
         }
         Ok(v)
     }
@@ -237,14 +253,22 @@ impl Admin {
     /// controller-manager nobody creates the `default` one).
     async fn ensure_namespace(&self, ns: &str, service_account: Option<&str>) -> anyhow::Result<()> {
         let nsobj = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
-        let (code, v) = self.req(reqwest::Method::POST, "/api/v1/namespaces", None, Some(&nsobj)).await?;
+        let (code, v) = self
+            .req(reqwest::Method::POST, "/api/v1/namespaces", None, Some(&nsobj))
+            .await?;
         if code != 201 && code != 409 {
             bail!("creating namespace {ns}: {code}: {v}");
         }
         if let Some(sa) = service_account {
-            let saobj = json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}});
+            let saobj =
+                json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}});
             let (code, v) = self
-                .req(reqwest::Method::POST, &format!("/api/v1/namespaces/{ns}/serviceaccounts"), None, Some(&saobj))
+                .req(
+                    reqwest::Method::POST,
+                    &format!("/api/v1/namespaces/{ns}/serviceaccounts"),
+                    None,
+                    Some(&saobj),
+                )
                 .await?;
             if code != 201 && code != 409 {
                 bail!("creating service account {ns}/{sa}: {code}: {v}");
@@ -258,7 +282,11 @@ impl Admin {
     async fn put(&self, mut obj: Value) -> anyhow::Result<Value> {
         let api_version = obj["apiVersion"].as_str().unwrap_or("").to_string();
         let kind = obj["kind"].as_str().unwrap_or("").to_string();
-        let name = obj.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("").to_string();
+        let name = obj
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         if name.is_empty() || kind.is_empty() || api_version.is_empty() {
             bail!("object needs apiVersion, kind and metadata.name: {obj}");
         }
@@ -267,24 +295,52 @@ impl Admin {
             Some(i) => i,
             None => bail!("resource {resource:?} ({api_version} {kind}) is not known to the test harness"),
         };
-        let expected_prefix = if api_version == "v1" { "/api/v1".to_string() } else { format!("/apis/{api_version}") };
+        let expected_prefix = if api_version == "v1" {
+            "/api/v1".to_string()
+        } else {
+            format!("/apis/{api_version}")
+        };
         if prefix != expected_prefix {
             bail!("{kind} is served under {prefix}, not {expected_prefix}");
         }
-        let ns = obj.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or("default").to_string();
-        let r = ObjectRef::new(&resource, &if namespaced { format!("{ns}/{name}") } else { name.clone() })?;
+        let ns = obj
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or("default")
+            .to_string();
+        let r = ObjectRef::new(
+            &resource,
+            &if namespaced {
+                format!("{ns}/{name}")
+            } else {
+                name.clone()
+            },
+        )?;
         if namespaced {
             obj["metadata"]["namespace"] = json!(ns);
-            let sa = (kind == "Pod").then(|| obj.pointer("/spec/serviceAccountName").and_then(Value::as_str).unwrap_or("default").to_string());
+            let sa = (kind == "Pod").then(|| {
+                obj.pointer("/spec/serviceAccountName")
+                    .and_then(Value::as_str)
+                    .unwrap_or("default")
+                    .to_string()
+            });
             self.ensure_namespace(&ns, sa.as_deref()).await?;
         }
         if let Some(m) = obj["metadata"].as_object_mut() {
-            for k in ["resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"] {
+            for k in [
+                "resourceVersion",
+                "uid",
+                "creationTimestamp",
+                "generation",
+                "managedFields",
+            ] {
                 m.remove(k);
             }
         }
         let status = obj.get("status").cloned();
-        let (code, created) = self.req(reqwest::Method::POST, &r.collection_path(), None, Some(&obj)).await?;
+        let (code, created) = self
+            .req(reqwest::Method::POST, &r.collection_path(), None, Some(&obj))
+            .await?;
         let mut stored = match code {
             201 | 200 => created,
             409 => {
@@ -293,11 +349,25 @@ impl Admin {
                 cur = self.ok(reqwest::Method::PUT, &r.path(), None, Some(&obj)).await?;
                 cur
             }
-            _ => bail!("creating {}: {code}: {}", r.path(), created.get("message").and_then(Value::as_str).unwrap_or(&created.to_string())),
+            _ => bail!(
+                "creating {}: {code}: {}",
+                r.path(),
+                created
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or(&created.to_string())
+            ),
         };
         if has_status && let Some(st) = status {
             stored["status"] = st;
-            stored = self.ok(reqwest::Method::PUT, &format!("{}/status", r.path()), None, Some(&stored)).await?;
+            stored = self
+                .ok(
+                    reqwest::Method::PUT,
+                    &format!("{}/status", r.path()),
+                    None,
+                    Some(&stored),
+                )
+                .await?;
         }
         Ok(stored)
     }
@@ -310,8 +380,14 @@ impl Admin {
     }
 
     async fn mutate_with(&self, r: &ObjectRef, f: impl FnOnce(&mut Value)) -> anyhow::Result<Value> {
-        let base = ObjectRef { subresource: None, ..r.clone() };
-        let old = self.get(&base).await?.ok_or_else(|| anyhow!("{} not found", base.path()))?;
+        let base = ObjectRef {
+            subresource: None,
+            ..r.clone()
+        };
+        let old = self
+            .get(&base)
+            .await?
+            .ok_or_else(|| anyhow!("{} not found", base.path()))?;
         let mut new = old.clone();
         f(&mut new);
         let diff = json_patch::diff(&old, &new);
@@ -327,7 +403,10 @@ impl Admin {
             want["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"].clone();
             let (code, v) = self.req(reqwest::Method::PUT, &base.path(), None, Some(&want)).await?;
             if code == 409 {
-                cur = self.get(base).await?.ok_or_else(|| anyhow!("{} vanished", base.path()))?;
+                cur = self
+                    .get(base)
+                    .await?
+                    .ok_or_else(|| anyhow!("{} vanished", base.path()))?;
                 continue;
             }
             if code != 200 {
@@ -336,9 +415,19 @@ impl Admin {
             let mut stored = v;
             if base.has_status && stored.get("status") != want.get("status") {
                 stored["status"] = want["status"].clone();
-                let (code, v) = self.req(reqwest::Method::PUT, &format!("{}/status", base.path()), None, Some(&stored)).await?;
+                let (code, v) = self
+                    .req(
+                        reqwest::Method::PUT,
+                        &format!("{}/status", base.path()),
+                        None,
+                        Some(&stored),
+                    )
+                    .await?;
                 if code == 409 {
-                    cur = self.get(base).await?.ok_or_else(|| anyhow!("{} vanished", base.path()))?;
+                    cur = self
+                        .get(base)
+                        .await?
+                        .ok_or_else(|| anyhow!("{} vanished", base.path()))?;
                     continue;
                 }
                 if code != 200 {
@@ -472,7 +561,9 @@ fn tls_client(ca: &str) -> anyhow::Result<rustls::ClientConfig> {
     for c in CertificateDer::pem_file_iter(ca).with_context(|| format!("reading {ca}"))? {
         roots.add(c.with_context(|| format!("parsing {ca}"))?)?;
     }
-    Ok(rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth())
+    Ok(rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 /// A real control plane with a recording fault proxy in front: the test-side handle.
@@ -522,9 +613,12 @@ impl ApiServer {
             base: plane.url()?.to_string(),
             token: plane.admin_token()?.to_string(),
         };
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(plane.server_cert()?)?.collect::<Result<_, _>>()?;
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_file_iter(plane.server_cert()?)?.collect::<Result<_, _>>()?;
         let key = PrivateKeyDer::from_pem_file(plane.server_key()?)?;
-        let mut tls = rustls::ServerConfig::builder().with_no_client_auth().with_single_cert(certs, key)?;
+        let mut tls = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
         tls.alpn_protocols = vec![b"http/1.1".to_vec()];
         let (control, _) = tokio::sync::watch::channel(WatchControl::default());
         let shared = Arc::new(Shared {
@@ -543,7 +637,10 @@ impl ApiServer {
         rt.spawn(proxy::serve(listener, Arc::new(tls), shared.clone()));
         let dir = tempfile::tempdir()?;
         let kubeconfig = dir.path().join("kubeconfig");
-        std::fs::write(&kubeconfig, kubeconfig_yaml(proxy_addr, plane.ca_path()?, plane.admin_token()?))?;
+        std::fs::write(
+            &kubeconfig,
+            kubeconfig_yaml(proxy_addr, plane.ca_path()?, plane.admin_token()?),
+        )?;
         Ok(Self {
             plane,
             rt: Some(rt),
@@ -595,6 +692,12 @@ impl ApiServer {
 
     /// A token for service account `ns/sa` bound to a fresh Pod on `node`, valid `secs`.
     pub fn bound_token(&self, ns: &str, sa: &str, node: &str, secs: u64) -> anyhow::Result<String> {
+        Ok(self.bound_token_and_pod(ns, sa, node, secs)?.0)
+    }
+
+    /// [`ApiServer::bound_token`] and the `ns/name` of the Pod it is bound to (deleting
+    /// that Pod invalidates the token at once, as on a real node).
+    pub fn bound_token_and_pod(&self, ns: &str, sa: &str, node: &str, secs: u64) -> anyhow::Result<(String, String)> {
         static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let pod_name = format!("{sa}-{node}-{}", SEQ.fetch_add(1, Ordering::SeqCst));
         let pod = json!({"apiVersion": "v1", "kind": "Pod",
@@ -610,12 +713,22 @@ impl ApiServer {
                          "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
                              "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}}});
             let v = admin
-                .ok(reqwest::Method::POST, &format!("/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token"), None, Some(&req))
+                .ok(
+                    reqwest::Method::POST,
+                    &format!("/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token"),
+                    None,
+                    Some(&req),
+                )
                 .await?;
-            v.pointer("/status/token")
+            let token = v
+                .pointer("/status/token")
                 .and_then(Value::as_str)
                 .map(String::from)
-                .ok_or_else(|| anyhow!("TokenRequest answered no token: {v}"))
+                .ok_or_else(|| anyhow!("TokenRequest answered no token: {v}"))?;
+            Ok((
+                token,
+                format!("{ns}/{}", pod["metadata"]["name"].as_str().unwrap_or("")),
+            ))
         })
     }
 
@@ -633,7 +746,11 @@ impl ApiServer {
     pub fn apply_file(&self, file: &Path) -> anyhow::Result<()> {
         let out = self.plane.kubectl(&["apply", "-f", &file.to_string_lossy()])?;
         if !out.status.success() {
-            bail!("kubectl apply -f {}: {}", file.display(), String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "kubectl apply -f {}: {}",
+                file.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(())
     }
@@ -658,7 +775,10 @@ impl ApiServer {
             "crd/kwoknodeclasses.karpenter.kwok.sh",
         ])?;
         if !out.status.success() {
-            bail!("Karpenter CRDs not established: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "Karpenter CRDs not established: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(())
     }
@@ -707,9 +827,20 @@ impl ApiServer {
 
     /// Patch an object as another client would (`content_type` e.g.
     /// `application/merge-patch+json`; `status` targets `/status`). Not recorded.
-    pub fn patch_object_direct(&self, resource: &str, name: &str, content_type: &str, patch: &Value, status: bool) -> anyhow::Result<Value> {
+    pub fn patch_object_direct(
+        &self,
+        resource: &str,
+        name: &str,
+        content_type: &str,
+        patch: &Value,
+        status: bool,
+    ) -> anyhow::Result<Value> {
         let r = ObjectRef::new(resource, name)?;
-        let path = if status { format!("{}/status", r.path()) } else { r.path() };
+        let path = if status {
+            format!("{}/status", r.path())
+        } else {
+            r.path()
+        };
         let (admin, ct, patch) = (self.admin.clone(), content_type.to_string(), patch.clone());
         self.run(async move { admin.ok(reqwest::Method::PATCH, &path, Some(&ct), Some(&patch)).await })
     }
@@ -719,7 +850,9 @@ impl ApiServer {
     /// The closure runs on the caller's thread.
     pub fn mutate_object(&self, resource: &str, name: &str, f: impl FnOnce(&mut Value)) -> anyhow::Result<Value> {
         let r = ObjectRef::new(resource, name)?;
-        let old = self.get_object(resource, name)?.ok_or_else(|| anyhow!("{} not found", r.path()))?;
+        let old = self
+            .get_object(resource, name)?
+            .ok_or_else(|| anyhow!("{} not found", r.path()))?;
         let mut new = old.clone();
         f(&mut new);
         let diff = json_patch::diff(&old, &new);
@@ -737,7 +870,11 @@ impl ApiServer {
     /// The current resourceVersion (etcd's revision) as the server reports it on a list.
     pub fn resource_version(&self) -> anyhow::Result<u64> {
         let admin = self.admin.clone();
-        let v = self.run(async move { admin.ok(reqwest::Method::GET, "/api/v1/namespaces?limit=1", None, None).await })?;
+        let v = self.run(async move {
+            admin
+                .ok(reqwest::Method::GET, "/api/v1/namespaces?limit=1", None, None)
+                .await
+        })?;
         v.pointer("/metadata/resourceVersion")
             .and_then(Value::as_str)
             .and_then(|s| s.parse().ok())
@@ -777,7 +914,13 @@ impl ApiServer {
     }
 
     /// Wait until the object exists and satisfies `pred`; returns it.
-    pub async fn wait_for(&self, resource: &str, name: &str, pred: impl Fn(&Value) -> bool, timeout: Duration) -> anyhow::Result<Value> {
+    pub async fn wait_for(
+        &self,
+        resource: &str,
+        name: &str,
+        pred: impl Fn(&Value) -> bool,
+        timeout: Duration,
+    ) -> anyhow::Result<Value> {
         let r = ObjectRef::new(resource, name)?;
         let deadline = Instant::now() + timeout;
         loop {
@@ -797,7 +940,13 @@ impl ApiServer {
     }
 
     /// [`ApiServer::wait_for`] for synchronous tests (polls the real server every 25 ms).
-    pub fn wait_for_blocking(&self, resource: &str, name: &str, pred: impl Fn(&Value) -> bool, timeout: Duration) -> anyhow::Result<Value> {
+    pub fn wait_for_blocking(
+        &self,
+        resource: &str,
+        name: &str,
+        pred: impl Fn(&Value) -> bool,
+        timeout: Duration,
+    ) -> anyhow::Result<Value> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(o) = self.get_object(resource, name)?
@@ -821,7 +970,11 @@ impl ApiServer {
 
     /// Recorded requests other than GET (writes).
     pub fn mutating_requests(&self) -> Vec<RecordedRequest> {
-        lock(&self.shared.requests).iter().filter(|r| r.method != "GET").cloned().collect()
+        lock(&self.shared.requests)
+            .iter()
+            .filter(|r| r.method != "GET")
+            .cloned()
+            .collect()
     }
 
     /// Forget recorded requests.
@@ -844,7 +997,13 @@ impl ApiServer {
         self.shared.peak_watches.store(self.open_watches(), Ordering::SeqCst);
     }
 
-    fn add_hook(&self, resource: &str, name: &str, trigger: HookTrigger, f: impl FnOnce(&mut Value) + Send + 'static) -> anyhow::Result<()> {
+    fn add_hook(
+        &self,
+        resource: &str,
+        name: &str,
+        trigger: HookTrigger,
+        f: impl FnOnce(&mut Value) + Send + 'static,
+    ) -> anyhow::Result<()> {
         let r = ObjectRef::new(resource, name)?;
         self.shared.faults().hooks.push(Hook {
             rid: r.resource,
@@ -862,13 +1021,24 @@ impl ApiServer {
     /// object on the server (a real write), and only then the reader gets its (now old)
     /// answer. Its next JSON Patch `test` then fails with 422, a resourceVersion
     /// precondition with 409.
-    pub fn on_nth_get(&self, resource: &str, name: &str, n: usize, f: impl FnOnce(&mut Value) + Send + 'static) -> anyhow::Result<()> {
+    pub fn on_nth_get(
+        &self,
+        resource: &str,
+        name: &str,
+        n: usize,
+        f: impl FnOnce(&mut Value) + Send + 'static,
+    ) -> anyhow::Result<()> {
         self.add_hook(resource, name, HookTrigger::AfterGet(n.max(1)), f)
     }
 
     /// Another writer: just before the next PUT/PATCH of `resource/name` through the proxy
     /// is forwarded, `f` changes the object on the server; the write then meets it.
-    pub fn before_next_write(&self, resource: &str, name: &str, f: impl FnOnce(&mut Value) + Send + 'static) -> anyhow::Result<()> {
+    pub fn before_next_write(
+        &self,
+        resource: &str,
+        name: &str,
+        f: impl FnOnce(&mut Value) + Send + 'static,
+    ) -> anyhow::Result<()> {
         self.add_hook(resource, name, HookTrigger::BeforeWrite, f)
     }
 

@@ -3,7 +3,6 @@
 
 use serde_json::{Map, Value, json};
 
-
 /// Builds a `v1` Node as JSON for [`super::ApiServer::put_object`].
 #[derive(Debug, Clone)]
 pub struct NodeBuilder {

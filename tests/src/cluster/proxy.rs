@@ -62,11 +62,7 @@ impl Shared {
 }
 
 /// Serve the proxy on `listener` with TLS from `tls`, until the runtime stops.
-pub(crate) async fn serve(
-    listener: tokio::net::TcpListener,
-    tls: Arc<rustls::ServerConfig>,
-    shared: Arc<Shared>,
-) {
+pub(crate) async fn serve(listener: tokio::net::TcpListener, tls: Arc<rustls::ServerConfig>, shared: Arc<Shared>) {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let app = axum::Router::new().fallback(handle).with_state(shared.clone());
     loop {
@@ -88,7 +84,10 @@ pub(crate) async fn serve(
                     // when a load balancer or the server goes away mid-request.
                     let watch = is_watch(req.uri().query().unwrap_or(""));
                     if take_reset(&shared, req.method().as_str(), req.uri().path(), watch) {
-                        return Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "injected reset"));
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::ConnectionReset,
+                            "injected reset",
+                        ));
                     }
                     let req = req.map(Body::new);
                     let resp = tower::ServiceExt::oneshot(app, req).await;
@@ -105,7 +104,10 @@ pub(crate) async fn serve(
 
 fn take_reset(shared: &Shared, method: &str, path: &str, watch: bool) -> bool {
     let mut resets = lock(&shared.resets);
-    let Some(r) = resets.iter_mut().find(|(n, m)| *n > 0 && m.matches(method, path, watch)) else {
+    let Some(r) = resets
+        .iter_mut()
+        .find(|(n, m)| *n > 0 && m.matches(method, path, watch))
+    else {
         return false;
     };
     r.0 -= 1;
@@ -215,13 +217,21 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request<Body>) -> Respon
             _ => ("InternalError", None),
         };
         let extra: Vec<(&str, &str)> = retry.map(|r| ("retry-after", r)).into_iter().collect();
-        return answer(code, &status_body(code, reason, "injected by the test's fault proxy"), &extra);
+        return answer(
+            code,
+            &status_body(code, reason, "injected by the test's fault proxy"),
+            &extra,
+        );
     }
     if conflict {
         set_status(&shared, idx, 409);
         return answer(
             409,
-            &status_body(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again (injected)"),
+            &status_body(
+                409,
+                "Conflict",
+                "the object has been modified; please apply your changes to the latest version and try again (injected)",
+            ),
             &[],
         );
     }
@@ -255,7 +265,11 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request<Body>) -> Respon
         Ok(r) => r,
         Err(e) => {
             set_status(&shared, idx, 502);
-            return answer(502, &status_body(502, "BadGateway", &format!("proxy: upstream: {e}")), &[]);
+            return answer(
+                502,
+                &status_body(502, "BadGateway", &format!("proxy: upstream: {e}")),
+                &[],
+            );
         }
     };
     let code = resp.status().as_u16();
@@ -386,4 +400,3 @@ fn watch_stream(
         }
     })
 }
-
