@@ -418,6 +418,10 @@ fn rbac_grants_only_the_verbs_the_agent_uses() {
         ("/nodes", "patch"),
         ("/nodes/status", "patch"),
         ("/pods", "list"),
+        // The pre-agent stamps read the node's NodeClaim (by name, or listed to match the
+        // provider ID); the real server's 403 without this showed the gap.
+        ("karpenter.sh/nodeclaims", "get"),
+        ("karpenter.sh/nodeclaims", "list"),
     ]
     .iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))
@@ -435,11 +439,19 @@ fn rbac_grants_only_the_verbs_the_agent_uses() {
     );
 }
 
-/// Every kubectl to render with: the one on PATH and Debian's `kubernetes-client` build
-/// unpacked by `scripts/install-test-deps-deploy.sh` when PATH's is another one.
+/// Every kubectl to render with: the one built from k8s.io/kubernetes by
+/// `scripts/install-test-deps-kube.sh` (the control plane's version), the one on PATH, and
+/// Debian's `kubernetes-client` build (kustomize v2) unpacked by
+/// `scripts/install-test-deps-deploy.sh` when PATH's is another one.
 fn kubectls() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    if let Some(k) = which("kubectl") {
+    match taintgate_tests::cluster::kubectl() {
+        Ok(k) => out.push(k),
+        Err(e) => assert!(!in_ci(), "the kubectl built from k8s.io/kubernetes is required under CI: {e:#}"),
+    }
+    if let Some(k) = which("kubectl")
+        && !out.contains(&k)
+    {
         out.push(k);
     }
     let debian = PathBuf::from(
