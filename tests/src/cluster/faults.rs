@@ -15,6 +15,9 @@ pub struct RequestMatch {
     pub path_contains: Option<String>,
     /// `Some(true)`: only watch requests; `Some(false)`: only non-watch requests.
     pub watch: Option<bool>,
+    /// Substring of the `User-Agent` header (tells one client from another, e.g.
+    /// Karpenter's requests from the agent's when both go through the proxy).
+    pub user_agent_contains: Option<String>,
 }
 
 impl RequestMatch {
@@ -41,11 +44,21 @@ impl RequestMatch {
         self
     }
 
+    /// Only requests whose `User-Agent` contains `ua`.
+    pub fn user_agent(mut self, ua: &str) -> Self {
+        self.user_agent_contains = Some(ua.to_string());
+        self
+    }
+
     /// True when the request is selected.
-    pub fn matches(&self, method: &str, path: &str, watch: bool) -> bool {
+    pub fn matches(&self, method: &str, path: &str, watch: bool, user_agent: &str) -> bool {
         self.method.as_deref().is_none_or(|m| m.eq_ignore_ascii_case(method))
             && self.path_contains.as_deref().is_none_or(|p| path.contains(p))
             && self.watch.is_none_or(|w| w == watch)
+            && self
+                .user_agent_contains
+                .as_deref()
+                .is_none_or(|u| user_agent.contains(u))
     }
 }
 
@@ -94,11 +107,11 @@ pub(crate) struct Faults {
 
 impl Faults {
     /// Consume one 5xx from the first matching rule; returns the code to answer.
-    pub fn take_failure(&mut self, method: &str, path: &str, watch: bool) -> Option<u16> {
+    pub fn take_failure(&mut self, method: &str, path: &str, watch: bool, ua: &str) -> Option<u16> {
         let r = self
             .fail
             .iter_mut()
-            .find(|r| r.remaining > 0 && r.m.matches(method, path, watch))?;
+            .find(|r| r.remaining > 0 && r.m.matches(method, path, watch, ua))?;
         r.remaining -= 1;
         let code = r.code;
         self.fail.retain(|r| r.remaining > 0);
@@ -106,11 +119,11 @@ impl Faults {
     }
 
     /// Consume one forced conflict for a write.
-    pub fn take_conflict(&mut self, method: &str, path: &str) -> bool {
+    pub fn take_conflict(&mut self, method: &str, path: &str, ua: &str) -> bool {
         let Some(r) = self
             .conflicts
             .iter_mut()
-            .find(|r| r.remaining > 0 && r.m.matches(method, path, false))
+            .find(|r| r.remaining > 0 && r.m.matches(method, path, false, ua))
         else {
             return false;
         };

@@ -12,6 +12,7 @@
 //! Names: `name` is `ns/name` for namespaced resources (bare `name` means `default`).
 
 mod faults;
+pub mod karpenter;
 mod node;
 mod proxy;
 

@@ -83,7 +83,12 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, tls: Arc<rustls::Se
                     // A reset drops the connection without an answer: what a client sees
                     // when a load balancer or the server goes away mid-request.
                     let watch = is_watch(req.uri().query().unwrap_or(""));
-                    if take_reset(&shared, req.method().as_str(), req.uri().path(), watch) {
+                    let ua = req
+                        .headers()
+                        .get("user-agent")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    if take_reset(&shared, req.method().as_str(), req.uri().path(), watch, ua) {
                         return Err(std::io::Error::new(
                             std::io::ErrorKind::ConnectionReset,
                             "injected reset",
@@ -102,11 +107,11 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, tls: Arc<rustls::Se
     }
 }
 
-fn take_reset(shared: &Shared, method: &str, path: &str, watch: bool) -> bool {
+fn take_reset(shared: &Shared, method: &str, path: &str, watch: bool, ua: &str) -> bool {
     let mut resets = lock(&shared.resets);
     let Some(r) = resets
         .iter_mut()
-        .find(|(n, m)| *n > 0 && m.matches(method, path, watch))
+        .find(|(n, m)| *n > 0 && m.matches(method, path, watch, ua))
     else {
         return false;
     };
@@ -196,13 +201,19 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request<Body>) -> Respon
         },
     );
 
+    let ua = parts
+        .headers
+        .get("user-agent")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
     let (latency, failure, conflict) = {
         let mut f = shared.faults();
         let is_write = matches!(method.as_str(), "PUT" | "PATCH");
         (
             f.latency,
-            f.take_failure(&method, &path, watch),
-            is_write && f.take_conflict(&method, &path),
+            f.take_failure(&method, &path, watch, &ua),
+            is_write && f.take_conflict(&method, &path, &ua),
         )
     };
     if !latency.is_zero() {
@@ -340,8 +351,17 @@ fn watch_stream(
         drop_after: Option<usize>,
         sent: usize,
         done: bool,
+        /// JSON watch streams are one event per line and are passed on event by event
+        /// (so `drop_after` can count them); other encodings (the protobuf Go clients
+        /// ask for) are passed on chunk by chunk, uncounted.
+        lines: bool,
         _guard: WatchGuard,
     }
+    let lines = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
     let control = shared.control.subscribe();
     let c = *control.borrow();
     let st = St {
@@ -352,6 +372,7 @@ fn watch_stream(
         drop_after: c.drop_after,
         sent: 0,
         done: false,
+        lines,
         _guard: WatchGuard::new(shared),
     };
     futures::stream::unfold(st, |mut st| async move {
@@ -369,6 +390,10 @@ fn watch_stream(
             }
             if st.drop_after.is_some_and(|k| st.sent >= k) {
                 return None;
+            }
+            if !st.lines && !st.buf.is_empty() {
+                let chunk = std::mem::take(&mut st.buf);
+                return Some((Ok(Bytes::from(chunk)), st));
             }
             if let Some(pos) = st.buf.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = st.buf.drain(..=pos).collect();
