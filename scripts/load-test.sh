@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fleet load test, one command: builds the agent and the load driver (release), then runs
 # AGENTS (default 500) real `taintgate` processes on simulated GPU nodes against one
-# Kubernetes API emulator and prints: API requests per bootstrap, peak concurrent watches,
+# real kube-apiserver + etcd (scripts/install-test-deps-kube.sh builds them) and prints: API requests per bootstrap, peak concurrent watches,
 # last-evidence -> taint-removed latency (p50/p99), the waiting fleet's memory, and one
 # resident agent's RSS and idle CPU after release.
 #
@@ -13,7 +13,7 @@
 # paced (at most 24 not yet watching), so a small machine copes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Every agent holds a watch and a request connection to the emulator.
+# Every agent holds a watch and a request connection to the API server's proxy.
 hard="$(ulimit -Hn)"
 if [ "$hard" = unlimited ] || [ "$hard" -gt 65536 ]; then hard=65536; fi
 ulimit -n "$hard" 2>/dev/null || true

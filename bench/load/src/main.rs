@@ -1,5 +1,6 @@
 //! Fleet load test: `N` real `taintgate` processes (simulated GPU nodes) bootstrap at once
-//! against one in-process Kubernetes API emulator, then one agent stays resident.
+//! against one real kube-apiserver + etcd (through the harness's recording proxy), then one
+//! agent stays resident.
 //!
 //! ```text
 //! taintgate-load [--agents 500] [--bin target/release/taintgate] [--max-pending 24]
@@ -7,7 +8,7 @@
 //! ```
 //!
 //! Phases:
-//! 1. The emulator holds `N` GPU Nodes, tainted and not yet registered by Karpenter.
+//! 1. The API server holds `N` GPU Nodes, tainted and not yet registered by Karpenter.
 //! 2. `N` agents start (paced: at most `--max-pending` started but not yet watching, so a
 //!    small machine copes). Every agent proves its GPUs and then waits, on a watch of its
 //!    own Node, for registration: all `N` watches are open at once.
@@ -18,7 +19,8 @@
 //!
 //! Printed figures: API requests per bootstrap (mean, p50, max, by kind; any request not
 //! attributable to one Node, such as a list of all Nodes, is counted separately), the
-//! emulator's peak concurrent watches, last-evidence -> taint-removed latency from each
+//! peak concurrent watches (seen by the proxy), kube-apiserver's and etcd's CPU seconds per
+//! bootstrap, last-evidence -> taint-removed latency from each
 //! agent's own timeline (p50, p99, max), registration -> removal-patch latency seen by the
 //! API, memory of the waiting fleet, and the resident agent's RSS, PSS and idle CPU.
 
@@ -30,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 use taintgate::timeline::Timeline;
-use taintgate_tests::emulator::{Emulator, NodeBuilder, RecordedRequest};
+use taintgate_tests::cluster::{ApiServer, NodeBuilder, RecordedRequest};
 use taintgate_tests::faults::{evidence_to_untaint_ms, parse_timeline, wait_until, write_config, write_profile};
 
 const TAINT: &str = "taintgate.io/unverified";
@@ -112,7 +114,7 @@ fn fleet_node(name: &str, registered: bool) -> Value {
     b.build()
 }
 
-fn register(emu: &Emulator, name: &str) -> anyhow::Result<SystemTime> {
+fn register(emu: &ApiServer, name: &str) -> anyhow::Result<SystemTime> {
     // Taken before the write: an agent can react faster than this thread returns.
     let at = SystemTime::now();
     emu.mutate_object("nodes", name, |n| {
@@ -213,6 +215,20 @@ fn stats(mut v: Vec<f64>) -> Value {
 }
 
 /// `key:  value kB` fields of a `/proc` file, in kB.
+/// User + system CPU seconds a process has used (`/proc/PID/stat` fields 14 and 15, in
+/// clock ticks of 100 Hz, the value on every Linux this runs on).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (field 2) may hold spaces: count fields after its closing paren.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    // After ")": state(3) is not numeric, so utime(14) and stime(15) are at 10 and 11 here.
+    f.get(10)
+        .zip(f.get(11))
+        .map(|(u, s)| (u + s) as f64 / 100.0)
+        .unwrap_or(0.0)
+}
+
 fn proc_kb(path: &str, keys: &[&str]) -> BTreeMap<String, u64> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     text.lines()
@@ -260,13 +276,19 @@ fn main() -> anyhow::Result<()> {
         "config.yaml",
         "{stages: {register: {deadline: 10m}, allocatable: {deadline: 10m}}, api: {untaint_deadline: 5m}}",
     )?;
-    let emu = Emulator::start_blocking()?;
+    let emu = ApiServer::start_blocking()?;
     let kubeconfig = emu.kubeconfig_path().to_path_buf();
     let names: Vec<String> = (0..args.agents).map(|i| format!("gpu-load-{i:04}")).collect();
     for n in &names {
         emu.put_object(fleet_node(n, false))?;
     }
-    eprintln!("emulator {} holds {} unregistered GPU nodes", emu.url(), names.len());
+    eprintln!(
+        "kube-apiserver {} holds {} unregistered GPU nodes",
+        emu.url(),
+        names.len()
+    );
+    let (apiserver_pid, etcd_pid) = emu.control_plane().pids()?;
+    let cpu_before = (cpu_seconds(apiserver_pid), cpu_seconds(etcd_pid));
 
     // Phase 2: start the fleet, paced by how many agents have not opened their watch yet.
     let t_start = Instant::now();
@@ -325,7 +347,7 @@ fn main() -> anyhow::Result<()> {
     }
     let fleet_done = t_reg.elapsed();
 
-    // Figures from the emulator's request log and the agents' timelines.
+    // Figures from the proxy's request log and the agents' timelines.
     let requests = emu.requests();
     let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
     let mut by_kind: BTreeMap<&str, usize> = BTreeMap::new();
@@ -433,7 +455,10 @@ fn main() -> anyhow::Result<()> {
         let _ = resident.kill();
     })?;
 
+    let per_bootstrap = |before: f64, pid: u32| (cpu_seconds(pid) - before) / args.agents.max(1) as f64;
     let summary = json!({
+        "apiserver_cpu_s_per_bootstrap": per_bootstrap(cpu_before.0, apiserver_pid),
+        "etcd_cpu_s_per_bootstrap": per_bootstrap(cpu_before.1, etcd_pid),
         "agents": args.agents,
         "exit_codes": codes,
         "released": released,
@@ -486,7 +511,7 @@ fn print_report(s: &Value) {
         )
     };
     println!(
-        "taintgate fleet load test: {} agents against one API emulator",
+        "taintgate fleet load test: {} agents against one real kube-apiserver + etcd",
         s["agents"]
     );
     println!("  exit codes                       {}", s["exit_codes"]);
@@ -510,6 +535,13 @@ fn print_report(s: &Value) {
     );
     println!("  requests not about one node      {}", s["requests_not_for_one_node"]);
     println!("  peak concurrent watches          {}", s["peak_concurrent_watches"]);
+    println!(
+        "  server CPU per bootstrap         kube-apiserver {} ms, etcd {} ms",
+        f(&json!(
+            s["apiserver_cpu_s_per_bootstrap"].as_f64().unwrap_or(0.0) * 1000.0
+        )),
+        f(&json!(s["etcd_cpu_s_per_bootstrap"].as_f64().unwrap_or(0.0) * 1000.0))
+    );
     println!(
         "  last evidence -> untaint (ms)    {}   (goal p99 <= 50)",
         st("last_evidence_to_untaint_ms")

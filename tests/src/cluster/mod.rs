@@ -529,6 +529,11 @@ impl ControlPlane {
         self.var("ADMIN_TOKEN")
     }
 
+    /// The pids of (kube-apiserver, etcd), for CPU accounting in benchmarks.
+    pub fn pids(&self) -> anyhow::Result<(u32, u32)> {
+        Ok((self.var("APISERVER_PID")?.parse()?, self.var("ETCD_PID")?.parse()?))
+    }
+
     /// The kube-apiserver log, for a failing test's message.
     pub fn apiserver_log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(self.dir.join("kube-apiserver.log")).unwrap_or_default();
