@@ -1,8 +1,8 @@
 //! The `NodeApi` boundary: the few Kubernetes operations the agent performs on its own
 //! Node (and the Events and Pods it reads/writes), as a narrow async trait.
 //!
-//! Implementations: [`crate::kube_api::KubeNodeApi`] (the real API through kube-rs, also
-//! what the tests point at the in-repo API emulator) and [`SimNodeApi`] (an in-memory Node
+//! Implementations: [`crate::kube_api::KubeNodeApi`] (the real API through kube-rs; the
+//! tests run it against a real kube-apiserver) and [`SimNodeApi`] (an in-memory Node
 //! built from a simulated node profile, for dry-run with no cluster).
 
 use async_trait::async_trait;

@@ -286,6 +286,52 @@ fn concurrent_writer_adding_a_taint_keeps_both_correct() {
 }
 
 #[test]
+fn a_write_guarded_by_the_resource_version_meets_a_real_concurrent_writer() {
+    let emu = start(true);
+    // The Node has none of the agent's conditions: its first condition write appends, and
+    // an append can only be guarded by the resourceVersion the absence was seen at.
+    // Another writer changes the Node just before that write lands: the real server's
+    // `test` of /metadata/resourceVersion fails (422); the agent re-reads and writes again.
+    emu.before_next_write("nodes/status", NODE, |n| {
+        n["metadata"]["labels"]["example.com/touched"] = json!("yes");
+    })
+    .unwrap();
+    let o = run_agent(&[
+        "run",
+        "--simulate",
+        &profile("8gpu-two-domains"),
+        "--kubeconfig",
+        &kubeconfig(&emu),
+        "--once",
+    ])
+    .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    let after = node(&emu);
+    assert_eq!(
+        after["metadata"]["labels"]["example.com/touched"], "yes",
+        "the other writer's change kept"
+    );
+    assert_eq!(condition(&after, "TaintgateVerified").unwrap()["status"], "True");
+    let guarded: Vec<u16> = emu
+        .mutating_requests()
+        .iter()
+        .filter(|r| {
+            r.body.as_ref().and_then(Value::as_array).is_some_and(|ops| {
+                ops.iter()
+                    .any(|op| op["op"] == "test" && op["path"] == "/metadata/resourceVersion")
+            })
+        })
+        .map(|r| r.status)
+        .collect();
+    assert_eq!(
+        guarded.first(),
+        Some(&422),
+        "the stale resourceVersion test refused by the server: {guarded:?}"
+    );
+    assert_eq!(guarded.last(), Some(&200), "then applied after a re-read: {guarded:?}");
+}
+
+#[test]
 fn conflicts_and_server_errors_are_retried_not_given_up() {
     let emu = start(true);
     let m = RequestMatch::any()

@@ -80,6 +80,8 @@ pub(crate) struct Hook {
     pub rid: String,
     pub namespace: String,
     pub name: String,
+    /// Only writes to this subresource (e.g. `status`); `None`: any write of the object.
+    pub subresource: Option<String>,
     pub trigger: HookTrigger,
     pub gets_seen: usize,
     pub action: Option<HookFn>,
@@ -133,13 +135,14 @@ impl Faults {
     }
 
     /// Take the before-write hooks for an object.
-    pub fn take_before_write(&mut self, rid: &str, ns: &str, name: &str) -> Vec<HookFn> {
+    pub fn take_before_write(&mut self, rid: &str, ns: &str, name: &str, sub: Option<&str>) -> Vec<HookFn> {
         let mut out = Vec::new();
         for h in &mut self.hooks {
             if h.trigger == HookTrigger::BeforeWrite
                 && h.rid == rid
                 && h.namespace == ns
                 && h.name == name
+                && h.subresource.as_deref().is_none_or(|s| Some(s) == sub)
                 && let Some(a) = h.action.take()
             {
                 out.push(a);

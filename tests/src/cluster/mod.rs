@@ -1010,11 +1010,17 @@ impl ApiServer {
         trigger: HookTrigger,
         f: impl FnOnce(&mut Value) + Send + 'static,
     ) -> anyhow::Result<()> {
+        // `nodes/status`: only writes to that subresource.
+        let (resource, subresource) = match resource.split_once('/') {
+            Some((r, s)) => (r, Some(s.to_string())),
+            None => (resource, None),
+        };
         let r = ObjectRef::new(resource, name)?;
         self.shared.faults().hooks.push(Hook {
             rid: r.resource,
             namespace: r.namespace,
             name: r.name,
+            subresource,
             trigger,
             gets_seen: 0,
             action: Some(Box::new(f)),
@@ -1039,6 +1045,7 @@ impl ApiServer {
 
     /// Another writer: just before the next PUT/PATCH of `resource/name` through the proxy
     /// is forwarded, `f` changes the object on the server; the write then meets it.
+    /// `resource` may name a subresource (`nodes/status`) to wait for a write to it.
     pub fn before_next_write(
         &self,
         resource: &str,

@@ -251,7 +251,9 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request<Body>) -> Respon
     if let Some(t) = &target
         && matches!(method.as_str(), "PUT" | "PATCH")
     {
-        let hooks = shared.faults().take_before_write(&t.resource, &t.namespace, &t.name);
+        let hooks = shared
+            .faults()
+            .take_before_write(&t.resource, &t.namespace, &t.name, t.subresource.as_deref());
         run_hooks(&shared, t, hooks).await;
     }
 
