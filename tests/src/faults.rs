@@ -659,3 +659,83 @@ pub fn run_matrix<S: Sync>(
 pub fn verdict_message(t: &Timeline) -> String {
     t.verdict.as_ref().map(|v| v.message.clone()).unwrap_or_default()
 }
+
+/// The real API servers a matrix's rows share: one per worker thread (a control plane costs
+/// seconds to start and ~300 MB), each reused row after row and reset in between
+/// ([`reset_api_for_row`]). At most as many rows run at once as the pool holds servers.
+pub struct ApiPool {
+    free: std::sync::Mutex<Vec<ApiServer>>,
+}
+
+impl ApiPool {
+    /// Start `n` (at least 1) control planes at once; the first failure is returned.
+    pub fn start(n: usize) -> anyhow::Result<Self> {
+        let started: Vec<anyhow::Result<ApiServer>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n.max(1)).map(|_| s.spawn(ApiServer::start_blocking)).collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("starting an API server panicked")))
+                })
+                .collect()
+        });
+        let free = started.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Self {
+            free: std::sync::Mutex::new(free),
+        })
+    }
+
+    /// Run `f` with a server of the pool (taken for the call, given back afterwards, also
+    /// when `f` panics). Fails when no server is free: run no more rows at once than the
+    /// pool holds.
+    pub fn with<T>(&self, f: impl FnOnce(&ApiServer) -> T) -> Result<T, String> {
+        struct Lease<'a> {
+            pool: &'a ApiPool,
+            api: Option<ApiServer>,
+        }
+        impl Drop for Lease<'_> {
+            fn drop(&mut self) {
+                if let Some(a) = self.api.take() {
+                    self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(a);
+                }
+            }
+        }
+        let lease = Lease {
+            pool: self,
+            api: self.free.lock().unwrap_or_else(|p| p.into_inner()).pop(),
+        };
+        let Some(api) = lease.api.as_ref() else {
+            return Err("no free API server in the pool (more rows at once than servers)".into());
+        };
+        Ok(f(api))
+    }
+}
+
+/// Make a reused API server ready for a new row: no faults, the previous agent's watches
+/// closed, the reference Node and every Event gone, then `node` (if any) created, and the
+/// proxy's record cleared. Returns `node` as the server stored it.
+pub fn reset_api_for_row(api: &ApiServer, node: Option<Value>) -> anyhow::Result<Option<Value>> {
+    api.clear_faults();
+    wait_until("the previous agent's watches to close", Duration::from_secs(30), || {
+        api.open_watches() == 0
+    })?;
+    if api.get_object("nodes", NODE)?.is_some() {
+        api.delete_object("nodes", NODE)?;
+    }
+    for e in api.list_objects("events")? {
+        let name = format!(
+            "{}/{}",
+            e["metadata"]["namespace"].as_str().unwrap_or("default"),
+            e["metadata"]["name"].as_str().unwrap_or("")
+        );
+        api.delete_object("events", &name)?;
+    }
+    let stored = match node {
+        Some(n) => Some(api.put_object(n)?),
+        None => None,
+    };
+    api.clear_requests();
+    api.reset_peak_watches();
+    Ok(stored)
+}

@@ -1,15 +1,21 @@
 //! The fault matrix: one table of scenarios, each run end to end through the real
-//! `taintgate` binary (simulated GPU node profile) against the Kubernetes API emulator
-//! with faults injected, each asserting the exact outcome (released, or held with reason
-//! X), the Node's taints, the agent's condition and Event, that nothing else on the Node
-//! changed, and that no taint-removal patch was sent before the last piece of evidence.
+//! `taintgate` binary (simulated GPU node profile) against a real kube-apiserver (and etcd)
+//! through the harness's recording TLS fault proxy (`taintgate_tests::cluster`), with
+//! faults injected by the proxy or by real writes of "other controllers", each asserting
+//! the exact outcome (released, or held with reason X), the Node's taints, the agent's
+//! condition and Event, that nothing else on the Node changed, and that no taint-removal
+//! patch was sent before the last piece of evidence.
 //!
-//! Rows cover the API (409 storms, 422 from the patch `test`, 500 bursts, latency, watches
-//! dropped mid-wait or expired, the Node deleted and recreated, the taint re-added after
-//! release, other controllers editing taints), the GPU (every faulty profile, a GPU lost
-//! mid-run, XIDs during validation) and the kubelet side (plugin socket missing, device
-//! unhealthy, CDI, allocatable). `FAULT_MATRIX_ONLY=<substring>` runs matching rows only;
-//! `FAULT_MATRIX_JOBS=N` sets how many rows run at once (default 3).
+//! Rows cover the API (409 storms, 422 from the patch `test` after real concurrent writes,
+//! 500 bursts, 429 with `Retry-After`, connection resets, latency, watches dropped mid-wait
+//! or resumed after a real etcd compaction (410 Gone), the Node deleted and recreated, the
+//! taint re-added after release, other controllers editing taints), the GPU (every faulty
+//! profile, a GPU lost mid-run, XIDs during validation) and the kubelet side (plugin socket
+//! missing, device unhealthy, CDI, allocatable). `FAULT_MATRIX_ONLY=<substring>` runs
+//! matching rows only; `FAULT_MATRIX_JOBS=N` sets how many rows run at once (default 3).
+//! Each of those N workers has one control plane of its own, reused row after row (the
+//! Node, the Events, the faults and the proxy's record are reset in between). A control
+//! plane that cannot start skips the test, except under CI (`CI=true`), where it fails it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -17,8 +23,9 @@ use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use taintgate::timeline::{Outcome, Timeline};
 use taintgate_tests::agent::{NODE, TAINT, condition, reference_node};
-use taintgate_tests::emulator::{Emulator, RequestMatch};
+use taintgate_tests::cluster::{ApiServer, RequestMatch};
 use taintgate_tests::faults::*;
+use taintgate_tests::require_service;
 
 const OURS: &str = "taintgate.io/unverified:NoSchedule";
 const GPU_TAINT: &str = "nvidia.com/gpu:NoSchedule";
@@ -26,7 +33,7 @@ const NODE_PATH: &str = "/api/v1/nodes/gpu-node-a";
 
 /// Everything a scenario's own check can look at.
 struct Ctx<'a> {
-    emu: &'a Emulator,
+    emu: &'a ApiServer,
     run: &'a AgentRun,
     timeline: &'a Timeline,
     after: &'a Value,
@@ -43,12 +50,12 @@ struct Scenario {
     profile_overlay: &'static str,
     /// YAML merged over [`fast_config`].
     config: &'static str,
-    /// The Node in the emulator at start (`None`: no Node yet).
+    /// The Node on the API server at start (`None`: no Node yet).
     node: fn() -> Option<Value>,
     /// Faults set before the agent starts.
-    setup: fn(&Emulator),
+    setup: fn(&ApiServer),
     /// Actions while the agent runs (a concurrent "cluster").
-    during: fn(&Emulator, &RunningAgent) -> anyhow::Result<()>,
+    during: fn(&ApiServer, &RunningAgent) -> anyhow::Result<()>,
     /// Run without `--once`; `during` ends the agent with SIGTERM.
     resident: bool,
     expect: Expect,
@@ -69,9 +76,9 @@ fn unregistered() -> Option<Value> {
     Some(reference_node(false).build())
 }
 
-fn no_setup(_: &Emulator) {}
+fn no_setup(_: &ApiServer) {}
 
-fn nothing(_: &Emulator, _: &RunningAgent) -> anyhow::Result<()> {
+fn nothing(_: &ApiServer, _: &RunningAgent) -> anyhow::Result<()> {
     Ok(())
 }
 
@@ -123,11 +130,11 @@ impl Scenario {
         self.node = f;
         self
     }
-    fn setup(mut self, f: fn(&Emulator)) -> Self {
+    fn setup(mut self, f: fn(&ApiServer)) -> Self {
         self.setup = f;
         self
     }
-    fn during(mut self, f: fn(&Emulator, &RunningAgent) -> anyhow::Result<()>) -> Self {
+    fn during(mut self, f: fn(&ApiServer, &RunningAgent) -> anyhow::Result<()>) -> Self {
         self.during = f;
         self
     }
@@ -146,7 +153,7 @@ fn node_patch() -> RequestMatch {
 }
 
 /// "Karpenter" finishes registration.
-fn register(emu: &Emulator) -> anyhow::Result<()> {
+fn register(emu: &ApiServer) -> anyhow::Result<()> {
     emu.mutate_object("nodes", NODE, |n| {
         n["metadata"]["labels"]["karpenter.sh/registered"] = json!("true");
         if let Some(t) = n["spec"]["taints"].as_array_mut() {
@@ -156,18 +163,18 @@ fn register(emu: &Emulator) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn watch_requests(emu: &Emulator) -> usize {
+fn watch_requests(emu: &ApiServer) -> usize {
     emu.requests().iter().filter(|r| r.watch).count()
 }
 
 /// Wait until the agent has opened its `k`-th watch and that watch is open.
-fn wait_watch(emu: &Emulator, k: usize) -> anyhow::Result<()> {
+fn wait_watch(emu: &ApiServer, k: usize) -> anyhow::Result<()> {
     wait_until(&format!("watch #{k} on the node"), Duration::from_secs(30), || {
         watch_requests(emu) >= k && emu.open_watches() > 0
     })
 }
 
-fn statuses(emu: &Emulator) -> Vec<u16> {
+fn statuses(emu: &ApiServer) -> Vec<u16> {
     taint_removals(emu, NODE).iter().map(|r| r.status).collect()
 }
 
@@ -277,6 +284,33 @@ fn scenarios() -> Vec<Scenario> {
         sc("api-500-burst-on-writes")
             .setup(|e| e.fail_next(5, 500, node_patch()))
             .extra(|c| expect_statuses(c, &[500, 500, 500, 500, 500, 200])),
+        sc("api-429-retry-after-on-reads-and-writes")
+            .setup(|e| {
+                // The proxy's 429s carry `Retry-After: 1`.
+                e.fail_next(3, 429, RequestMatch::any().method("GET").path(NODE_PATH).watch(false));
+                e.fail_next(3, 429, node_patch());
+            })
+            .extra(|c| {
+                let n = c.emu.requests().iter().filter(|r| r.status == 429).count();
+                if n != 6 {
+                    return Err(format!("{n} requests answered 429, expected all 6 injected to be met"));
+                }
+                expect_statuses(c, &[429, 429, 429, 200])
+            }),
+        sc("api-connection-resets")
+            .setup(|e| {
+                // Closed unanswered before anything reaches the server (nor the record).
+                e.reset_next(2, RequestMatch::any().method("GET").path(NODE_PATH).watch(false));
+                e.reset_next(2, node_patch());
+            })
+            .extra(|c| {
+                expect_statuses(c, &[200])?;
+                let n = log_count(&c.run.stderr, "taint removal will retry");
+                if n != 2 {
+                    return Err(format!("{n} taint-removal retries logged, expected one per reset (2)"));
+                }
+                Ok(())
+            }),
         sc("api-writes-refused-until-untaint-deadline")
             .config("api: {untaint_deadline: 1s}")
             .setup(|e| e.fail_next(100_000, 500, node_patch()))
@@ -373,9 +407,16 @@ fn scenarios() -> Vec<Scenario> {
                 e.mutate_object("nodes", NODE, |n| {
                     n["metadata"]["labels"]["example.com/churn"] = json!("1");
                 })?;
-                e.compact_history();
+                // A write the agent does not watch, so that etcd is compacted strictly
+                // above any revision the agent may resume from, whether or not its watch
+                // passed it the churn event.
+                e.put_object(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": "compaction-filler", "namespace": "default"}}))?;
+                e.compact_history()?;
                 e.drop_watches();
-                wait_watch(e, 2)?;
+                // The resumed watch (#2) meets the compacted revision: the real server's
+                // 410 Gone. Only a re-read and a fresh watch (#3) get the agent further.
+                wait_watch(e, 3)?;
                 e.mutate_object("nodes", NODE, |n| {
                     n["metadata"]["labels"]
                         .as_object_mut()
@@ -383,9 +424,32 @@ fn scenarios() -> Vec<Scenario> {
                         .remove("example.com/churn");
                 })?;
                 register(e)
+            })
+            .extra(|c| {
+                // Re-listed: a fresh read of the Node between the resumed watch and the next.
+                let reqs = c.emu.requests();
+                let watches: Vec<usize> = (0..reqs.len()).filter(|i| reqs[*i].watch).collect();
+                let (Some(&second), Some(&third)) = (watches.get(1), watches.get(2)) else {
+                    return Err(format!("{} watches; expected a third after the 410", watches.len()));
+                };
+                if !reqs[second..third]
+                    .iter()
+                    .any(|r| r.method == "GET" && r.path == NODE_PATH && !r.watch)
+                {
+                    return Err("no re-read of the node between the expired watch and the next".into());
+                }
+                // The watch ended on the server's error event (410), not as a broken stream.
+                if log_count(&c.run.stderr, "watch stream broke; re-listing after backoff") != 0 {
+                    return Err("a watch stream broke; expected the real 410 Gone error event".into());
+                }
+                Ok(())
             }),
+        // A Node deleted while the agent waits for it is going away (Karpenter deletes it
+        // with its NodeClaim): the wait ends at once with NodeNotFound (agent d2921dc), and
+        // the node that comes back under the same name keeps the taint and gets the report.
         sc("node-deleted-and-recreated-while-waiting")
             .node(unregistered)
+            .held("NodeNotFound")
             .during(|e, _| {
                 wait_watch(e, 1)?;
                 let old = e.delete_object("nodes", NODE)?;
@@ -405,6 +469,10 @@ fn scenarios() -> Vec<Scenario> {
             .extra(|c| {
                 if c.after["metadata"]["labels"]["example.com/incarnation"] != "2" {
                     return Err("expected the recreated node".into());
+                }
+                let r = stage_outcome(c.timeline, "register");
+                if r != Some((Outcome::Failed, Some("NodeNotFound".into()))) {
+                    return Err(format!("register stage: {r:?}"));
                 }
                 Ok(())
             }),
@@ -697,19 +765,17 @@ fn stable_view(node: &Value, hardware_type: &str) -> Value {
     })
 }
 
-fn run_scenario(s: &Scenario) -> RowResult {
+fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
     let start = Instant::now();
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let emu = Emulator::start_blocking().map_err(|e| e.to_string())?;
-    let initial = (s.node)();
-    if let Some(n) = &initial {
-        emu.put_object(n.clone()).map_err(|e| e.to_string())?;
-    }
+    // The Node as the real server stored it (defaults, server-set metadata) is the
+    // baseline of "nothing else changed".
+    let initial = reset_api_for_row(emu, (s.node)()).map_err(|e| format!("resetting the API server: {e:#}"))?;
     let before = initial.as_ref().map(|n| stable_view(n, s.hardware.0));
-    (s.setup)(&emu);
+    (s.setup)(emu);
     let profile = write_profile(dir.path(), "profile.yaml", s.profile, s.profile_overlay).map_err(|e| e.to_string())?;
     let config = write_config(dir.path(), "config.yaml", s.config).map_err(|e| e.to_string())?;
-    let r = run_row_agent(&emu, &profile, &config, !s.resident, |agent| (s.during)(&emu, agent))?;
+    let r = run_row_agent(emu, &profile, &config, !s.resident, |agent| (s.during)(emu, agent))?;
     let (run, timeline, after) = (&r.run, &r.timeline, &r.after);
 
     // Outcome: exit code, verdict, taints.
@@ -739,12 +805,12 @@ fn run_scenario(s: &Scenario) -> RowResult {
     if hw_type != "AcceleratedHardwareReady" && condition(after, "AcceleratedHardwareReady").is_some() {
         return r.fail("the default hardware condition was written although renamed");
     }
-    if let Err(e) = check_verdict_event(&emu, s.expect) {
+    if let Err(e) = check_verdict_event(emu, s.expect) {
         return r.fail(e);
     }
 
     // Safety: nothing removed before the evidence, nothing else changed, no fleet-wide list.
-    if let Err(e) = check_no_early_untaint(&emu, NODE, timeline) {
+    if let Err(e) = check_no_early_untaint(emu, NODE, timeline) {
         return r.fail(e);
     }
     if let Some(b) = before
@@ -764,7 +830,7 @@ fn run_scenario(s: &Scenario) -> RowResult {
         }
     }
     let ctx = Ctx {
-        emu: &emu,
+        emu,
         run,
         timeline,
         after,
@@ -784,7 +850,9 @@ fn fault_matrix() {
         all.len()
     );
     let rows = select_rows(&all, |s| s.name, "FAULT_MATRIX_ONLY");
-    run_matrix(&rows, jobs_from_env("FAULT_MATRIX_JOBS", 3), |s| s.name, run_scenario);
+    let jobs = jobs_from_env("FAULT_MATRIX_JOBS", 3).min(rows.len());
+    let pool = require_service!("kube-apiserver", ApiPool::start(jobs));
+    run_matrix(&rows, jobs, |s| s.name, |s| pool.with(|emu| run_scenario(emu, s))?);
 }
 
 /// The early-untaint detector every row relies on must itself be able to fail: a removal
@@ -793,7 +861,7 @@ fn fault_matrix() {
 #[tokio::test]
 async fn early_untaint_detector_flags_a_removal_before_evidence() {
     use kube::api::{Api, Patch, PatchParams};
-    let emu = Emulator::start().await.unwrap();
+    let emu = require_service!("kube-apiserver", ApiServer::start().await);
     emu.put_object(reference_node(true).build()).unwrap();
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(emu.client().unwrap());
     let remove: json_patch::Patch = serde_json::from_value(json!([

@@ -1,6 +1,7 @@
 //! The fault matrix, I/O rows: model sources, the cache disk and the container runtime,
 //! each run end to end through the real `taintgate` binary (simulated GPU node profile,
-//! `--once`, one row resident) against the Kubernetes API emulator and real services on
+//! `--once`, one row resident) against a real kube-apiserver (and etcd) through the
+//! harness's recording TLS fault proxy (`taintgate_tests::cluster`), and real services on
 //! loopback: nginx (404, 403, `/slow/`), moto S3 with authentication on, a private
 //! containerd and a docker registry, tmpfs and read-only mounts. Faults that must land at
 //! an exact point of a download (a connection reset mid-body, the object replaced, the disk
@@ -16,9 +17,12 @@
 //! paths.
 //!
 //! A service that cannot start skips its row with a loud `SKIP` line, except under CI
-//! (`CI=true`), where it fails the row (the `require_service!` rule).
+//! (`CI=true`), where it fails the row (the `require_service!` rule); a control plane that
+//! cannot start skips the whole test the same way (fails it under CI).
 //! `FAULT_MATRIX_IO_ONLY=<substring>` runs matching rows only; `FAULT_MATRIX_IO_JOBS=N`
-//! sets how many rows run at once (default 3). Needs root (mounts, containerd) and a
+//! sets how many rows run at once (default 3). Each of those N workers has one control
+//! plane of its own, reused row after row (the Node, the Events, the faults and the
+//! proxy's record are reset in between). Needs root (mounts, containerd) and a
 //! built agent (`cargo build -p taintgate`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -35,9 +39,10 @@ use taintgate_tests::bundles::{
     FaultProxy, ProxyFault, ProxyStats, files_under, pseudo_random, publish_manifest, resumed_inside_a_chunk,
     sha256_file, test_prefetch_options, write_origin_file,
 };
-use taintgate_tests::emulator::Emulator;
+use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::faults::*;
 use taintgate_tests::mounts::Mount;
+use taintgate_tests::require_service;
 use taintgate_tests::services::containerd::Containerd;
 use taintgate_tests::services::moto::Moto;
 use taintgate_tests::services::nginx::Nginx;
@@ -146,7 +151,7 @@ struct Ctx<'a> {
 }
 
 type Check = fn(&Ctx) -> Result<(), String>;
-type During = fn(&World, &Emulator, &RunningAgent) -> anyhow::Result<()>;
+type During = fn(&World, &ApiServer, &RunningAgent) -> anyhow::Result<()>;
 
 /// One row of the matrix.
 struct Scenario {
@@ -163,7 +168,7 @@ struct Scenario {
     extra: Check,
 }
 
-fn nothing(_: &World, _: &Emulator, _: &RunningAgent) -> anyhow::Result<()> {
+fn nothing(_: &World, _: &ApiServer, _: &RunningAgent) -> anyhow::Result<()> {
     Ok(())
 }
 
@@ -451,7 +456,7 @@ fn setup_slow_late_small(dir: &Path) -> anyhow::Result<World> {
 /// stage. Were it still running, the rest of the file would arrive within 2 s (the whole
 /// takes 2 to 3 s) and be committed while the node is held and the agent sleeps before its
 /// next pass (15 s), which would then race the orphan on the same partial file.
-fn download_stopped_at_deadline(w: &World, emu: &Emulator, agent: &RunningAgent) -> anyhow::Result<()> {
+fn download_stopped_at_deadline(w: &World, emu: &ApiServer, agent: &RunningAgent) -> anyhow::Result<()> {
     let held = wait_until("the node to be held", Duration::from_secs(30), || {
         reference(emu)
             .ok()
@@ -1199,7 +1204,7 @@ fn stable_view(node: &Value) -> Value {
     })
 }
 
-fn run_scenario(s: &Scenario) -> RowResult {
+fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
     let start = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("tg-fmio")
@@ -1218,14 +1223,15 @@ fn run_scenario(s: &Scenario) -> RowResult {
             return Err(format!("setup failed: {e:#}"));
         }
     };
-    let emu = Emulator::start_blocking().map_err(|e| e.to_string())?;
-    let initial = reference_node(true).build();
-    emu.put_object(initial.clone()).map_err(|e| e.to_string())?;
+    // The Node as the real server stored it is the baseline of "nothing else changed".
+    let initial = reset_api_for_row(emu, Some(reference_node(true).build()))
+        .map_err(|e| format!("resetting the API server: {e:#}"))?
+        .ok_or("the reference node was not stored")?;
     let before = stable_view(&initial);
     let profile = write_profile(dir.path(), "profile.yaml", "8gpu-two-domains", "").map_err(|e| e.to_string())?;
     let config = write_config(dir.path(), "config.yaml", &world.config).map_err(|e| e.to_string())?;
-    let r = run_row_agent(&emu, &profile, &config, !s.resident, |agent| {
-        (s.during)(&world, &emu, agent)
+    let r = run_row_agent(emu, &profile, &config, !s.resident, |agent| {
+        (s.during)(&world, emu, agent)
     })?;
     let (run, timeline, after) = (&r.run, &r.timeline, &r.after);
 
@@ -1275,13 +1281,13 @@ fn run_scenario(s: &Scenario) -> RowResult {
     if hw != Some(json!("True")) {
         return r.fail(format!("AcceleratedHardwareReady {hw:?}, expected True"));
     }
-    if let Err(e) = check_verdict_event(&emu, s.expect) {
+    if let Err(e) = check_verdict_event(emu, s.expect) {
         return r.fail(e);
     }
 
     // Safety: nothing removed before the evidence, nothing else on the Node changed,
     // nothing lost or unverified in the cache.
-    if let Err(e) = check_no_early_untaint(&emu, NODE, timeline) {
+    if let Err(e) = check_no_early_untaint(emu, NODE, timeline) {
         return r.fail(e);
     }
     if stable_view(after) != before {
@@ -1316,12 +1322,9 @@ fn run_scenario(s: &Scenario) -> RowResult {
 fn fault_matrix_io() {
     let all = scenarios();
     let rows = select_rows(&all, |s| s.name, "FAULT_MATRIX_IO_ONLY");
-    run_matrix(
-        &rows,
-        jobs_from_env("FAULT_MATRIX_IO_JOBS", 3),
-        |s| s.name,
-        run_scenario,
-    );
+    let jobs = jobs_from_env("FAULT_MATRIX_IO_JOBS", 3).min(rows.len());
+    let pool = require_service!("kube-apiserver", ApiPool::start(jobs));
+    run_matrix(&rows, jobs, |s| s.name, |s| pool.with(|emu| run_scenario(emu, s))?);
 }
 
 /// The cache check every models row relies on must itself be able to fail: an unverified

@@ -152,9 +152,9 @@ impl ObjectRef {
     /// Parse `/api/v1[/namespaces/NS]/RES/NAME[/SUB]` or the `/apis/G/V/...` form.
     pub(crate) fn from_path(path: &str) -> Option<Self> {
         let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        let (prefix, rest) = match parts.first()? {
-            &"api" => (format!("/api/{}", parts.get(1)?), &parts[2..]),
-            &"apis" => (format!("/apis/{}/{}", parts.get(1)?, parts.get(2)?), parts.get(3..)?),
+        let (prefix, rest) = match *parts.first()? {
+            "api" => (format!("/api/{}", parts.get(1)?), &parts[2..]),
+            "apis" => (format!("/apis/{}/{}", parts.get(1)?, parts.get(2)?), parts.get(3..)?),
             _ => return None,
         };
         let (namespace, rest) = match rest {

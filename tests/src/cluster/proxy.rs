@@ -167,7 +167,21 @@ fn forwardable(name: &str) -> bool {
     )
 }
 
+/// Each exchange runs as a task of its own: a client that goes away mid-request (an agent
+/// killed by a test) does not stop the forward, so the server's answer is still recorded
+/// and the record says what the server really applied.
 async fn handle(State(shared): State<Arc<Shared>>, req: Request<Body>) -> Response<Body> {
+    match tokio::spawn(exchange(shared, req)).await {
+        Ok(r) => r,
+        Err(e) => answer(
+            500,
+            &status_body(500, "InternalError", &format!("proxy task: {e}")),
+            &[],
+        ),
+    }
+}
+
+async fn exchange(shared: Arc<Shared>, req: Request<Body>) -> Response<Body> {
     let (parts, body) = req.into_parts();
     let method = parts.method.as_str().to_string();
     let path = parts.uri.path().to_string();
