@@ -1,7 +1,8 @@
 //! Shared helpers for the continuous-mode tests (XIDs after release, simulated and through
-//! the fake NVML library): the reference Node with a foreign taint after ours, a resident
-//! agent that is stopped with SIGTERM (or killed when a test fails), the waits for the
-//! release, the unhealthy taint, the `XidFatal` conditions and Events, and a `/metrics`
+//! the fake NVML library), which run against the real kube-apiserver
+//! ([`crate::cluster::ApiServer`]): the reference Node with a foreign taint after ours, a
+//! resident agent that is stopped with SIGTERM (or killed when a test fails), the waits for
+//! the release, the unhealthy taint, the `XidFatal` conditions and Events, and a `/metrics`
 //! scrape. The assert helpers panic with the agent's output: they are the tests' failures.
 
 use crate::agent::{NODE, condition, reference_node};
@@ -30,8 +31,8 @@ pub fn node_with_foreign_taint() -> Value {
 }
 
 /// The Events about the reference node with `reason`.
-pub fn events_with_reason(emu: &ApiServer, reason: &str) -> Vec<Value> {
-    emu.list_objects("events")
+pub fn events_with_reason(api: &ApiServer, reason: &str) -> Vec<Value> {
+    api.list_objects("events")
         .unwrap_or_else(|e| panic!("listing events: {e}"))
         .into_iter()
         .filter(|e| e["reason"] == reason && e["involvedObject"]["name"] == NODE)
@@ -39,9 +40,9 @@ pub fn events_with_reason(emu: &ApiServer, reason: &str) -> Vec<Value> {
 }
 
 /// Wait (up to 30 s) until an Event about the reference node with `reason` exists.
-pub fn wait_for_event(emu: &ApiServer, reason: &str) {
+pub fn wait_for_event(api: &ApiServer, reason: &str) {
     wait_until(&format!("the {reason} event"), Duration::from_secs(30), || {
-        !events_with_reason(emu, reason).is_empty()
+        !events_with_reason(api, reason).is_empty()
     })
     .unwrap_or_else(|e| panic!("{e}"));
 }
@@ -89,20 +90,20 @@ pub fn is_taint_addition(r: &RecordedRequest, key: &str) -> bool {
 }
 
 /// How many node PATCHes added a taint with `key`.
-pub fn taint_additions(emu: &ApiServer, key: &str) -> usize {
-    emu.requests().iter().filter(|r| is_taint_addition(r, key)).count()
+pub fn taint_additions(api: &ApiServer, key: &str) -> usize {
+    api.requests().iter().filter(|r| is_taint_addition(r, key)).count()
 }
 
 /// Wait until the [`UNHEALTHY`] taint is on the reference node and return the node.
-pub fn wait_unhealthy_taint(emu: &ApiServer, timeout: Duration) -> Value {
-    emu.wait_for_blocking("nodes", NODE, |n| taints(n).iter().any(|t| t == UNHEALTHY), timeout)
+pub fn wait_unhealthy_taint(api: &ApiServer, timeout: Duration) -> Value {
+    api.wait_for_blocking("nodes", NODE, |n| taints(n).iter().any(|t| t == UNHEALTHY), timeout)
         .unwrap_or_else(|e| panic!("unhealthy taint never appeared: {e}"))
 }
 
 /// Wait until both `AcceleratedHardwareReady` and `TaintgateVerified` carry reason
 /// `XidFatal` (they are written right after the taint) and return the node.
-pub fn wait_xid_fatal_conditions(emu: &ApiServer, timeout: Duration) -> Value {
-    emu.wait_for_blocking(
+pub fn wait_xid_fatal_conditions(api: &ApiServer, timeout: Duration) -> Value {
+    api.wait_for_blocking(
         "nodes",
         NODE,
         |n| {
@@ -140,13 +141,13 @@ impl ResidentAgent {
         }
     }
 
-    /// Wait for the release on `emu` (startup taint gone within `timeout`, then the
+    /// Wait for the release on `api` (startup taint gone within `timeout`, then the
     /// `Released` Event); on a timeout kill the agent and fail with its output.
-    pub fn wait_released(&mut self, emu: &ApiServer, timeout: Duration) {
-        if let Err(e) = emu.wait_for_blocking("nodes", NODE, |n| !has_startup_taint(n), timeout) {
+    pub fn wait_released(&mut self, api: &ApiServer, timeout: Duration) {
+        if let Err(e) = api.wait_for_blocking("nodes", NODE, |n| !has_startup_taint(n), timeout) {
             self.fail(&format!("not released: {e}"));
         }
-        wait_for_event(emu, "Released");
+        wait_for_event(api, "Released");
     }
 
     /// SIGTERM the agent and return its run; it must exit 0 on its own within 30 s with a

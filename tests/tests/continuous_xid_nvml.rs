@@ -1,9 +1,10 @@
 //! XIDs after release through the **real NVML path**, end to end: the real `taintgate`
 //! binary (no `--simulate`) loads the fake `libnvidia-ml.so.1` (`tests/fake-nvml/`) through
-//! `gpu.nvml_library`, gates on the API emulator with the stages that need no CUDA, kubelet
-//! socket or CDI files (`register`, `driver`, `allocatable`), and after release blocks in
-//! `nvmlEventSetWait_v2` on its per-GPU event sets. The test then writes the fake's
-//! `xid_trigger` file, which the fake picks up inside that blocking wait:
+//! `gpu.nvml_library`, gates on the real kube-apiserver (`taintgate_tests::cluster`) with
+//! the stages that need no CUDA, kubelet socket or CDI files (`register`, `driver`,
+//! `allocatable`), and after release blocks in `nvmlEventSetWait_v2` on its per-GPU event
+//! sets. The test then writes the fake's `xid_trigger` file, which the fake picks up inside
+//! that blocking wait:
 //!
 //! - continuous mode, fatal XID 79 on GPU 1: the continuous taint is appended exactly once
 //!   (other taints untouched, in order; the startup taint is not re-added), both conditions
@@ -23,9 +24,10 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::*;
-use taintgate_tests::emulator::Emulator;
 use taintgate_tests::faults::*;
+use taintgate_tests::require_service;
 
 /// The default `continuous.xid_wait` (the test does not set it): bounds the timeout of any
 /// single wait the agent asks NVML for.
@@ -53,9 +55,9 @@ fn delivery_waits(stderr: &str, gpu: u32, xid: u32) -> Vec<u64> {
         .collect()
 }
 
-/// A resident agent on the real NVML path (fake library), released on a fresh emulator.
+/// A resident agent on the real NVML path (fake library), released on a fresh API server.
 struct Scenario {
-    emu: Emulator,
+    api: ApiServer,
     agent: ResidentAgent,
     metrics_port: u16,
     /// The Node as stored before the agent started.
@@ -66,11 +68,10 @@ struct Scenario {
 }
 
 impl Scenario {
-    fn start() -> Self {
+    fn start(api: ApiServer) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let emu = Emulator::start_blocking().unwrap();
-        emu.put_object(node_with_foreign_taint()).unwrap();
-        let before = reference(&emu).unwrap();
+        api.put_object(node_with_foreign_taint()).unwrap();
+        let before = reference(&api).unwrap();
 
         // Own copy of the library per test: the fake reads `profile.txt` beside itself.
         let nvml_dir = dir.path().join("nvml");
@@ -102,7 +103,7 @@ impl Scenario {
         });
         let config = write_config(dir.path(), "config.yaml", &overlay.to_string()).unwrap();
         let port = taintgate_tests::services::free_port().unwrap();
-        let kubeconfig = emu.kubeconfig_path().to_string_lossy().into_owned();
+        let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
         let config = config.to_string_lossy().into_owned();
         let metrics_addr = format!("127.0.0.1:{port}");
         let args = [
@@ -124,7 +125,7 @@ impl Scenario {
         cmd.env_remove("TAINTGATE_NVML_LIBRARY").env_remove("FAKE_NVML_PROFILE");
         let agent = RunningAgent::spawn(cmd).unwrap();
         Self {
-            emu,
+            api,
             agent: ResidentAgent::new(agent),
             metrics_port: port,
             before,
@@ -140,8 +141,8 @@ impl Scenario {
 
     /// Wait for the release (startup taint gone, Released Event written) and return the Node.
     fn wait_released(&mut self) -> Value {
-        self.agent.wait_released(&self.emu, Duration::from_secs(90));
-        reference(&self.emu).unwrap()
+        self.agent.wait_released(&self.api, Duration::from_secs(90));
+        reference(&self.api).unwrap()
     }
 
     /// Wait until the agent blocks in `nvmlEventSetWait_v2` with a non-zero timeout (the
@@ -192,12 +193,13 @@ impl Scenario {
 #[test]
 fn fatal_xid_through_nvml_taints_the_node_once() {
     let started = Instant::now();
-    let mut s = Scenario::start();
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    let mut s = Scenario::start(api);
     let released = s.wait_released();
     assert_eq!(taints(&released), vec![GPU_TAINT, OTHER_TAINT]);
     assert_condition(&released, "TaintgateVerified", "True", "Released");
     assert!(
-        events_with_reason(&s.emu, "XidFatal").is_empty(),
+        events_with_reason(&s.api, "XidFatal").is_empty(),
         "an XID before any was injected"
     );
     let released_at = started.elapsed();
@@ -211,13 +213,13 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
 
     let t0 = Instant::now();
     s.inject("1 79\n");
-    let node = wait_unhealthy_taint(&s.emu, Duration::from_secs(30));
+    let node = wait_unhealthy_taint(&s.api, Duration::from_secs(30));
     let latency = t0.elapsed();
     // Appended after the others, which are untouched and in order; no startup taint.
     assert_eq!(taints(&node), vec![GPU_TAINT, OTHER_TAINT, UNHEALTHY]);
     s.wait_delivered();
 
-    let node = wait_xid_fatal_conditions(&s.emu, Duration::from_secs(30));
+    let node = wait_xid_fatal_conditions(&s.api, Duration::from_secs(30));
     for ty in ["TaintgateVerified", "AcceleratedHardwareReady"] {
         assert_condition(&node, ty, "False", "XidFatal");
         let msg = condition(&node, ty).unwrap()["message"].as_str().unwrap().to_string();
@@ -226,14 +228,14 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
             "{ty}: {msg}"
         );
     }
-    wait_for_event(&s.emu, "XidFatal");
+    wait_for_event(&s.api, "XidFatal");
     let m = metrics(s.metrics_port).unwrap();
     assert!(m.contains(r#"taintgate_xids_total{class="fatal",xid="79"} 1"#), "{m}");
 
     let t1 = Instant::now();
     let run = s.stop();
     let stop_took = t1.elapsed();
-    let events = events_with_reason(&s.emu, "XidFatal");
+    let events = events_with_reason(&s.api, "XidFatal");
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["type"], "Warning");
     assert_eq!(events[0]["involvedObject"]["kind"], "Node");
@@ -242,10 +244,10 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
 
     // Exactly once: one add patch, one entry; the startup taint was removed once and
     // never put back; nothing else on the Node changed.
-    assert_eq!(taint_additions(&s.emu, "taintgate.io/gpu-unhealthy"), 1);
-    assert_eq!(taint_additions(&s.emu, TAINT), 0, "the startup taint was re-added");
-    assert_eq!(taint_removals(&s.emu, NODE).len(), 1);
-    let after = reference(&s.emu).unwrap();
+    assert_eq!(taint_additions(&s.api, "taintgate.io/gpu-unhealthy"), 1);
+    assert_eq!(taint_additions(&s.api, TAINT), 0, "the startup taint was re-added");
+    assert_eq!(taint_removals(&s.api, NODE).len(), 1);
+    let after = reference(&s.api).unwrap();
     assert_eq!(taints(&after), vec![GPU_TAINT, OTHER_TAINT, UNHEALTHY]);
     let mut others = others_view(&after);
     others["spec"]["taints"]
@@ -279,7 +281,8 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
 #[test]
 fn warning_xid_through_nvml_is_only_reported() {
     let started = Instant::now();
-    let mut s = Scenario::start();
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    let mut s = Scenario::start(api);
     let released = s.wait_released();
     let hw_at_release = status_reason(&released, "AcceleratedHardwareReady");
     s.wait_armed();
@@ -287,7 +290,7 @@ fn warning_xid_through_nvml_is_only_reported() {
     let t0 = Instant::now();
     // 92: warning class by default; 13: ignored by default (no Event, counted only).
     s.inject("3 92\n2 13\n");
-    wait_for_event(&s.emu, "XidWarning");
+    wait_for_event(&s.api, "XidWarning");
     let latency = t0.elapsed();
     s.wait_delivered();
     wait_until("both XIDs counted", Duration::from_secs(30), || {
@@ -298,16 +301,16 @@ fn warning_xid_through_nvml_is_only_reported() {
     .unwrap();
 
     let run = s.stop();
-    let events = events_with_reason(&s.emu, "XidWarning");
+    let events = events_with_reason(&s.api, "XidWarning");
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["type"], "Warning");
     let msg = events[0]["message"].as_str().unwrap();
     assert!(msg.contains("GPU 3: XID 92") && !msg.contains("XID 13"), "{msg}");
-    assert!(events_with_reason(&s.emu, "XidFatal").is_empty());
+    assert!(events_with_reason(&s.api, "XidFatal").is_empty());
 
-    let after = reference(&s.emu).unwrap();
+    let after = reference(&s.api).unwrap();
     assert_eq!(taints(&after), vec![GPU_TAINT, OTHER_TAINT], "{}", run.text());
-    assert_eq!(taint_additions(&s.emu, "taintgate.io/gpu-unhealthy"), 0);
+    assert_eq!(taint_additions(&s.api, "taintgate.io/gpu-unhealthy"), 0);
     assert_condition(&after, "TaintgateVerified", "True", "Released");
     assert_eq!(status_reason(&after, "AcceleratedHardwareReady"), hw_at_release);
     assert_eq!(log_count(&run.stderr, "XID after release (warning class)"), 1);

@@ -1,6 +1,6 @@
 //! End to end for the `images` stage: the real `taintgate` binary with the simulated GPU
-//! profile, the Kubernetes API emulator, and a real private containerd pulling from a real
-//! loopback registry. The taint may go only once the serving image is present in
+//! profile, the real kube-apiserver (`taintgate_tests::cluster`), and a real private
+//! containerd pulling from a real loopback registry. The taint may go only once the serving image is present in
 //! containerd, pinned by digest.
 //!
 //! Assumes the agent's YAML config embeds `prefetch::images::ImagesConfig` under a
@@ -13,7 +13,7 @@ use std::path::Path;
 use serde_json::Value;
 use taintgate_prefetch::images::{CriImageRuntime, ImageRef, ImageRuntime};
 use taintgate_tests::agent::*;
-use taintgate_tests::emulator::Emulator;
+use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::require_service;
 use taintgate_tests::services::containerd::Containerd;
 use taintgate_tests::services::registry::{OciImage, Registry};
@@ -31,13 +31,13 @@ fn write_config(dir: &Path, socket: &Path, image: &str) -> String {
     path.to_string_lossy().into_owned()
 }
 
-fn run(emu: &Emulator, config: &str) -> std::process::Output {
+fn run(api: &ApiServer, config: &str) -> std::process::Output {
     run_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &emu.kubeconfig_path().to_string_lossy(),
+        &api.kubeconfig_path().to_string_lossy(),
         "--config",
         config,
         "--once",
@@ -72,11 +72,11 @@ fn taint_released_only_after_images_are_present() {
 
     // 1. Registry down: the image cannot arrive, so the taint must stay.
     reg.stop();
-    let emu = Emulator::start_blocking().unwrap();
-    emu.put_object(reference_node(true).build()).unwrap();
-    let o = run(&emu, &config);
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    api.put_object(reference_node(true).build()).unwrap();
+    let o = run(&api, &config);
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
-    let node = emu.get_object("nodes", NODE).unwrap().unwrap();
+    let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(
         taint_keys(&node).contains(&TAINT.to_string()),
         "taint must stay while the image is missing"
@@ -87,11 +87,11 @@ fn taint_released_only_after_images_are_present() {
 
     // 2. Registry back: the image is pulled, verified, and only then the taint goes.
     reg.restart().unwrap();
-    let emu = Emulator::start_blocking().unwrap();
-    emu.put_object(reference_node(true).build()).unwrap();
-    let o = run(&emu, &config);
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    api.put_object(reference_node(true).build()).unwrap();
+    let o = run(&api, &config);
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    let node = emu.get_object("nodes", NODE).unwrap().unwrap();
+    let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(!taint_keys(&node).contains(&TAINT.to_string()));
     let info = rt
         .block_on(cri.image_status(&image))

@@ -1,7 +1,8 @@
-//! The allocatable wait over a real watch: the Kubernetes API emulator publishes the GPU
-//! resource late and in steps (absent → 0 → 4 → 8 → 9), the `kube` client watches the
-//! Node, and [`wait_for_allocatable`] must complete on exactly the event that first
-//! carries the expected count, with the resourceVersion of that write.
+//! The allocatable wait over a real watch: the test publishes the GPU resource on the real
+//! kube-apiserver (`taintgate_tests::cluster`) late and in steps (absent → 0 → 4 → 8 → 9),
+//! each a `/status` write as the kubelet makes it; the `kube` client watches the Node
+//! through the fault proxy, and [`wait_for_allocatable`] must complete on exactly the
+//! event that first carries the expected count, with the resourceVersion of that write.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
 
 use std::collections::BTreeMap;
@@ -11,13 +12,14 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, WatchEvent, WatchParams};
 use serde_json::json;
-use taintgate_tests::emulator::{Emulator, NodeBuilder};
+use taintgate_tests::cluster::{ApiServer, NodeBuilder};
+use taintgate_tests::require_service;
 use taintgate_validators::kubelet::allocatable::wait_for_allocatable;
 
 const NODE: &str = "gpu-node-a";
 
-fn set_gpus(emu: &Emulator, n: &str) -> u64 {
-    let stored = emu
+fn set_gpus(api: &ApiServer, n: &str) -> u64 {
+    let stored = api
         .mutate_object("nodes", NODE, |doc| {
             doc["status"]["allocatable"]["nvidia.com/gpu"] = json!(n);
             doc["status"]["capacity"]["nvidia.com/gpu"] = json!(n);
@@ -39,8 +41,9 @@ async fn node_stream(client: kube::Client) -> impl futures::Stream<Item = Node> 
 
 #[tokio::test]
 async fn completes_on_the_first_matching_event() {
-    let emu = Emulator::start().await.unwrap();
-    emu.put_object(NodeBuilder::new(NODE).standard_resources("90", "744Gi").build())
+    let server = require_service!("kube-apiserver", ApiServer::start().await);
+    server
+        .put_object(NodeBuilder::new(NODE).standard_resources("90", "744Gi").build())
         .unwrap();
     let expected = BTreeMap::from([("nvidia.com/gpu".to_string(), 8u64)]);
 
@@ -48,17 +51,17 @@ async fn completes_on_the_first_matching_event() {
     // every step is a separate watch event.
     let (seen_tx, seen_rx) = tokio::sync::oneshot::channel::<()>();
     let mut seen_tx = Some(seen_tx);
-    let stream = node_stream(emu.client().unwrap()).await.inspect(move |_| {
+    let stream = node_stream(server.client().unwrap()).await.inspect(move |_| {
         if let Some(tx) = seen_tx.take() {
             let _ = tx.send(());
         }
     });
     let waiter = tokio::spawn(async move { wait_for_allocatable(stream, &expected, Duration::from_secs(20)).await });
     seen_rx.await.unwrap();
-    set_gpus(&emu, "0");
-    set_gpus(&emu, "4");
-    let matching_rv = set_gpus(&emu, "8");
-    set_gpus(&emu, "9");
+    set_gpus(&server, "0");
+    set_gpus(&server, "4");
+    let matching_rv = set_gpus(&server, "8");
+    set_gpus(&server, "9");
     let ev = waiter.await.unwrap().unwrap();
     assert_eq!(ev.snapshots, 4, "ADDED (absent), 0, 4, then 8 matches");
     assert_eq!(ev.resource_version.as_deref(), Some(matching_rv.to_string().as_str()));
@@ -66,12 +69,13 @@ async fn completes_on_the_first_matching_event() {
 
 #[tokio::test]
 async fn never_published_is_zero_and_short_stays_short() {
-    let emu = Emulator::start().await.unwrap();
-    emu.put_object(NodeBuilder::new(NODE).standard_resources("90", "744Gi").build())
+    let server = require_service!("kube-apiserver", ApiServer::start().await);
+    server
+        .put_object(NodeBuilder::new(NODE).standard_resources("90", "744Gi").build())
         .unwrap();
     let expected = BTreeMap::from([("nvidia.com/gpu".to_string(), 8u64)]);
     let e = wait_for_allocatable(
-        node_stream(emu.client().unwrap()).await,
+        node_stream(server.client().unwrap()).await,
         &expected,
         Duration::from_millis(300),
     )
@@ -80,13 +84,14 @@ async fn never_published_is_zero_and_short_stays_short() {
     assert_eq!(e.reason(), "AllocatableZero", "{e}");
     assert!(e.is_waitable());
     // 8 registered, one unhealthy: capacity 8, allocatable 7.
-    emu.mutate_object("nodes", NODE, |doc| {
-        doc["status"]["allocatable"]["nvidia.com/gpu"] = json!("7");
-        doc["status"]["capacity"]["nvidia.com/gpu"] = json!("8");
-    })
-    .unwrap();
+    server
+        .mutate_object("nodes", NODE, |doc| {
+            doc["status"]["allocatable"]["nvidia.com/gpu"] = json!("7");
+            doc["status"]["capacity"]["nvidia.com/gpu"] = json!("8");
+        })
+        .unwrap();
     let e = wait_for_allocatable(
-        node_stream(emu.client().unwrap()).await,
+        node_stream(server.client().unwrap()).await,
         &expected,
         Duration::from_millis(300),
     )

@@ -1,14 +1,16 @@
 //! The `models` stage's byte counts reach the agent's `/metrics` as the download runs: a
-//! resident agent (real `taintgate` binary, simulated GPU node, API emulator) fetches a
-//! two-file bundle from `file://` and, once released, its metrics count every byte of the
-//! bundle as fetched and as verified, and every file, for that bundle by name.
+//! resident agent (real `taintgate` binary, simulated GPU node, against the real
+//! kube-apiserver of `taintgate_tests::cluster`) fetches a two-file bundle from `file://`
+//! and, once released, its metrics count every byte of the bundle as fetched and as
+//! verified, and every file, for that bundle by name.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
+use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::*;
-use taintgate_tests::emulator::Emulator;
 use taintgate_tests::faults::*;
+use taintgate_tests::require_service;
 
 #[test]
 fn bundle_bytes_and_files_reach_the_metrics_endpoint() {
@@ -31,8 +33,8 @@ fn bundle_bytes_and_files_reach_the_metrics_endpoint() {
     std::fs::write(&manifest_path, &manifest).unwrap();
     let sha = taintgate_prefetch::sha256_hex(manifest.as_bytes());
 
-    let emu = Emulator::start_blocking().unwrap();
-    emu.put_object(node_with_foreign_taint()).unwrap();
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    api.put_object(node_with_foreign_taint()).unwrap();
     let profile = write_profile(dir.path(), "profile.yaml", "8gpu-two-domains", "{}").unwrap();
     let overlay = format!(
         "models: {{bundles: [{{name: demo, manifest_uri: 'file://{}', manifest_sha256: {sha}}}], \
@@ -42,11 +44,11 @@ fn bundle_bytes_and_files_reach_the_metrics_endpoint() {
     );
     let config = write_config(dir.path(), "config.yaml", &overlay).unwrap();
     let port = taintgate_tests::services::free_port().unwrap();
-    let mut args = agent_args(&profile, &config, &emu, false);
+    let mut args = agent_args(&profile, &config, &api, false);
     args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut agent = ResidentAgent::new(RunningAgent::spawn(agent_command(&args).unwrap()).unwrap());
-    agent.wait_released(&emu, Duration::from_secs(60));
+    agent.wait_released(&api, Duration::from_secs(60));
 
     let m = metrics(port).unwrap();
     for want in [

@@ -1,8 +1,8 @@
-//! `taintgate timeline` on a 200-node fleet held by the API emulator: every node carries a
-//! timeline annotation generated from known distributions; the percentiles the command
-//! prints must equal the ones this test computes independently from the generated
-//! values, the interval with the largest p90 must be named, and the SVG charts must be
-//! well-formed with one bar per stage.
+//! `taintgate timeline` on a 200-node fleet held by the real kube-apiserver
+//! (`taintgate_tests::cluster`): every node carries a timeline annotation generated from
+//! known distributions; the percentiles the command prints must equal the ones this test
+//! computes independently from the generated values, the interval with the largest p90
+//! must be named, and the SVG charts must be well-formed with one bar per stage.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -10,7 +10,8 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
 use taintgate::fleet::{TimelineArgs, timeline_output};
-use taintgate_tests::emulator::{Emulator, NodeBuilder};
+use taintgate_tests::cluster::{ApiServer, NodeBuilder};
+use taintgate_tests::require_service;
 
 const POOL: &str = "karpenter.sh/nodepool";
 const NODES: usize = 200;
@@ -217,38 +218,33 @@ fn table(text: &str, header: &str) -> BTreeMap<String, [i64; 5]> {
     rows
 }
 
-fn put_node(emu: &Emulator, name: &str, pool: &str, annotation: Option<&str>) {
+fn put_node(api: &ApiServer, name: &str, pool: &str, annotation: Option<&str>) {
     let mut b = NodeBuilder::new(name).label(POOL, pool).ready();
     if let Some(a) = annotation {
         b = b.annotation("taintgate.io/timeline", a);
     }
-    emu.put_object(b.build()).unwrap();
+    api.put_object(b.build()).unwrap();
 }
 
-async fn fixture() -> (Emulator, Vec<Generated>) {
-    let emu = Emulator::start().await.unwrap();
+/// Fill `api` with the fleet; returns what was generated.
+fn fixture(api: &ApiServer) -> Vec<Generated> {
     let gen_: Vec<Generated> = (0..NODES).map(generate).collect();
     for (i, g) in gen_.iter().enumerate() {
-        put_node(
-            &emu,
-            &format!("gpu-{i:04}"),
-            "gpu-h100",
-            Some(&g.annotation.to_string()),
-        );
+        put_node(api, &format!("gpu-{i:04}"), "gpu-h100", Some(&g.annotation.to_string()));
     }
     // Outside the selector: must not count.
     for i in 0..15 {
         let mut g = generate(1000 + i);
         g.annotation["pre"][1][1] = json!(T0 + 9_999_000);
-        put_node(&emu, &format!("cpu-{i:02}"), "general", Some(&g.annotation.to_string()));
+        put_node(api, &format!("cpu-{i:02}"), "general", Some(&g.annotation.to_string()));
     }
     // In the pool but without a timeline (agent not run yet): not counted.
     for i in 0..3 {
-        put_node(&emu, &format!("gpu-new-{i}"), "gpu-h100", None);
+        put_node(api, &format!("gpu-new-{i}"), "gpu-h100", None);
     }
     // In the pool with a broken annotation: listed as skipped.
-    put_node(&emu, "gpu-bad", "gpu-h100", Some("{not json"));
-    (emu, gen_)
+    put_node(api, "gpu-bad", "gpu-h100", Some("{not json"));
+    gen_
 }
 
 fn args(node: Option<&str>, all: bool, svg: Option<&Path>) -> TimelineArgs {
@@ -368,8 +364,9 @@ fn check_gantt(path: &Path, failed: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fleet_percentiles_match_independent_computation_and_svg_is_well_formed() {
-    let (emu, gen_) = fixture().await;
-    let client = emu.client().unwrap();
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    let gen_ = fixture(&api);
+    let client = api.client().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let svg = dir.path().join("fleet.svg");
     let text = timeline_output(&args(None, true, Some(&svg)), &client).await.unwrap();
@@ -385,8 +382,9 @@ async fn fleet_percentiles_match_independent_computation_and_svg_is_well_formed(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_node_chain_includes_pre_agent_stamps_and_gantt_has_one_bar_per_stage() {
-    let (emu, gen_) = fixture().await;
-    let client = emu.client().unwrap();
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    let gen_ = fixture(&api);
+    let client = api.client().unwrap();
     let dir = tempfile::tempdir().unwrap();
     for (i, failed) in [(12usize, false), (7, true)] {
         let svg = dir.path().join(format!("gpu-{i:04}.svg"));

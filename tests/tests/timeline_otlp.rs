@@ -4,8 +4,12 @@
 //!   (`check --output json` on the simulated reference node) is exported by
 //!   `telemetry::otlp` to the receiver; names, parent/child links and every span's start
 //!   and end must equal the timeline's.
+//! - `bootstrap_against_the_api_server_exports_its_trace_and_chain`: the real agent
+//!   bootstraps against the real kube-apiserver (`taintgate_tests::cluster`, Karpenter's
+//!   real CRDs installed); the pre-agent stamps read from the Node and its NodeClaim are
+//!   exported to the receiver, and the chain is printed from the agent's annotation.
 //! - `agent_run_exports_its_trace_and_timeline_prints_the_chain`: the real agent, run
-//!   against the API emulator with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at the
+//!   against the real kube-apiserver with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at the
 //!   receiver, exports its trace (pre-agent stamps from the Node and its NodeClaim
 //!   included), and `taintgate timeline NODE` prints the chain with the pre-agent stamps.
 
@@ -18,8 +22,9 @@ use std::time::Duration;
 use taintgate::telemetry::Stamp;
 use taintgate::timeline::{Outcome, Timeline};
 use taintgate_tests::agent::{NODE, agent_cmd, output_text, profile, reference_node};
-use taintgate_tests::emulator::Emulator;
+use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::otlp::{OtlpReceiver, ReceivedSpan};
+use taintgate_tests::require_service;
 
 fn ns(t: Timestamp) -> u64 {
     t.as_nanosecond() as u64
@@ -149,34 +154,57 @@ async fn exporter_sends_the_timelines_spans() {
     assert!(matches!(e.reason(), "OtlpExportFailed" | "OtlpExportTimeout"), "{e}");
 }
 
-/// The emulator holding the reference node, registered by Karpenter through NodeClaim
-/// `claim` (found by label), both with their creation and condition times.
-async fn cluster_with_nodeclaim(claim: &str) -> Emulator {
-    let emu = Emulator::start().await.unwrap();
-    let now = Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
-    emu.put_object(json!({
-        "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
-        "metadata": {"name": claim},
-        "status": {"providerID": "aws:///us-east-1a/i-0abc", "conditions": [
-            {"type": "Launched", "status": "True", "lastTransitionTime": now},
-            {"type": "Registered", "status": "True", "lastTransitionTime": now},
-            {"type": "Initialized", "status": "Unknown", "lastTransitionTime": now}]}
-    }))
+/// Put the reference node on `api`, registered by Karpenter through NodeClaim `claim`
+/// (found by label), both with their creation and condition times. The server stamps each
+/// object's `creationTimestamp` itself, so the condition times are set from those stamps
+/// once both exist, in the order Karpenter and the kubelet write them: `Launched` when the
+/// NodeClaim was created, `Registered` and the Node's `Ready` when the Node was.
+fn cluster_with_nodeclaim(api: &ApiServer, claim: &str) {
+    api.install_karpenter_crds().unwrap();
+    let stored = api
+        .put_object(json!({
+            "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+            "metadata": {"name": claim},
+            "spec": {
+                "nodeClassRef": {"group": "karpenter.kwok.sh", "kind": "KWOKNodeClass", "name": "default"},
+                "requirements": [
+                    {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["p5.48xlarge"]}
+                ]
+            }
+        }))
+        .unwrap();
+    let claim_created = stored["metadata"]["creationTimestamp"].clone();
+    let node = api
+        .put_object(
+            reference_node(true)
+                .label("karpenter.sh/nodeclaim", claim)
+                .provider_id("aws:///us-east-1a/i-0abc")
+                .build(),
+        )
+        .unwrap();
+    let node_created = node["metadata"]["creationTimestamp"].clone();
+    assert!(claim_created.is_string() && node_created.is_string(), "{stored} {node}");
+    api.mutate_object("nodeclaims", claim, |c| {
+        c["status"] = json!({"providerID": "aws:///us-east-1a/i-0abc", "conditions": [
+            {"type": "Launched", "status": "True", "lastTransitionTime": claim_created},
+            {"type": "Registered", "status": "True", "lastTransitionTime": node_created},
+            {"type": "Initialized", "status": "Unknown", "lastTransitionTime": node_created}]});
+    })
     .unwrap();
-    emu.put_object(
-        reference_node(true)
-            .label("karpenter.sh/nodeclaim", claim)
-            .provider_id("aws:///us-east-1a/i-0abc")
-            .build(),
-    )
+    api.mutate_object("nodes", NODE, |n| {
+        for c in n["status"]["conditions"].as_array_mut().unwrap() {
+            if c["type"] == "Ready" {
+                c["lastTransitionTime"] = node_created.clone();
+            }
+        }
+    })
     .unwrap();
-    emu
 }
 
-/// Run the real agent once against the emulator (optionally exporting to `otlp`) and
+/// Run the real agent once against the API server (optionally exporting to `otlp`) and
 /// return the timeline it printed.
-async fn run_agent_json(emu: &Emulator, otlp: Option<String>) -> Timeline {
-    let kc = emu.kubeconfig_path().to_string_lossy().into_owned();
+async fn run_agent_json(api: &ApiServer, otlp: Option<String>) -> Timeline {
+    let kc = api.kubeconfig_path().to_string_lossy().into_owned();
     let out = tokio::task::spawn_blocking(move || {
         let mut c = agent_cmd(120).unwrap();
         if let Some(e) = otlp {
@@ -202,16 +230,17 @@ async fn run_agent_json(emu: &Emulator, otlp: Option<String>) -> Timeline {
 }
 
 /// The path the agent's bootstrap wiring takes, with the export done here: the real agent
-/// bootstraps against the emulator (simulated GPU node) and prints its timeline; the
+/// bootstraps against the real API server (simulated GPU node) and prints its timeline; the
 /// pre-agent stamps are read through the real kube client (Node + NodeClaim as a dynamic
 /// object); the trace goes to the receiver; then the chain as `taintgate timeline NODE`
 /// prints it, from the agent's own annotation and from the extended one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bootstrap_against_the_emulator_exports_its_trace_and_chain() {
+async fn bootstrap_against_the_api_server_exports_its_trace_and_chain() {
     let claim = "gpu-h100-x7k2p";
-    let emu = cluster_with_nodeclaim(claim).await;
-    let client = emu.client().unwrap();
-    let t = run_agent_json(&emu, None).await;
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    cluster_with_nodeclaim(&api, claim);
+    let client = api.client().unwrap();
+    let t = run_agent_json(&api, None).await;
     assert!(t.stage("untaint").is_some(), "released: {}", t.render_table());
 
     let pre = taintgate::telemetry::prestamps::collect(&client, NODE).await.unwrap();
@@ -264,10 +293,10 @@ async fn bootstrap_against_the_emulator_exports_its_trace_and_chain() {
     }
     // With the extended annotation (pre-agent stamps inside), nothing is read live.
     let ann = taintgate::telemetry::annotation::encode(&t, &pre, 16 * 1024);
-    emu.patch_object_direct(
+    api.patch_object_direct(
         "nodes",
         NODE,
-        taintgate_tests::emulator::PatchKind::Merge,
+        "application/merge-patch+json",
         &json!({"metadata": {"annotations": {"taintgate.io/timeline": ann}}}),
         false,
     )
@@ -300,16 +329,17 @@ async fn bootstrap_against_the_emulator_exports_its_trace_and_chain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_run_exports_its_trace_and_timeline_prints_the_chain() {
     let claim = "gpu-h100-x7k2p";
-    let emu = cluster_with_nodeclaim(claim).await;
-    let kubeconfig = emu.kubeconfig_path().to_string_lossy().into_owned();
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    cluster_with_nodeclaim(&api, claim);
+    let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
     let rx = OtlpReceiver::start().await.unwrap();
-    let t = run_agent_json(&emu, Some(rx.endpoint())).await;
+    let t = run_agent_json(&api, Some(rx.endpoint())).await;
     assert!(t.stage("untaint").is_some(), "released");
 
     // The pre-agent stamps as the cluster holds them.
     let node: k8s_openapi::api::core::v1::Node =
-        serde_json::from_value(emu.get_object("nodes", NODE).unwrap().unwrap()).unwrap();
-    let claim_obj = emu.get_object("nodeclaims", claim).unwrap().unwrap();
+        serde_json::from_value(api.get_object("nodes", NODE).unwrap().unwrap()).unwrap();
+    let claim_obj = api.get_object("nodeclaims", claim).unwrap().unwrap();
     let mut pre = taintgate::telemetry::prestamps::node_stamps(&node);
     pre.extend(taintgate::telemetry::prestamps::nodeclaim_stamps(&claim_obj));
     assert_eq!(

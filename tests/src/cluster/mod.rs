@@ -662,7 +662,14 @@ impl ApiServer {
     /// inside another runtime alike).
     fn run<T: Send + 'static>(&self, f: impl Future<Output = anyhow::Result<T>> + Send + 'static) -> anyhow::Result<T> {
         let rt = self.rt.as_ref().ok_or_else(|| anyhow!("harness runtime stopped"))?;
-        futures::executor::block_on(rt.spawn(f))?
+        // A plain channel, not a JoinHandle polled from here: polling a tokio handle from a
+        // caller's runtime spends that task's cooperative budget, and an async test making
+        // more than 128 harness calls without awaiting would then spin forever.
+        let (tx, rx) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            let _ = tx.send(f.await);
+        });
+        rx.recv().map_err(|_| anyhow!("harness task ended without an answer"))?
     }
 
     /// The control plane behind the proxy.
