@@ -1,6 +1,8 @@
-//! Test harness for taintgate: a Kubernetes API emulator served on loopback HTTP, and
-//! launchers for the real programs the end-to-end tests use (containerd, docker-registry,
-//! skopeo, nginx, moto), plus helpers to run the `taintgate` binary itself.
+//! Test harness for taintgate: a real Kubernetes control plane per test (etcd and
+//! kube-apiserver built from their Go modules, behind a recording fault proxy, and real
+//! Karpenter), launchers for the other real programs the end-to-end tests use
+//! (containerd, docker-registry, skopeo, nginx, moto), and helpers to run the `taintgate`
+//! binary itself.
 //!
 //! The harness deliberately does not link the agent library: end-to-end tests drive the
 //! real binary, so what they prove is what ships.
@@ -10,7 +12,6 @@ pub mod bundles;
 pub mod cluster;
 pub mod continuous;
 pub mod deploy;
-pub mod emulator;
 pub mod faults;
 pub mod kubelet;
 pub mod mounts;

@@ -447,7 +447,10 @@ fn kubectls() -> Vec<PathBuf> {
     let mut out = Vec::new();
     match taintgate_tests::cluster::kubectl() {
         Ok(k) => out.push(k),
-        Err(e) => assert!(!in_ci(), "the kubectl built from k8s.io/kubernetes is required under CI: {e:#}"),
+        Err(e) => assert!(
+            !in_ci(),
+            "the kubectl built from k8s.io/kubernetes is required under CI: {e:#}"
+        ),
     }
     if let Some(k) = which("kubectl")
         && !out.contains(&k)
