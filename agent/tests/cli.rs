@@ -277,21 +277,17 @@ fn run_without_a_cluster_or_simulation_is_bad_input() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs a Kubernetes API"));
 }
 
-/// Build the fake `libnvidia-ml.so.1` (tests/fake-nvml) into `dir` with `profile` beside it.
+/// Build the fake `libnvidia-ml.so.1` (tests/fake-nvml, compiled against NVIDIA's
+/// `nvml.h`) into `dir` with `profile` beside it.
 fn fake_nvml(dir: &std::path::Path, profile: &str) -> PathBuf {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c");
     let lib = dir.join("libnvidia-ml.so.1");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let st = Command::new(&cc)
-        .args(["-shared", "-fPIC", "-O1", "-o"])
-        .arg(&lib)
-        .arg(&src)
-        .status()
-        .unwrap();
-    assert!(st.success(), "{cc} failed on {}", src.display());
+    std::fs::copy(compile_fake_nvml(&src), &lib).unwrap();
     std::fs::write(dir.join("profile.txt"), profile).unwrap();
     lib
 }
+
+include!("../../tests/fake-nvml/compile.rs");
 
 /// `--stages` turns the other stages off, and a turned-off stage does not hold the node,
 /// so on a run that could release it the flag is refused before anything runs; a dry run

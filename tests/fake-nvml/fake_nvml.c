@@ -1,10 +1,24 @@
 /*
  * A fake libnvidia-ml.so.1 for tests: implements the NVML entry points taintgate's real
  * backend (validators/src/gpu/real/nvml.rs, through nvml-wrapper 0.13) calls, answering from
- * a profile file instead of a driver. nvml-wrapper resolves symbols one by one and reports a
- * missing one as an error on use, so only the functions called need to exist here.
+ * a profile file instead of a driver.
  *
- * Build: cc -shared -fPIC -o libnvidia-ml.so.1 fake_nvml.c
+ * Every type, constant and prototype comes from NVIDIA's own nvml.h (the PyPI wheel
+ * nvidia-nvml-dev-cu12, installed by scripts/install-test-deps-nvidia.sh; its include
+ * directory is printed by nvml-include.sh beside this file), and this file is compiled with
+ * -Wall -Werror -Wmissing-prototypes: each function here must match the header's declaration,
+ * and each struct handed back has the driver's layout. Every other function nvml.h declares
+ * is exported too, as a weak NVML_ERROR_NOT_SUPPORTED stub generated from the header by
+ * gen-stubs.py (compile.rs runs it and links its output with this file), so a program that
+ * resolves all symbols up front finds them all.
+ *
+ * NVML_NO_UNVERSIONED_FUNC_DEFS turns off the header's `#define nvmlInit nvmlInit_v2`
+ * renames and declares the legacy names, so the names below are the exported symbols, and
+ * the legacy entry points the real driver still exports (nvmlInit, nvmlDeviceGetCount, ...)
+ * are defined beside their versioned ones.
+ *
+ * Build: cc -shared -fPIC -Wall -Werror -Wmissing-prototypes -I "$(./nvml-include.sh)" \
+ *            -o libnvidia-ml.so.1 fake_nvml.c nvml_stubs.c   (nvml_stubs.c from gen-stubs.py)
  *
  * The profile is read at nvmlInit: $FAKE_NVML_PROFILE if set, else `profile.txt` in the
  * directory this library was loaded from (so parallel tests each copy the library into their
@@ -15,30 +29,17 @@
  * NVML_ERROR_TIMEOUT. A test injects XIDs while the agent runs by writing that file.
  */
 #define _GNU_SOURCE
+#define NVML_NO_UNVERSIONED_FUNC_DEFS
 #include <dlfcn.h>
 #include <errno.h>
+#include <nvml.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-typedef int nvmlReturn_t;
-enum {
-	NVML_SUCCESS = 0,
-	NVML_ERROR_UNINITIALIZED = 1,
-	NVML_ERROR_INVALID_ARGUMENT = 2,
-	NVML_ERROR_NOT_SUPPORTED = 3,
-	NVML_ERROR_NO_PERMISSION = 4,
-	NVML_ERROR_NOT_FOUND = 6,
-	NVML_ERROR_INSUFFICIENT_SIZE = 7,
-	NVML_ERROR_DRIVER_NOT_LOADED = 9,
-	NVML_ERROR_TIMEOUT = 10,
-	NVML_ERROR_GPU_IS_LOST = 15,
-	NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
-	NVML_ERROR_UNKNOWN = 999,
-};
-
+/* The fake's own limits (not NVML's). */
 #define MAX_GPUS 16
 #define MAX_MIG 7
 #define MAX_KV 2048
@@ -46,31 +47,9 @@ enum {
 /* Longest sleep between two looks at the trigger file inside one blocking wait. */
 #define WAIT_SLICE_MS 20
 
-typedef struct {
-	char busIdLegacy[16];
-	unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
-	char busId[32];
-} nvmlPciInfo_t;
-
-typedef struct {
-	unsigned int version;
-	unsigned long long total, reserved, free, used;
-} nvmlMemory_v2_t;
-
+/* What the opaque nvmlDevice_t / nvmlEventSet_t handles point at here. NVML defines no
+ * layout for them (the header only declares the pointer types), so they are the fake's own. */
 typedef struct fake_gpu fake_gpu;
-typedef struct {
-	fake_gpu *device;
-	unsigned long long eventType, eventData;
-	unsigned int gpuInstanceId, computeInstanceId;
-} nvmlEventData_t;
-
-typedef struct {
-	unsigned char clusterUuid[16];
-	nvmlReturn_t status;
-	unsigned int cliqueId;
-	unsigned char state;
-} nvmlGpuFabricInfo_t;
-
 typedef struct {
 	fake_gpu *parent;
 	int present;
@@ -80,7 +59,6 @@ typedef struct {
 
 struct fake_gpu {
 	unsigned int index;
-	int is_mig; /* always 0 for GPUs; fake_mig handles are cast from fake_mig* */
 	int lost;
 	fake_mig mig[MAX_MIG];
 	unsigned long long xid_events[MAX_EVENTS];
@@ -223,28 +201,34 @@ static int load_profile(void) {
 	return 0;
 }
 
-static int is_gpu(const void *d) {
+static nvmlDevice_t gpu_handle(fake_gpu *g) { return (nvmlDevice_t)(void *)g; }
+
+/* The GPU a handle is, or NULL (a MIG handle, or not one of ours). */
+static fake_gpu *as_gpu(nvmlDevice_t d) {
 	for (unsigned int i = 0; i < gpu_count; i++)
-		if (d == (const void *)&gpus[i]) return 1;
-	return 0;
+		if ((void *)d == (void *)&gpus[i]) return &gpus[i];
+	return NULL;
 }
 
-static int is_mig(const void *d, fake_mig **out) {
+/* The MIG device a handle is, or NULL. */
+static fake_mig *as_mig(nvmlDevice_t d) {
 	for (unsigned int i = 0; i < gpu_count; i++)
 		for (int m = 0; m < MAX_MIG; m++)
-			if (d == (const void *)&gpus[i].mig[m]) { *out = &gpus[i].mig[m]; return 1; }
-	return 0;
+			if ((void *)d == (void *)&gpus[i].mig[m]) return &gpus[i].mig[m];
+	return NULL;
 }
 
-/* Common guard for per-GPU queries. */
-#define GPU_GUARD(dev)                                                  \
-	do {                                                            \
-		if (!initialised) return NVML_ERROR_UNINITIALIZED;      \
-		if (!is_gpu(dev)) return NVML_ERROR_INVALID_ARGUMENT;   \
-		if ((dev)->lost) return NVML_ERROR_GPU_IS_LOST;         \
-	} while (0)
+static fake_event_set *as_set(nvmlEventSet_t s) { return (fake_event_set *)(void *)s; }
+
+/* Common guard for per-GPU queries: declares `dev` (fake_gpu *) for the handle `h`. */
+#define GPU_GUARD(dev, h)                                               \
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;              \
+	fake_gpu *dev = as_gpu(h);                                      \
+	if (!dev) return NVML_ERROR_INVALID_ARGUMENT;                   \
+	if (dev->lost) return NVML_ERROR_GPU_IS_LOST
 
 static nvmlReturn_t copy_str(char *dst, unsigned int len, const char *src) {
+	if (!dst) return NVML_ERROR_INVALID_ARGUMENT;
 	if (strlen(src) + 1 > len) return NVML_ERROR_INSUFFICIENT_SIZE;
 	snprintf(dst, len, "%s", src);
 	return NVML_SUCCESS;
@@ -261,16 +245,25 @@ static nvmlReturn_t do_init(void) {
 }
 
 nvmlReturn_t nvmlInit_v2(void) { return do_init(); }
+nvmlReturn_t nvmlInit(void) { return do_init(); }
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { (void)flags; return do_init(); }
 nvmlReturn_t nvmlShutdown(void) { initialised = 0; return NVML_SUCCESS; }
 
 const char *nvmlErrorString(nvmlReturn_t r) {
 	switch (r) {
 	case NVML_SUCCESS: return "Success";
-	case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
-	case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+	case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+	case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
 	case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
-	default: return "fake NVML error";
+	case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+	case NVML_ERROR_NOT_FOUND: return "Not Found";
+	case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+	case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+	case NVML_ERROR_TIMEOUT: return "Timeout";
+	case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+	case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "RM has detected an NVML/RM version mismatch.";
+	case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+	default: return "Unknown Error";
 	}
 }
 
@@ -282,6 +275,7 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
 
 nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) {
 	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	if (!v) return NVML_ERROR_INVALID_ARGUMENT;
 	const char *c = get("cuda_version");
 	*v = c ? atoi(c) : 12040;
 	return NVML_SUCCESS;
@@ -290,45 +284,49 @@ nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v) { return nvmlSystemGetCudaDr
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
 	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	if (!count) return NVML_ERROR_INVALID_ARGUMENT;
 	*count = gpu_count;
 	return NVML_SUCCESS;
 }
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
 
-nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, fake_gpu **device) {
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
 	if (!initialised) return NVML_ERROR_UNINITIALIZED;
-	if (index >= gpu_count) return NVML_ERROR_INVALID_ARGUMENT;
+	if (index >= gpu_count || !device) return NVML_ERROR_INVALID_ARGUMENT;
 	if (gnum(index, "handle_lost", 0)) return NVML_ERROR_GPU_IS_LOST;
-	*device = &gpus[index];
+	*device = gpu_handle(&gpus[index]);
 	return NVML_SUCCESS;
 }
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
+	return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
 
-nvmlReturn_t nvmlDeviceGetIndex(fake_gpu *dev, unsigned int *index) {
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index) {
 	if (!initialised) return NVML_ERROR_UNINITIALIZED;
-	if (!is_gpu(dev)) return NVML_ERROR_INVALID_ARGUMENT;
+	fake_gpu *dev = as_gpu(d);
+	if (!dev || !index) return NVML_ERROR_INVALID_ARGUMENT;
 	*index = dev->index;
 	return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetUUID(void *d, char *uuid, unsigned int length) {
-	fake_mig *m;
-	if (is_mig(d, &m)) return copy_str(uuid, length, m->uuid);
-	fake_gpu *dev = d;
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int length) {
+	fake_mig *m = as_mig(d);
+	if (m) return copy_str(uuid, length, m->uuid);
+	GPU_GUARD(dev, d);
 	const char *v = gget(dev->index, "uuid");
 	char dflt[96];
 	snprintf(dflt, sizeof dflt, "GPU-00000000-0000-0000-0000-%012u", dev->index);
 	return copy_str(uuid, length, v ? v : dflt);
 }
 
-nvmlReturn_t nvmlDeviceGetName(void *d, char *name, unsigned int length) {
-	fake_mig *m;
-	if (is_mig(d, &m)) {
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int length) {
+	fake_mig *m = as_mig(d);
+	if (m) {
 		char buf[128];
 		snprintf(buf, sizeof buf, "NVIDIA H100 80GB HBM3 MIG %s", m->profile);
 		return copy_str(name, length, buf);
 	}
-	fake_gpu *dev = d;
-	GPU_GUARD(dev);
+	GPU_GUARD(dev, d);
 	const char *v = gget(dev->index, "name");
 	if (!v) v = get("name");
 	return copy_str(name, length, v ? v : "NVIDIA H100 80GB HBM3");
@@ -347,22 +345,28 @@ static void pci_of(unsigned int idx, const char *field, unsigned int dflt_bus, n
 	snprintf(pci->busId, sizeof pci->busId, "%08x:%02x:%02x.0", dom, bus, dev);
 }
 
-nvmlReturn_t nvmlDeviceGetPciInfo_v3(fake_gpu *dev, nvmlPciInfo_t *pci) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci) {
+	GPU_GUARD(dev, d);
+	if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
 	pci_of(dev->index, "pci", 0x18 + dev->index * 0x10, pci);
 	return NVML_SUCCESS;
 }
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t d, nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(d, pci); }
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t d, nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(d, pci); }
 
-nvmlReturn_t nvmlDeviceGetNumaNodeId(fake_gpu *dev, unsigned int *node) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t d, unsigned int *node) {
+	GPU_GUARD(dev, d);
 	const char *v = gget(dev->index, "numa");
 	if (!v) return NVML_ERROR_NOT_SUPPORTED;
 	*node = (unsigned int)strtoul(v, NULL, 0);
 	return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(fake_gpu *dev, nvmlMemory_v2_t *mem) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *mem) {
+	GPU_GUARD(dev, d);
+	if (!mem) return NVML_ERROR_INVALID_ARGUMENT;
+	/* Like the driver: the caller must say which layout it passed. */
+	if (mem->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
 	mem->total = gnum(dev->index, "memory", 85899345920ULL);
 	mem->reserved = 0;
 	mem->used = 0;
@@ -370,35 +374,44 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(fake_gpu *dev, nvmlMemory_v2_t *mem) {
 	return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetVbiosVersion(fake_gpu *dev, char *v, unsigned int length) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *mem) {
+	GPU_GUARD(dev, d);
+	if (!mem) return NVML_ERROR_INVALID_ARGUMENT;
+	mem->total = gnum(dev->index, "memory", 85899345920ULL);
+	mem->used = 0;
+	mem->free = mem->total;
+	return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t d, char *v, unsigned int length) {
+	GPU_GUARD(dev, d);
 	const char *s = gget(dev->index, "vbios");
 	return copy_str(v, length, s ? s : "96.00.89.00.01");
 }
 
-nvmlReturn_t nvmlDeviceGetPersistenceMode(fake_gpu *dev, int *mode) {
-	GPU_GUARD(dev);
-	*mode = (int)gnum(dev->index, "persistence", 1);
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t d, nvmlEnableState_t *mode) {
+	GPU_GUARD(dev, d);
+	*mode = gnum(dev->index, "persistence", 1) ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
 	return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetMigMode(fake_gpu *dev, unsigned int *current, unsigned int *pending) {
-	GPU_GUARD(dev);
-	*current = *pending = (unsigned int)gnum(dev->index, "mig", 0);
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending) {
+	GPU_GUARD(dev, d);
+	*current = *pending = gnum(dev->index, "mig", 0) ? NVML_DEVICE_MIG_ENABLE : NVML_DEVICE_MIG_DISABLE;
 	return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(fake_gpu *dev, unsigned int *count) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t d, unsigned int *count) {
+	GPU_GUARD(dev, d);
 	*count = gnum(dev->index, "mig", 0) ? MAX_MIG : 0;
 	return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(fake_gpu *dev, unsigned int index, fake_mig **out) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t d, unsigned int index, nvmlDevice_t *out) {
+	GPU_GUARD(dev, d);
 	if (index >= MAX_MIG) return NVML_ERROR_INVALID_ARGUMENT;
 	if (!dev->mig[index].present) return NVML_ERROR_NOT_FOUND;
-	*out = &dev->mig[index];
+	*out = (nvmlDevice_t)(void *)&dev->mig[index];
 	return NVML_SUCCESS;
 }
 
@@ -408,48 +421,51 @@ static void pcie_of(unsigned int idx, unsigned int out[4]) {
 	const char *v = gget(idx, "pcie");
 	if (v) sscanf(v, "%u,%u,%u,%u", &out[0], &out[1], &out[2], &out[3]);
 }
-nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[0]; return NVML_SUCCESS; }
-nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[1]; return NVML_SUCCESS; }
-nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[2]; return NVML_SUCCESS; }
-nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(fake_gpu *dev, unsigned int *v) { GPU_GUARD(dev); unsigned int p[4]; pcie_of(dev->index, p); *v = p[3]; return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t d, unsigned int *v) { GPU_GUARD(dev, d); unsigned int p[4]; pcie_of(dev->index, p); *v = p[0]; return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t d, unsigned int *v) { GPU_GUARD(dev, d); unsigned int p[4]; pcie_of(dev->index, p); *v = p[1]; return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t d, unsigned int *v) { GPU_GUARD(dev, d); unsigned int p[4]; pcie_of(dev->index, p); *v = p[2]; return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t d, unsigned int *v) { GPU_GUARD(dev, d); unsigned int p[4]; pcie_of(dev->index, p); *v = p[3]; return NVML_SUCCESS; }
 
-nvmlReturn_t nvmlDeviceGetTotalEccErrors(fake_gpu *dev, int errorType, int counterType, unsigned long long *count) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t d, nvmlMemoryErrorType_t errorType, nvmlEccCounterType_t counterType,
+					 unsigned long long *count) {
+	GPU_GUARD(dev, d);
 	(void)counterType;
-	/* 1 = uncorrected */
-	*count = errorType == 1 ? gnum(dev->index, "ecc_uncorrectable", 0) : 0;
+	*count = errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED ? gnum(dev->index, "ecc_uncorrectable", 0) : 0;
 	return NVML_SUCCESS;
 }
 
 /* Retired pages: gpu.N.retired_pages counts double-bit retirements. */
-static unsigned int retired_count(unsigned int idx, int cause) {
-	return cause == 1 ? (unsigned int)gnum(idx, "retired_pages", 0) : 0;
+static unsigned int retired_count(unsigned int idx, nvmlPageRetirementCause_t cause) {
+	return cause == NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR ? (unsigned int)gnum(idx, "retired_pages", 0) : 0;
 }
-nvmlReturn_t nvmlDeviceGetRetiredPages(fake_gpu *dev, int cause, unsigned int *count, unsigned long long *addresses) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t d, nvmlPageRetirementCause_t cause, unsigned int *count,
+				       unsigned long long *addresses) {
+	GPU_GUARD(dev, d);
 	unsigned int have = retired_count(dev->index, cause);
 	if (*count < have) { *count = have; return NVML_ERROR_INSUFFICIENT_SIZE; }
 	for (unsigned int i = 0; i < have; i++) addresses[i] = 0x1000ULL * (i + 1);
 	*count = have;
 	return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlDeviceGetRetiredPages_v2(fake_gpu *dev, int cause, unsigned int *count, unsigned long long *addresses, unsigned long long *timestamps) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetRetiredPages_v2(nvmlDevice_t d, nvmlPageRetirementCause_t cause, unsigned int *count,
+					  unsigned long long *addresses, unsigned long long *timestamps) {
+	GPU_GUARD(dev, d);
 	unsigned int have = retired_count(dev->index, cause);
 	if (*count < have) { *count = have; return NVML_ERROR_INSUFFICIENT_SIZE; }
 	for (unsigned int i = 0; i < have; i++) { addresses[i] = 0x1000ULL * (i + 1); timestamps[i] = 1700000000ULL + i; }
 	*count = have;
 	return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(fake_gpu *dev, int *pending) {
-	GPU_GUARD(dev);
-	*pending = (int)gnum(dev->index, "pending_retirement", 0);
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t d, nvmlEnableState_t *pending) {
+	GPU_GUARD(dev, d);
+	*pending = gnum(dev->index, "pending_retirement", 0) ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
 	return NVML_SUCCESS;
 }
 
 /* gpu.N.remap=corr,unc,pending,failure ; gpu.N.remap=unsupported */
-nvmlReturn_t nvmlDeviceGetRemappedRows(fake_gpu *dev, unsigned int *corr, unsigned int *unc, unsigned int *pending, unsigned int *failure) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t d, unsigned int *corr, unsigned int *unc, unsigned int *pending,
+				       unsigned int *failure) {
+	GPU_GUARD(dev, d);
 	const char *v = gget(dev->index, "remap");
 	if (v && strcmp(v, "unsupported") == 0) return NVML_ERROR_NOT_SUPPORTED;
 	*corr = *unc = *pending = *failure = 0;
@@ -457,19 +473,45 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(fake_gpu *dev, unsigned int *corr, unsign
 	return NVML_SUCCESS;
 }
 
-/* gpu.N.fabric=absent|not_supported|not_started|in_progress|completed|failed (default: fabric= key, else absent) */
-nvmlReturn_t nvmlDeviceGetGpuFabricInfo(fake_gpu *dev, nvmlGpuFabricInfo_t *info) {
-	GPU_GUARD(dev);
+/* gpu.N.fabric=absent|not_supported|not_started|in_progress|completed|failed (default: the
+ * fabric= key, else absent). `absent` is NOT_SUPPORTED from the call itself (no fabric). */
+static nvmlReturn_t fabric_of(fake_gpu *dev, nvmlGpuFabricState_t *state, nvmlReturn_t *status) {
 	const char *v = gget(dev->index, "fabric");
 	if (!v) v = get("fabric");
 	if (!v || strcmp(v, "absent") == 0) return NVML_ERROR_NOT_SUPPORTED;
+	*status = NVML_SUCCESS;
+	if (strcmp(v, "not_supported") == 0) *state = NVML_GPU_FABRIC_STATE_NOT_SUPPORTED;
+	else if (strcmp(v, "not_started") == 0) *state = NVML_GPU_FABRIC_STATE_NOT_STARTED;
+	else if (strcmp(v, "in_progress") == 0) *state = NVML_GPU_FABRIC_STATE_IN_PROGRESS;
+	else if (strcmp(v, "completed") == 0) *state = NVML_GPU_FABRIC_STATE_COMPLETED;
+	else { *state = NVML_GPU_FABRIC_STATE_COMPLETED; *status = NVML_ERROR_UNKNOWN; }
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t d, nvmlGpuFabricInfo_t *info) {
+	GPU_GUARD(dev, d);
+	if (!info) return NVML_ERROR_INVALID_ARGUMENT;
+	nvmlGpuFabricState_t state;
+	nvmlReturn_t status;
+	nvmlReturn_t r = fabric_of(dev, &state, &status);
+	if (r != NVML_SUCCESS) return r;
 	memset(info, 0, sizeof *info);
-	info->status = NVML_SUCCESS;
-	if (strcmp(v, "not_supported") == 0) info->state = 0;
-	else if (strcmp(v, "not_started") == 0) info->state = 1;
-	else if (strcmp(v, "in_progress") == 0) info->state = 2;
-	else if (strcmp(v, "completed") == 0) info->state = 3;
-	else { info->state = 3; info->status = NVML_ERROR_UNKNOWN; }
+	info->state = state;
+	info->status = status;
+	return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t d, nvmlGpuFabricInfoV_t *info) {
+	GPU_GUARD(dev, d);
+	if (!info) return NVML_ERROR_INVALID_ARGUMENT;
+	if (info->version != nvmlGpuFabricInfo_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+	nvmlGpuFabricState_t state;
+	nvmlReturn_t status;
+	nvmlReturn_t r = fabric_of(dev, &state, &status);
+	if (r != NVML_SUCCESS) return r;
+	unsigned int version = info->version;
+	memset(info, 0, sizeof *info);
+	info->version = version;
+	info->state = state;
+	info->status = status;
 	return NVML_SUCCESS;
 }
 
@@ -479,55 +521,64 @@ static unsigned int nvlink_count(unsigned int idx) {
 	const char *g = get("nvlinks");
 	return (unsigned int)gnum(idx, "nvlinks", g ? strtoull(g, NULL, 0) : 18);
 }
-nvmlReturn_t nvmlDeviceGetNvLinkState(fake_gpu *dev, unsigned int link, int *active) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, nvmlEnableState_t *active) {
+	GPU_GUARD(dev, d);
 	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
-	*active = !in_list(gget(dev->index, "nvlink_inactive"), link);
+	*active = in_list(gget(dev->index, "nvlink_inactive"), link) ? NVML_FEATURE_DISABLED : NVML_FEATURE_ENABLED;
 	return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlDeviceGetNvLinkVersion(fake_gpu *dev, unsigned int link, unsigned int *version) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t d, unsigned int link, unsigned int *version) {
+	GPU_GUARD(dev, d);
 	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
 	*version = (unsigned int)gnum(dev->index, "nvlink_version", 4);
 	return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(fake_gpu *dev, unsigned int link, nvmlPciInfo_t *pci) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t d, unsigned int link, nvmlPciInfo_t *pci) {
+	GPU_GUARD(dev, d);
 	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
 	pci_of(dev->index, "nvlink_remote", 0x05, pci);
 	return NVML_SUCCESS;
 }
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t d, unsigned int link, nvmlPciInfo_t *pci) {
+	return nvmlDeviceGetNvLinkRemotePciInfo_v2(d, link, pci);
+}
 
-/* P2P: p2p_nvlink / p2p_pcie = groups ("0,1,2,3;4,5,6,7" or "all"); index 2 = NVLink.
- * Default p2p_nvlink: all GPUs when they have NVLinks. */
-nvmlReturn_t nvmlDeviceGetP2PStatus(fake_gpu *a, fake_gpu *b, int index, int *status) {
-	GPU_GUARD(a);
-	GPU_GUARD(b);
+/* P2P: p2p_nvlink / p2p_pcie = groups ("0,1,2,3;4,5,6,7" or "all"). Default p2p_nvlink:
+ * all GPUs when they have NVLinks. */
+nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t d1, nvmlDevice_t d2, nvmlGpuP2PCapsIndex_t index,
+				    nvmlGpuP2PStatus_t *status) {
+	GPU_GUARD(a, d1);
+	GPU_GUARD(b, d2);
 	const char *nv = get("p2p_nvlink");
 	if (!nv && nvlink_count(a->index) > 0 && nvlink_count(b->index) > 0) nv = "all";
-	int ok = index == 2 ? same_group(nv, a->index, b->index)
-			    : (same_group(get("p2p_pcie"), a->index, b->index) || same_group(nv, a->index, b->index));
-	*status = ok ? 0 : 5; /* 5 = NVML_P2P_STATUS_NOT_SUPPORTED */
+	int ok = index == NVML_P2P_CAPS_INDEX_NVLINK
+			 ? same_group(nv, a->index, b->index)
+			 : (same_group(get("p2p_pcie"), a->index, b->index) || same_group(nv, a->index, b->index));
+	*status = ok ? NVML_P2P_STATUS_OK : NVML_P2P_STATUS_NOT_SUPPORTED;
 	return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(fake_gpu *a, fake_gpu *b, int *level) {
-	GPU_GUARD(a);
-	GPU_GUARD(b);
-	*level = same_group(get("pcie_switch"), a->index, b->index) ? 10 /* SINGLE */ : 50 /* SYSTEM */;
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t d1, nvmlDevice_t d2, nvmlGpuTopologyLevel_t *level) {
+	GPU_GUARD(a, d1);
+	GPU_GUARD(b, d2);
+	*level = same_group(get("pcie_switch"), a->index, b->index) ? NVML_TOPOLOGY_SINGLE : NVML_TOPOLOGY_SYSTEM;
 	return NVML_SUCCESS;
 }
 
 /* Events */
-nvmlReturn_t nvmlEventSetCreate(fake_event_set **set) {
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
 	if (!initialised) return NVML_ERROR_UNINITIALIZED;
-	*set = calloc(1, sizeof **set);
-	return *set ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+	if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+	fake_event_set *s = calloc(1, sizeof *s);
+	if (!s) return NVML_ERROR_MEMORY;
+	*set = (nvmlEventSet_t)(void *)s;
+	return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlDeviceRegisterEvents(fake_gpu *dev, unsigned long long types, fake_event_set *set) {
-	GPU_GUARD(dev);
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types, nvmlEventSet_t set) {
+	GPU_GUARD(dev, d);
+	if (!set) return NVML_ERROR_INVALID_ARGUMENT;
 	if (gnum(dev->index, "events_unsupported", 0)) return NVML_ERROR_NOT_SUPPORTED;
-	if (types & 8ULL) set->registered |= 1u << dev->index;
+	if (types & nvmlEventTypeXidCriticalError) as_set(set)->registered |= 1u << dev->index;
 	return NVML_SUCCESS;
 }
 /* Append one XID to a GPU's queue (1: queued); the caller holds event_lock. */
@@ -584,8 +635,8 @@ static int pop_event(const fake_event_set *set, nvmlEventData_t *data) {
 	for (unsigned int i = 0; i < gpu_count; i++) {
 		if (!(set->registered & (1u << i)) || gpus[i].n_xid_events == 0) continue;
 		memset(data, 0, sizeof *data);
-		data->device = &gpus[i];
-		data->eventType = 8ULL;
+		data->device = gpu_handle(&gpus[i]);
+		data->eventType = nvmlEventTypeXidCriticalError;
 		data->eventData = gpus[i].xid_events[0];
 		memmove(&gpus[i].xid_events[0], &gpus[i].xid_events[1], sizeof(unsigned long long) * (size_t)(gpus[i].n_xid_events - 1));
 		gpus[i].n_xid_events--;
@@ -626,8 +677,9 @@ static long long now_ms(void) {
 
 /* Like the real call: an event queued for the set returns at once; otherwise wait up to
  * `timeoutms` for one (0: do not wait) and return NVML_ERROR_TIMEOUT when none came. */
-nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t s, nvmlEventData_t *data, unsigned int timeoutms) {
 	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	fake_event_set *set = as_set(s);
 	if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
 	const long long deadline = now_ms() + timeoutms;
 	pthread_mutex_lock(&event_lock);
@@ -646,7 +698,10 @@ nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, uns
 		while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
 	}
 }
-nvmlReturn_t nvmlEventSetFree(fake_event_set *set) {
-	free(set);
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+	return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+	free(as_set(set));
 	return NVML_SUCCESS;
 }

@@ -48,6 +48,17 @@ pub fn reference_node(registered: bool) -> NodeBuilder {
     b
 }
 
+/// Do what Karpenter's registration does to `node` (label `karpenter.sh/registered=true`,
+/// the `karpenter.sh/unregistered` taint removed), as a real write to the server.
+pub fn register_like_karpenter(api: &crate::cluster::ApiServer, node: &str) -> anyhow::Result<Value> {
+    api.mutate_object("nodes", node, |n| {
+        n["metadata"]["labels"]["karpenter.sh/registered"] = serde_json::json!("true");
+        if let Some(t) = n["spec"]["taints"].as_array_mut() {
+            t.retain(|t| t["key"] != "karpenter.sh/unregistered");
+        }
+    })
+}
+
 /// A `taintgate` command with a clean environment, bounded by coreutils `timeout` so a
 /// hung agent fails the test instead of hanging it.
 pub fn agent_cmd(timeout_secs: u32) -> anyhow::Result<Command> {

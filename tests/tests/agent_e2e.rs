@@ -217,11 +217,7 @@ fn waits_for_karpenter_registration_before_removing_the_taint() {
     ])
     .unwrap();
     // The agent is watching its node: registration has not happened, it must not untaint.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while emu.open_watches() == 0 {
-        assert!(std::time::Instant::now() < deadline, "agent never opened a watch");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    emu.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     std::thread::sleep(Duration::from_millis(2500)); // every other stage finishes meanwhile
     assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
     assert!(
@@ -229,14 +225,7 @@ fn waits_for_karpenter_registration_before_removing_the_taint() {
         "nothing written before registration"
     );
     // Karpenter registers the node.
-    emu.mutate_object("nodes", NODE, |n| {
-        n["metadata"]["labels"]["karpenter.sh/registered"] = json!("true");
-        n["spec"]["taints"]
-            .as_array_mut()
-            .unwrap()
-            .retain(|t| t["key"] != "karpenter.sh/unregistered");
-    })
-    .unwrap();
+    register_like_karpenter(&emu, NODE).unwrap();
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
@@ -557,11 +546,7 @@ fn allocatable_published_late_is_waited_for_on_the_watch() {
         "json",
     ])
     .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while emu.open_watches() == 0 {
-        assert!(std::time::Instant::now() < deadline, "agent never opened a watch");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    emu.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     // The device plugin registers in steps: 4, then 8.
     for n in ["4", "8"] {
         std::thread::sleep(Duration::from_millis(300));

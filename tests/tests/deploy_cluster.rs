@@ -15,7 +15,7 @@ use std::time::Duration;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{Value, json};
-use taintgate_tests::agent::{NODE, TAINT, output_text, profile, reference_node, taint_keys};
+use taintgate_tests::agent::{NODE, TAINT, output_text, profile, reference_node, register_like_karpenter, taint_keys};
 use taintgate_tests::cluster::ApiServer;
 
 const OTHER: &str = "gpu-node-b";
@@ -626,11 +626,7 @@ fn a_rotated_token_file_keeps_the_agent_working() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while api.open_watches() == 0 {
-        assert!(std::time::Instant::now() < deadline, "agent never opened a watch");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    api.wait_for_open_watch(Duration::from_secs(60)).unwrap();
     // The kubelet rotates the projected token: the new one is written (atomically, as the
     // kubelet's atomic writer does), and the old one's Pod goes away, which invalidates it.
     let new = api.bound_token("taintgate-system", "taintgate", NODE, 3600).unwrap();
@@ -641,14 +637,7 @@ fn a_rotated_token_file_keeps_the_agent_working() {
     // invalidate the old token.
     std::thread::sleep(Duration::from_secs(65));
     api.delete_object("pods", &old_pod).unwrap();
-    api.mutate_object("nodes", NODE, |n| {
-        n["metadata"]["labels"]["karpenter.sh/registered"] = json!("true");
-        n["spec"]["taints"]
-            .as_array_mut()
-            .unwrap()
-            .retain(|t| t["key"] != "karpenter.sh/unregistered");
-    })
-    .unwrap();
+    register_like_karpenter(&api, NODE).unwrap();
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     assert_eq!(
@@ -683,11 +672,7 @@ fn a_node_deleted_while_waiting_for_registration_is_a_named_outcome() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while api.open_watches() == 0 {
-        assert!(std::time::Instant::now() < deadline, "agent never opened a watch");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    api.wait_for_open_watch(Duration::from_secs(60)).unwrap();
     api.delete_object("nodes", NODE).unwrap();
     let o = child.wait_with_output().unwrap();
     let text = output_text(&o);

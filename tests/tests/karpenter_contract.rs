@@ -45,6 +45,17 @@ fn launched(claim: &str) -> Option<(ApiServer, Karpenter, String)> {
     Some((api, k, node))
 }
 
+/// Wait until Karpenter registered `node` (label `karpenter.sh/registered=true`).
+fn wait_registered(api: &ApiServer, k: &Karpenter, node: &str) -> Value {
+    api.wait_for_blocking(
+        "nodes",
+        node,
+        |n| label(n, "karpenter.sh/registered") == Some("true"),
+        T,
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\nkarpenter:\n{}", k.log_tail(40)))
+}
+
 /// The control plane and Karpenter, nothing launched yet.
 fn started() -> Option<(ApiServer, Karpenter)> {
     let api = match ApiServer::start_blocking() {
@@ -268,13 +279,7 @@ fn a_faulty_node_is_never_initialized_and_says_why() {
     let Some((api, k, node)) = launched("gpu-claim-d") else {
         return;
     };
-    api.wait_for_blocking(
-        "nodes",
-        &node,
-        |n| label(n, "karpenter.sh/registered") == Some("true"),
-        T,
-    )
-    .unwrap_or_else(|e| panic!("{e:#}\nkarpenter:\n{}", k.log_tail(40)));
+    wait_registered(&api, &k, &node);
     Karpenter::play_kubelet(&api, &node).unwrap();
     let dir = tempfile::tempdir().unwrap();
     // GPU 7 fell off the bus: GpuCountMismatch.
@@ -321,13 +326,7 @@ fn a_re_added_taint_is_removed_again_and_karpenters_writes_are_kept() {
     let Some((api, k, node)) = launched("gpu-claim-e") else {
         return;
     };
-    api.wait_for_blocking(
-        "nodes",
-        &node,
-        |n| label(n, "karpenter.sh/registered") == Some("true"),
-        T,
-    )
-    .unwrap_or_else(|e| panic!("{e:#}\nkarpenter:\n{}", k.log_tail(40)));
+    wait_registered(&api, &k, &node);
     Karpenter::play_kubelet(&api, &node).unwrap();
     // Resident: the agent keeps watching after release.
     let mut child = agent(&api, &node, &[])

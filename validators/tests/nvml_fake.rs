@@ -12,7 +12,7 @@ use taintgate_validators::gpu::{Gpu, GpuError, Interconnect, Inventory};
 /// Compile the fake once per test process.
 fn fake_library() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| compile_fake_nvml(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c")))
+    LIB.get_or_init(|| compile_fake_nvml(&fake_source()))
 }
 
 include!("../../tests/fake-nvml/compile.rs");
@@ -402,4 +402,181 @@ fn smoke_without_cuda_is_a_typed_error_not_a_panic() {
         );
         assert_eq!(bw.unwrap_err().reason(), "DriverNotLoaded");
     }
+}
+
+/// The names `nvml.h` declares: every match of the regex
+/// `\bDECLDIR\s+(char\s*\*\s*)?(nvml\w+)\s*\(` (the `nvmlReturn_t DECLDIR name(` lines, and
+/// `const DECLDIR char* nvmlErrorString(`), in any branch of the header's `#if`s, so the
+/// legacy names under `NVML_NO_UNVERSIONED_FUNC_DEFS` count too. Matched by hand: this
+/// crate has no regex dependency, and the check must not share the generator's parser.
+fn nvml_h_functions(header: &str) -> std::collections::BTreeSet<String> {
+    fn skip_ws(s: &str) -> &str {
+        s.trim_start_matches(|c: char| c.is_ascii_whitespace())
+    }
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut names = std::collections::BTreeSet::new();
+    for (at, _) in header.match_indices("DECLDIR") {
+        if header[..at].chars().next_back().is_some_and(is_word) {
+            continue;
+        }
+        let after = &header[at + "DECLDIR".len()..];
+        if !after.starts_with(|c: char| c.is_ascii_whitespace()) {
+            continue;
+        }
+        let mut rest = skip_ws(after);
+        if let Some(r) = rest.strip_prefix("char")
+            && let Some(r) = skip_ws(r).strip_prefix('*')
+        {
+            rest = skip_ws(r);
+        }
+        let len = rest.find(|c: char| !is_word(c)).unwrap_or(rest.len());
+        let name = &rest[..len];
+        if name.starts_with("nvml") && skip_ws(&rest[len..]).starts_with('(') {
+            names.insert(name.to_string());
+        }
+    }
+    names
+}
+
+/// The dynamic symbols the library defines (`nm -D --defined-only`).
+fn exported_symbols(lib: &Path) -> std::collections::BTreeSet<String> {
+    let out = std::process::Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(lib)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run nm (binutils): {e}"));
+    assert!(
+        out.status.success(),
+        "nm failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_string))
+        .collect()
+}
+
+fn fake_source() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nvml/fake_nvml.c")
+}
+
+/// Programs that resolve every NVML symbol up front (NVIDIA's device plugin) die on a missing
+/// one: the fake exports each function NVIDIA's header declares, versioned and legacy.
+#[test]
+fn every_function_nvml_h_declares_is_exported() {
+    let header_path = fake_nvml_include_dir(&fake_source()).join("nvml.h");
+    let header = std::fs::read_to_string(&header_path).unwrap();
+    let declared = nvml_h_functions(&header);
+    // The pinned 12.9 header declares 387; a parse that found a handful would prove nothing.
+    assert!(
+        declared.len() > 300,
+        "only {} names parsed from {}",
+        declared.len(),
+        header_path.display()
+    );
+    for name in [
+        "nvmlInit",
+        "nvmlInit_v2",
+        "nvmlDeviceGetCount",
+        "nvmlDeviceGetCount_v2",
+        "nvmlErrorString",
+    ] {
+        assert!(
+            declared.contains(name),
+            "{name} not parsed from {}",
+            header_path.display()
+        );
+    }
+    let exported = exported_symbols(fake_library());
+    let missing: Vec<&String> = declared.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of the {} functions {} declares are not exported by the fake: {missing:?}",
+        missing.len(),
+        declared.len(),
+        header_path.display()
+    );
+    // The ones the profile drives are the fake's own definitions, not the weak stubs.
+    let out = std::process::Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(fake_library())
+        .output()
+        .unwrap();
+    let strong: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
+            (kind == "T").then(|| name.to_string())
+        })
+        .collect();
+    for name in [
+        "nvmlInit_v2",
+        "nvmlInit",
+        "nvmlDeviceGetCount_v2",
+        "nvmlDeviceGetHandleByIndex_v2",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlDeviceGetGpuFabricInfo",
+        "nvmlEventSetWait_v2",
+    ] {
+        assert!(
+            strong.contains(name),
+            "{name} is a NOT_SUPPORTED stub, not the fake's definition"
+        );
+    }
+}
+
+/// Every symbol nvml-wrapper-sys (the crate under nvml-wrapper) looks up with libloading
+/// exists, including the few it knows from a newer nvml.h than the pinned wheel's.
+#[test]
+fn every_symbol_nvml_wrapper_sys_loads_is_exported() {
+    let lock = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.lock")).unwrap();
+    let version = lock
+        .split("[[package]]")
+        .find(|p| p.contains("name = \"nvml-wrapper-sys\""))
+        .and_then(|p| {
+            p.lines()
+                .find_map(|l| l.strip_prefix("version = \"")?.strip_suffix('"'))
+        })
+        .expect("nvml-wrapper-sys in Cargo.lock");
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .unwrap();
+    let bindings = std::fs::read_dir(cargo_home.join("registry/src"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join(format!("nvml-wrapper-sys-{version}/src/bindings.rs")))
+        .find(|p| p.is_file());
+    let Some(bindings) = bindings else {
+        let msg = format!(
+            "nvml-wrapper-sys {version} sources not found under {}",
+            cargo_home.display()
+        );
+        assert!(!std::env::var("CI").is_ok_and(|v| v == "true"), "{msg}");
+        eprintln!("SKIP: {msg}");
+        return;
+    };
+    let text = std::fs::read_to_string(&bindings).unwrap();
+    let loaded: std::collections::BTreeSet<String> = text
+        .split(".get(b\"")
+        .skip(1)
+        .filter_map(|s| s.split("\\0\"").next())
+        .filter(|n| n.starts_with("nvml"))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        loaded.len() > 300,
+        "only {} names parsed from {}",
+        loaded.len(),
+        bindings.display()
+    );
+    let exported = exported_symbols(fake_library());
+    let missing: Vec<&String> = loaded.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "the fake does not export {missing:?}, which {} loads (add them to EXTRA in tests/fake-nvml/gen-stubs.py)",
+        bindings.display()
+    );
 }

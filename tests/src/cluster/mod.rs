@@ -1000,6 +1000,20 @@ impl ApiServer {
         self.shared.open_watches.load(Ordering::SeqCst)
     }
 
+    /// Wait until at least one watch is open through the proxy (the agent is waiting on
+    /// its Node), or fail after `timeout`.
+    pub fn wait_for_open_watch(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        while self.open_watches() == 0 {
+            if Instant::now() >= deadline {
+                bail!("no watch opened through the proxy within {timeout:?}");
+            }
+            // Why a sleep: the harness polls its own counter; bounded by `timeout`.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
     /// Most watches open at once since start (or the last reset).
     pub fn peak_watches(&self) -> usize {
         self.shared.peak_watches.load(Ordering::SeqCst)
