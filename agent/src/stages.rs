@@ -263,7 +263,16 @@ async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         require_nccl: cfg.require_nccl,
     };
     let mut handles = Vec::new();
+    let mut lines = Vec::new();
+    let mut detail = Vec::new();
     for d in inv.domains.clone() {
+        // A domain of one GPU (a one-GPU machine, or a GPU with no peer) has no peer to copy
+        // to: a named outcome, not a measurement that would divide by nothing.
+        if d.gpus.len() < 2 {
+            lines.push(format!("domain {} is a single GPU: no peer to measure", d.id));
+            detail.push(json!({"domain": d.id, "gpus": d.gpus, "singleGpu": true}));
+            continue;
+        }
         let gpu = ctx.gpu.clone();
         let inv = inv.clone();
         let opts = opts.clone();
@@ -271,8 +280,6 @@ async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
             gpu.peer_bandwidth(&inv, &d, &opts).map(|m| (d, m))
         }));
     }
-    let mut lines = Vec::new();
-    let mut detail = Vec::new();
     for h in handles {
         let (d, m) = h
             .await

@@ -714,3 +714,34 @@ fn bundle_fetch_draws_a_progress_bar_on_a_terminal_only() {
     assert!(!text(&o).contains("[=="), "a bar off a terminal: {}", text(&o));
     assert!(text(&o).contains("verified: 3145728 bytes fetched"), "{}", text(&o));
 }
+
+/// A one-GPU machine (a developer's workstation, or a node whose peer domain is one GPU):
+/// `peer-bw` names the single-GPU outcome instead of measuring copies to no peer.
+#[test]
+fn a_single_gpu_domain_is_a_named_peer_bw_outcome() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("one-gpu.yaml");
+    std::fs::write(
+        &p,
+        format!(
+            "extends: {}\ndescription: one GPU\npatch:\n{}  - {{op: replace, path: /domains, value: [{{id: 0, gpus: [0], interconnect: {{kind: pcie, generation: 5, width: 16}}}}]}}\n",
+            profile("8gpu-two-domains"),
+            (1..8).rev().map(|i| format!("  - {{op: remove, path: /gpus/{i}}}\n")).collect::<String>()
+        ),
+    )
+    .unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(&cfg, "gpu:\n  expect:\n    gpu_count: 1\n").unwrap();
+    let o = bin()
+        .args(["check", "--simulate"])
+        .arg(&p)
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--stages", "driver,smoke,peer-bw"])
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(t.contains("domain 0 is a single GPU: no peer to measure"), "{t}");
+    assert!(!t.contains("inf GB/s"), "{t}");
+    assert!(!t.contains("PeerBandwidth"), "{t}");
+}
