@@ -17,6 +17,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{Value, json};
 use taintgate_tests::agent::{NODE, TAINT, output_text, profile, reference_node, register_like_karpenter, taint_keys};
 use taintgate_tests::cluster::ApiServer;
+use taintgate_tests::faults::others_view;
+use taintgate_tests::services::service_or_skip;
 
 const OTHER: &str = "gpu-node-b";
 const HEALTH: &str = "taintgate.io/gpu-unhealthy";
@@ -33,16 +35,7 @@ const SPEC: &str = "taintgate may not change the Node spec except its own taints
 
 /// A control plane with `daemonset/` and `systemd/rbac.yaml` applied by the real kubectl.
 fn deployed() -> Option<ApiServer> {
-    let api = match ApiServer::start_blocking() {
-        Ok(a) => a,
-        Err(e) => {
-            if taintgate_tests::services::in_ci() {
-                panic!("kube-apiserver could not start under CI: {e:#}");
-            }
-            eprintln!("SKIP: kube-apiserver unavailable here: {e:#}");
-            return None;
-        }
-    };
+    let api = service_or_skip("kube-apiserver", ApiServer::start_blocking())?;
     api.apply_kustomize("daemonset").unwrap();
     api.apply_file(&taintgate_tests::cluster::repo_root().join("systemd/rbac.yaml"))
         .unwrap();
@@ -82,23 +75,6 @@ fn wait_for_policy(api: &ApiServer) {
         std::thread::sleep(Duration::from_millis(100));
     }
     api.delete_object("nodes", PROBE).unwrap();
-}
-
-/// Drop what the server manages and what the agent may change.
-fn others_view(mut n: Value) -> Value {
-    let m = n["metadata"].as_object_mut().unwrap();
-    m.remove("resourceVersion");
-    m.remove("managedFields");
-    if let Some(a) = n["metadata"]["annotations"].as_object_mut() {
-        a.retain(|k, _| !k.starts_with("taintgate.io/"));
-    }
-    if let Some(t) = n["spec"]["taints"].as_array_mut() {
-        t.retain(|t| t["key"] != TAINT);
-    }
-    if let Some(c) = n["status"]["conditions"].as_array_mut() {
-        c.retain(|c| c["type"] != "TaintgateVerified" && c["type"] != "AcceleratedHardwareReady");
-    }
-    n
 }
 
 /// The Node as Karpenter and the kubelet leave it, with the fields a real node carries
@@ -236,8 +212,8 @@ fn daemonset_identity_in_cluster_releases_a_healthy_node_and_changes_nothing_els
     let after = api.get_object("nodes", NODE).unwrap().unwrap();
     assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
     assert_eq!(
-        others_view(after.clone()),
-        others_view(before),
+        others_view(&after),
+        others_view(&before),
         "only the agent's own fields may change"
     );
     let verified = after["status"]["conditions"]

@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use taintgate_tests::agent::{TAINT, agent_cmd, output_text, profile, taint_keys};
 use taintgate_tests::cluster::karpenter::Karpenter;
 use taintgate_tests::cluster::{ApiServer, RequestMatch};
+use taintgate_tests::services::service_or_skip;
 
 const T: Duration = Duration::from_secs(90);
 
@@ -58,28 +59,8 @@ fn wait_registered(api: &ApiServer, k: &Karpenter, node: &str) -> Value {
 
 /// The control plane and Karpenter, nothing launched yet.
 fn started() -> Option<(ApiServer, Karpenter)> {
-    let api = match ApiServer::start_blocking() {
-        Ok(a) => a,
-        Err(e) => {
-            assert!(
-                !taintgate_tests::services::in_ci(),
-                "kube-apiserver could not start under CI: {e:#}"
-            );
-            eprintln!("SKIP: kube-apiserver unavailable: {e:#}");
-            return None;
-        }
-    };
-    let k = match Karpenter::start(&api, TAINT) {
-        Ok(k) => k,
-        Err(e) => {
-            assert!(
-                !taintgate_tests::services::in_ci(),
-                "Karpenter could not start under CI: {e:#}"
-            );
-            eprintln!("SKIP: Karpenter unavailable: {e:#}");
-            return None;
-        }
-    };
+    let api = service_or_skip("kube-apiserver", ApiServer::start_blocking())?;
+    let k = service_or_skip("Karpenter", Karpenter::start(&api, TAINT))?;
     Some((api, k))
 }
 

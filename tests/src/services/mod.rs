@@ -31,6 +31,19 @@ macro_rules! require_service {
     };
 }
 
+/// [`require_service!`] for helpers that return an `Option`: the started service, or
+/// `None` after printing `SKIP` (elsewhere than CI); under CI a failure panics.
+pub fn service_or_skip<T>(name: &str, started: anyhow::Result<T>) -> Option<T> {
+    match started {
+        Ok(svc) => Some(svc),
+        Err(err) => {
+            assert!(!in_ci(), "service {name} could not start under CI: {err:#}");
+            eprintln!("SKIP: service {name} unavailable here: {err:#}");
+            None
+        }
+    }
+}
+
 /// A free loopback TCP port (bound and released; good enough for tests on one machine).
 pub fn free_port() -> std::io::Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0")?;
