@@ -452,7 +452,10 @@ fn scenarios() -> Vec<Scenario> {
             .held("NodeNotFound")
             .during(|e, _| {
                 wait_watch(e, 1)?;
-                let old = e.delete_object("nodes", NODE)?;
+                // The server answers a Node's DELETE with a Status, not the object: read the
+                // old node first, for its uid and its kubelet conditions.
+                let old = reference(e)?;
+                e.delete_object("nodes", NODE)?;
                 let mut fresh = reference_node(true).build();
                 fresh["metadata"]["labels"]["example.com/incarnation"] = json!("2");
                 // The builder stamps conditions with the current second; keep the old
