@@ -37,6 +37,8 @@ pub struct Config {
     /// After release: the XID watch, and the optional continuous mode that taints the node
     /// on a fatal XID.
     pub continuous: ContinuousConfig,
+    /// After release: follow the first workload to its first ready endpoint.
+    pub readiness: crate::readiness::settings::ReadinessConfig,
 }
 
 /// The startup taint (key + effect identify the one entry removed).
@@ -558,6 +560,9 @@ impl Config {
         let w = self.continuous.xid_wait;
         if w < Duration::from_millis(10) || w > Duration::from_secs(300) {
             return err("continuous.xid_wait", format!("{w:?} is not between 10ms and 5m"));
+        }
+        if let Err((key, msg)) = self.readiness.validate() {
+            return err(key, msg);
         }
         Ok(())
     }

@@ -162,6 +162,20 @@ continuous:
     key: taintgate.io/gpu-unhealthy
     effect: NoSchedule
   xid_wait: 1s                  # longest blocking wait on the subscription per round
+
+# After release the resident agent follows the first workload on its node to its first
+# ready endpoint and records the objects' own times (Pod created, scheduled, initialized,
+# containers started, ContainersReady, Ready, EndpointSlice ready) in the timeline
+# annotation and trace; `taintgate timeline` shows them. It watches only the Pods bound
+# to its node. At the deadline with no Ready workload it records NoWorkloadYet (not a
+# failure) and stops watching. See docs/readiness-chain.md.
+readiness:
+  enabled: true
+  deadline: 30m                 # from release, for the workload to become Ready
+  endpoint_wait: 2m             # after Ready, for an EndpointSlice to list it ready
+  selector: ""                  # label selector; "" = any Pod not owned by a DaemonSet
+  group_label: ""               # serving group label; the chain ends when every Pod of
+  group_size: 0                 # the group (group_size Pods on this node) is Ready
 "#;
 
 #[cfg(test)]

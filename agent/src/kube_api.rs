@@ -223,6 +223,10 @@ impl NodeApi for KubeNodeApi {
         Some(&self.client)
     }
 
+    fn workload_source(&self) -> Option<&dyn crate::readiness::WorkloadSource> {
+        Some(self)
+    }
+
     async fn pods_on_node(&self) -> Result<Vec<Pod>, ApiError> {
         let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.name));
         self.pods
@@ -231,4 +235,52 @@ impl NodeApi for KubeNodeApi {
             .map(|l| l.items)
             .map_err(|e| to_api_error(&format!("list pods on node {}", self.name), e))
     }
+}
+
+/// The readiness chain's watches, with kube-runtime's watcher (list, then watch; re-list
+/// after `410 Gone`; backoff on errors). Pods: only this node's (field selector
+/// `spec.nodeName`), never a cluster-wide list. EndpointSlices: one namespace at a time
+/// (they carry no node field to select on). Each watch asks the server to end it before
+/// the client's read timeout, like the node watch.
+impl crate::readiness::WorkloadSource for KubeNodeApi {
+    fn pods_on_node(
+        &self,
+        node: &str,
+        selector: Option<&str>,
+    ) -> futures::stream::BoxStream<'static, crate::readiness::Seen<Pod>> {
+        let mut cfg = kube::runtime::watcher::Config::default()
+            .fields(&format!("spec.nodeName={node}"))
+            .timeout(self.watch_timeout_secs);
+        if let Some(s) = selector {
+            cfg = cfg.labels(s);
+        }
+        seen(kube::runtime::watcher(self.pods.clone(), cfg))
+    }
+
+    fn endpoint_slices(
+        &self,
+        namespace: &str,
+    ) -> futures::stream::BoxStream<'static, crate::readiness::Seen<k8s_openapi::api::discovery::v1::EndpointSlice>>
+    {
+        let api: Api<k8s_openapi::api::discovery::v1::EndpointSlice> = Api::namespaced(self.client.clone(), namespace);
+        let cfg = kube::runtime::watcher::Config::default().timeout(self.watch_timeout_secs);
+        seen(kube::runtime::watcher(api, cfg))
+    }
+}
+
+fn seen<K: Send + 'static>(
+    s: impl futures::Stream<Item = Result<kube::runtime::watcher::Event<K>, kube::runtime::watcher::Error>> + Send + 'static,
+) -> futures::stream::BoxStream<'static, crate::readiness::Seen<K>> {
+    use crate::readiness::Seen;
+    use kube::runtime::WatchStreamExt;
+    use kube::runtime::watcher::Event;
+    s.default_backoff()
+        .map(|r| match r {
+            Ok(Event::Init) => Seen::Reset,
+            Ok(Event::InitApply(k)) | Ok(Event::Apply(k)) => Seen::Applied(k),
+            Ok(Event::Delete(k)) => Seen::Deleted(k),
+            Ok(Event::InitDone) => Seen::Listed,
+            Err(e) => Seen::Error(e.to_string()),
+        })
+        .boxed()
 }

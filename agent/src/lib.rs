@@ -12,6 +12,7 @@ pub mod gpu_backend;
 pub mod graph;
 pub mod kube_api;
 pub mod node_api;
+pub mod readiness;
 pub mod reasons;
 pub mod regate;
 pub mod report;

@@ -117,6 +117,11 @@ pub trait NodeApi: Send + Sync {
     fn stamp_source(&self) -> Option<&dyn crate::telemetry::prestamps::StampSource> {
         None
     }
+    /// Where the workload's Pods and EndpointSlices are watched after release (the
+    /// readiness chain), if anywhere.
+    fn workload_source(&self) -> Option<&dyn crate::readiness::WorkloadSource> {
+        None
+    }
 }
 
 /// An in-memory Node built from a simulated profile: registration and allocatable appear
@@ -366,6 +371,9 @@ impl<A: NodeApi + ?Sized> NodeApi for ReadOnly<A> {
     }
     fn stamp_source(&self) -> Option<&dyn crate::telemetry::prestamps::StampSource> {
         self.0.stamp_source()
+    }
+    fn workload_source(&self) -> Option<&dyn crate::readiness::WorkloadSource> {
+        self.0.workload_source()
     }
 }
 

@@ -394,6 +394,26 @@ pub const REASONS: &[Reason] = &[
         "images",
         "Another CRI error; the message has the status.",
     ),
+    r(
+        "WorkloadReady",
+        "readiness",
+        "After release, the first workload Pod (or serving group) was Ready and an EndpointSlice listed it ready; the chain to the first ready endpoint is in the timeline annotation. Not a failure.",
+    ),
+    r(
+        "NoEndpointYet",
+        "readiness",
+        "The workload was Ready but no EndpointSlice listed it ready within `readiness.endpoint_wait` (no Service selects it, or the endpoint controller lags); the chain ends at `pod-ready`. Not a failure of the node.",
+    ),
+    r(
+        "NoWorkloadYet",
+        "readiness",
+        "No workload Pod was Ready on the node by `readiness.deadline` after release: nothing was scheduled yet, or it is still starting. Recorded once; the agent stops watching. Not a failure of the node.",
+    ),
+    r(
+        "ReadinessWatchFailed",
+        "readiness",
+        "The Pod watch on the node never listed by `readiness.deadline` (RBAC lacks `list`/`watch` on pods, or the API is unreachable); the message in the log has the error. The node is unaffected.",
+    ),
 ];
 
 /// Look up a code.

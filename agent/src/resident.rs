@@ -11,6 +11,8 @@
 //!   `continuous.taint` on the node (a tested JSON Patch appending that one entry), sets
 //!   the agent's condition and the hardware condition False with reason `XidFatal`, and
 //!   stops the guard: the evidence no longer stands, so a re-added startup taint stays.
+//! - **Readiness chain.** It follows the first workload on the node to its first ready
+//!   endpoint and records the stamps ([`crate::readiness`]), then stops watching.
 
 use crate::config::Config;
 use crate::node_api::NodeApi;
@@ -52,6 +54,12 @@ pub async fn run(r: &Resident, cancel: &CancellationToken) {
         // ends resident mode, as before the XID watch existed.
         _ = guard_release(r.api.as_ref(), &r.config, cancel, &evidence_stands) => {}
         _ = handle_xids(r, rx, cancel, &evidence_stands) => {}
+        // The readiness chain ends on its own (bounded by `readiness.deadline`); resident
+        // mode goes on without it.
+        _ = async {
+            crate::readiness::run(r.api.as_ref(), &r.config, cancel).await;
+            cancel.cancelled().await;
+        } => {}
     }
 }
 

@@ -418,6 +418,11 @@ fn rbac_grants_only_the_verbs_the_agent_uses() {
         ("/nodes", "patch"),
         ("/nodes/status", "patch"),
         ("/pods", "list"),
+        // The readiness chain after release: the node's Pods, then the workload's
+        // EndpointSlices, watched until the first ready endpoint.
+        ("/pods", "watch"),
+        ("discovery.k8s.io/endpointslices", "list"),
+        ("discovery.k8s.io/endpointslices", "watch"),
         // The pre-agent stamps read the node's NodeClaim (by name, or listed to match the
         // provider ID); the real server's 403 without this showed the gap.
         ("karpenter.sh/nodeclaims", "get"),

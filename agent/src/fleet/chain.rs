@@ -23,6 +23,8 @@ pub enum StampKind {
     StageEnd,
     /// The verdict (released, held).
     Verdict,
+    /// The workload after release (Pod and EndpointSlice times, `crate::readiness`).
+    Post,
 }
 
 /// One stamp in a chain.
@@ -74,6 +76,10 @@ pub struct Chain {
     pub truncated: bool,
     /// The pre-agent stamps were read live from the API (the annotation had none).
     pub pre_read_live: bool,
+    /// How the readiness chain after release ended: `(outcome, unix ms, pods)`, once
+    /// recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workload: Option<(String, i64, Vec<String>)>,
 }
 
 /// One stage's bar.
@@ -169,6 +175,20 @@ impl Chain {
                 tie: 40,
             });
         }
+        for s in &doc.post {
+            let rank = crate::readiness::decide::names::ALL
+                .iter()
+                .position(|n| *n == s.name)
+                .unwrap_or(crate::readiness::decide::names::ALL.len()) as u32;
+            stamps.push(ChainStamp {
+                name: s.name.clone(),
+                at_ms: s.at.as_millisecond(),
+                kind: StampKind::Post,
+                outcome: None,
+                reason: None,
+                tie: 50 + rank,
+            });
+        }
         // Stable sort: equal (time, tie) keep insertion order (stage report order).
         stamps.sort_by_key(|s| (s.at_ms, s.tie));
         stages.sort_by_key(|s| s.start_ms);
@@ -180,6 +200,10 @@ impl Chain {
             stages,
             truncated: doc.truncated,
             pre_read_live: false,
+            workload: doc
+                .workload
+                .as_ref()
+                .map(|w| (w.outcome.clone(), w.at_ms, w.pods.clone())),
         }
     }
 
@@ -247,6 +271,23 @@ impl Chain {
                 waited
             ));
         }
+        if let Some((outcome, at, pods)) = &self.workload {
+            let at = Timestamp::from_millisecond(*at)
+                .map(|t| format!("{t:.3}"))
+                .unwrap_or_else(|_| at.to_string());
+            let what = match outcome.as_str() {
+                "WorkloadReady" => "first workload Ready and its endpoint ready".to_string(),
+                "NoEndpointYet" => "workload Ready; no EndpointSlice listed it ready in time".to_string(),
+                "NoWorkloadYet" => "no workload yet at the readiness deadline; the agent stopped watching".to_string(),
+                other => other.to_string(),
+            };
+            let pods = if pods.is_empty() {
+                String::new()
+            } else {
+                format!(" [{}]", pods.join(", "))
+            };
+            out.push_str(&format!("workload: {outcome} at {at}: {what}{pods}\n"));
+        }
         out
     }
 }
@@ -290,6 +331,13 @@ pub fn waited_on_name(name: &str) -> String {
         names::NODECLAIM_REGISTERED => "Karpenter registration of the Node".into(),
         names::KUBELET_READY => "kubelet Ready (container runtime, CNI)".into(),
         names::NODECLAIM_INITIALIZED => "Karpenter initialization (after release)".into(),
+        "pod-created" => "workload Pod created (its controller, or a user)".into(),
+        "pod-scheduled" => "scheduler binding the Pod to this node".into(),
+        "pod-initialized" => "init containers (kubelet)".into(),
+        "containers-started" => "image pull and container start (kubelet, runtime)".into(),
+        "containers-ready" => "startup and readiness probes (model load, warm-up)".into(),
+        "pod-ready" => "Pod Ready (readiness gates)".into(),
+        "endpoint-ready" => "EndpointSlice controller listing the endpoint ready".into(),
         AGENT_START => "agent pod scheduled, image pulled, process started".into(),
         "released" | "would-release" => "verdict after the last evidence".into(),
         "held" => "verdict: held".into(),

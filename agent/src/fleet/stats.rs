@@ -81,6 +81,9 @@ pub struct FleetReport {
     pub selector: Option<String>,
     /// Nodes skipped: `(node, why)`.
     pub skipped: Vec<(String, String)>,
+    /// Nodes per readiness-chain outcome after release (`WorkloadReady`, `NoWorkloadYet`,
+    /// ...); nodes with none recorded yet are not counted.
+    pub workload: BTreeMap<String, usize>,
 }
 
 impl FleetReport {
@@ -91,7 +94,11 @@ impl FleetReport {
         let mut iv: BTreeMap<String, (Vec<u64>, Vec<usize>)> = BTreeMap::new();
         let mut st: BTreeMap<String, (Vec<u64>, usize)> = BTreeMap::new();
         let (mut released, mut held) = (0, 0);
+        let mut workload: BTreeMap<String, usize> = BTreeMap::new();
         for c in chains {
+            if let Some((outcome, _, _)) = &c.workload {
+                *workload.entry(outcome.clone()).or_default() += 1;
+            }
             for (pos, i) in c.intervals().into_iter().enumerate() {
                 let e = iv.entry(i.to).or_default();
                 e.0.push(i.ms);
@@ -140,6 +147,7 @@ impl FleetReport {
             worst,
             selector: selector.map(str::to_string),
             skipped,
+            workload,
         }
     }
 
@@ -165,6 +173,10 @@ impl FleetReport {
                 out.push_str(" ...");
             }
             out.push('\n');
+        }
+        if !self.workload.is_empty() {
+            let parts: Vec<String> = self.workload.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            out.push_str(&format!("workload after release: {}\n", parts.join(", ")));
         }
         out.push_str(
             "\nintervals between adjacent stamps (named after the stamp they waited for), nearest-rank percentiles:\n",

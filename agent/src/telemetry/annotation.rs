@@ -14,6 +14,10 @@
 //!             "at":"...","message":"..."}}
 //! ```
 //!
+//! After release the resident agent adds two optional keys (`crate::readiness::record`):
+//! `"post":[["pod-created",1767225900000], ...]` (the workload's stamps, unix ms) and
+//! `"workload":{"outcome":"WorkloadReady","atMs":...,"pods":["ns/name"],"group":"g"}`.
+//!
 //! `pre` is a new optional key, so older readers ignore it and this decoder reads older
 //! annotations (no `pre`). When the document exceeds the size bound it is trimmed in
 //! steps: the verdict message goes first, then passed stages (failed ones say why a node
@@ -97,6 +101,23 @@ pub struct AnnotationDoc {
     pub verdict: Option<VerdictEntry>,
     /// The writer dropped entries to fit the size bound.
     pub truncated: bool,
+    /// Stamps of the workload after release (empty until the resident agent records them).
+    pub post: Vec<Stamp>,
+    /// How the readiness chain ended, once it has.
+    pub workload: Option<WorkloadEntry>,
+}
+
+/// How the readiness chain after release ended, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkloadEntry {
+    /// Reason code: `WorkloadReady`, `NoEndpointYet`, `NoWorkloadYet`, `ReadinessWatchFailed`.
+    pub outcome: String,
+    /// Unix ms when the agent recorded it (the deadline, for `NoWorkloadYet`).
+    pub at_ms: i64,
+    /// The Pods that ended the chain (`namespace/name`).
+    pub pods: Vec<String>,
+    /// The serving group's label value, empty when none.
+    pub group: String,
 }
 
 fn stage_json(t: &Timeline) -> Vec<Value> {
@@ -147,6 +168,51 @@ pub fn encode(t: &Timeline, pre: &[Stamp], max_bytes: usize) -> String {
         s = json!({"v": 1, "truncated": true, "start": t.agent_start.to_string()}).to_string();
     }
     s
+}
+
+/// Decode a `[[name, unix_ms], ...]` list of stamps under `key`.
+fn stamps_at(doc: &Value, key: &str) -> Result<Vec<Stamp>, AnnotationError> {
+    let mut out = Vec::new();
+    for e in doc
+        .get(key)
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
+        let name = e
+            .get(0)
+            .and_then(Value::as_str)
+            .ok_or_else(|| AnnotationError::new(format!("{key} entry without a name: {e}")))?;
+        let ms = e
+            .get(1)
+            .and_then(Value::as_i64)
+            .ok_or_else(|| AnnotationError::new(format!("{key}[{name}] has no unix-ms time: {e}")))?;
+        let at = Timestamp::from_millisecond(ms)
+            .map_err(|err| AnnotationError::new(format!("{key}[{name}] time {ms} out of range: {err}")))?;
+        out.push(Stamp::new(name, at));
+    }
+    Ok(out)
+}
+
+fn workload_at(doc: &Value) -> Result<Option<WorkloadEntry>, AnnotationError> {
+    let Some(w) = doc.get("workload").filter(|w| w.is_object()) else {
+        return Ok(None);
+    };
+    let outcome = w["outcome"]
+        .as_str()
+        .ok_or_else(|| AnnotationError::new("`workload.outcome` is missing"))?;
+    let at_ms = w["atMs"]
+        .as_i64()
+        .ok_or_else(|| AnnotationError::new("`workload.atMs` is missing"))?;
+    Ok(Some(WorkloadEntry {
+        outcome: outcome.to_string(),
+        at_ms,
+        pods: w["pods"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|p| p.as_str().map(str::to_string)).collect())
+            .unwrap_or_default(),
+        group: w["group"].as_str().unwrap_or_default().to_string(),
+    }))
 }
 
 fn u64_at(e: &Value, i: usize, what: &str) -> Result<u64, AnnotationError> {
@@ -233,6 +299,8 @@ pub fn decode(s: &str) -> Result<AnnotationDoc, AnnotationError> {
         stages,
         verdict,
         truncated: doc["truncated"].as_bool().unwrap_or(false),
+        post: stamps_at(&doc, "post")?,
+        workload: workload_at(&doc)?,
     })
 }
 

@@ -333,6 +333,25 @@ pub async fn export_timeline_to(endpoint: Option<&str>, t: &Timeline, pre: &[Sta
         .map(str::to_string)
         .or_else(endpoint_from_env)
         .unwrap_or_else(|| "<default endpoint>".into());
+    export_spans(endpoint, shown, &t.node, build_spans(t, pre)).await
+}
+
+/// Export already-built spans of node `node` to `endpoint` (or the environment's), for
+/// traces built elsewhere (the readiness chain after release).
+pub async fn export_spans_to(endpoint: Option<&str>, node: &str, spans: Vec<SpanData>) -> Result<usize, OtlpError> {
+    let shown = endpoint
+        .map(str::to_string)
+        .or_else(endpoint_from_env)
+        .unwrap_or_else(|| "<default endpoint>".into());
+    export_spans(endpoint, shown, node, spans).await
+}
+
+async fn export_spans(
+    endpoint: Option<&str>,
+    shown: String,
+    node: &str,
+    spans: Vec<SpanData>,
+) -> Result<usize, OtlpError> {
     let mut b = opentelemetry_otlp::SpanExporter::builder().with_tonic();
     if let Some(e) = endpoint {
         b = b.with_endpoint(e);
@@ -341,8 +360,7 @@ pub async fn export_timeline_to(endpoint: Option<&str>, t: &Timeline, pre: &[Sta
         endpoint: shown.clone(),
         message: e.to_string(),
     })?;
-    exporter.set_resource(&resource(&t.node));
-    let spans = build_spans(t, pre);
+    exporter.set_resource(&resource(node));
     let n = spans.len();
     let result = tokio::time::timeout(EXPORT_DEADLINE, exporter.export(spans)).await;
     // Shutting the exporter down drops its channel; nothing is buffered on our side.

@@ -637,6 +637,8 @@ impl ApiServer {
             peak_watches: Default::default(),
             control,
             resets: Default::default(),
+            open_watch_requests: Default::default(),
+            watch_seq: Default::default(),
         });
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
         let proxy_addr = listener.local_addr()?;
@@ -1012,6 +1014,20 @@ impl ApiServer {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())
+    }
+
+    /// The watches open through the proxy right now, as `(path, decoded query)`, oldest
+    /// first: which watch is still open, not only how many.
+    pub fn open_watch_requests(&self) -> Vec<(String, String)> {
+        lock(&self.shared.open_watch_requests)
+            .values()
+            .map(|(p, q)| {
+                let decoded: Vec<String> = form_urlencoded::parse(q.as_bytes())
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect();
+                (p.clone(), decoded.join("&"))
+            })
+            .collect()
     }
 
     /// Most watches open at once since start (or the last reset).

@@ -48,6 +48,10 @@ pub(crate) struct Shared {
     pub control: watch::Sender<WatchControl>,
     /// Connections to reset (closed without an answer) before anything is forwarded.
     pub resets: Mutex<Vec<(usize, super::RequestMatch)>>,
+    /// The watches open right now, by a sequence number: `(path, query)`.
+    pub open_watch_requests: Mutex<std::collections::BTreeMap<u64, (String, String)>>,
+    /// Source of those sequence numbers.
+    pub watch_seq: std::sync::atomic::AtomicU64,
 }
 
 /// Lock a mutex, recovering the data if a panicking test thread poisoned it.
@@ -308,7 +312,8 @@ async fn exchange(shared: Arc<Shared>, req: Request<Body>) -> Response<Body> {
         }
     }
     if watch && code == 200 {
-        let mut r = Response::new(Body::from_stream(watch_stream(shared.clone(), resp)));
+        let guard = WatchGuard::new(shared.clone(), &path, &query);
+        let mut r = Response::new(Body::from_stream(watch_stream(shared.clone(), resp, guard)));
         *r.headers_mut() = headers;
         return r;
     }
@@ -335,20 +340,23 @@ async fn run_hooks(shared: &Shared, t: &ObjectRef, hooks: Vec<HookFn>) {
     }
 }
 
-/// Counts open watches for as long as the stream lives.
-struct WatchGuard(Arc<Shared>);
+/// Counts open watches (and remembers which) for as long as the stream lives.
+struct WatchGuard(Arc<Shared>, u64);
 
 impl WatchGuard {
-    fn new(s: Arc<Shared>) -> Self {
+    fn new(s: Arc<Shared>, path: &str, query: &str) -> Self {
         let now = s.open_watches.fetch_add(1, Ordering::SeqCst) + 1;
         s.peak_watches.fetch_max(now, Ordering::SeqCst);
-        Self(s)
+        let id = s.watch_seq.fetch_add(1, Ordering::SeqCst);
+        lock(&s.open_watch_requests).insert(id, (path.to_string(), query.to_string()));
+        Self(s, id)
     }
 }
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
         self.0.open_watches.fetch_sub(1, Ordering::SeqCst);
+        lock(&self.0.open_watch_requests).remove(&self.1);
     }
 }
 
@@ -358,6 +366,7 @@ impl Drop for WatchGuard {
 fn watch_stream(
     shared: Arc<Shared>,
     resp: reqwest::Response,
+    guard: WatchGuard,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
     struct St {
         up: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
@@ -389,7 +398,7 @@ fn watch_stream(
         sent: 0,
         done: false,
         lines,
-        _guard: WatchGuard::new(shared),
+        _guard: guard,
     };
     futures::stream::unfold(st, |mut st| async move {
         loop {

@@ -1,0 +1,227 @@
+//! The readiness chain after the untaint: the user's wait does not end when the taint
+//! goes, it ends when the first workload on the node serves. After release the resident
+//! agent watches the Pods bound to its own node (field selector `spec.nodeName`, never a
+//! cluster-wide list) until the workload is Ready — the first Pod that is not a
+//! DaemonSet's, or the Pods a label selector chooses, or every Pod of a serving group —
+//! then watches the EndpointSlices of that Pod's namespace until one lists it as a ready
+//! endpoint. It records the objects' own timestamps ([`decide`]) into the timeline
+//! annotation ([`record`]) and the OTLP trace ([`trace`]), and stops watching. Both waits
+//! are bounded (`readiness.deadline`, `readiness.endpoint_wait`): a node whose workload
+//! never comes records `NoWorkloadYet` at the deadline, which is not a failure of the
+//! node. See `docs/readiness-chain.md`.
+
+pub mod decide;
+pub mod record;
+pub mod settings;
+pub mod trace;
+
+use crate::config::Config;
+use crate::node_api::NodeApi;
+use crate::telemetry::annotation::WorkloadEntry;
+use crate::telemetry::prestamps::Stamp;
+use decide::{PodRef, names};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use record::Record;
+use std::collections::{BTreeMap, BTreeSet};
+use tokio_util::sync::CancellationToken;
+
+/// Outcome codes (also reason codes in the catalogue).
+pub mod outcome {
+    /// The workload was Ready and an EndpointSlice listed it ready.
+    pub const WORKLOAD_READY: &str = "WorkloadReady";
+    /// The workload was Ready; no EndpointSlice listed it ready within `endpoint_wait`.
+    pub const NO_ENDPOINT_YET: &str = "NoEndpointYet";
+    /// No workload was Ready by `readiness.deadline`.
+    pub const NO_WORKLOAD_YET: &str = "NoWorkloadYet";
+    /// The Pod watch never delivered a list (forbidden, unreachable) by the deadline.
+    pub const WATCH_FAILED: &str = "ReadinessWatchFailed";
+}
+
+/// One event of a watch as the readiness chain needs it.
+#[derive(Debug, Clone)]
+pub enum Seen<K> {
+    /// The watch (re)starts with a full list: forget what was seen.
+    Reset,
+    /// An object was listed, added or modified.
+    Applied(K),
+    /// An object was deleted.
+    Deleted(K),
+    /// The list that followed a `Reset` is complete.
+    Listed,
+    /// The watch failed; it is retried with backoff by the source.
+    Error(String),
+}
+
+/// Where the workload's objects are watched. Dropping a stream closes its watch.
+pub trait WorkloadSource: Send + Sync {
+    /// Pods bound to `node` (field selector `spec.nodeName=<node>`), narrowed by the
+    /// label `selector` when given.
+    fn pods_on_node(&self, node: &str, selector: Option<&str>) -> BoxStream<'static, Seen<Pod>>;
+    /// EndpointSlices of one namespace.
+    fn endpoint_slices(&self, namespace: &str) -> BoxStream<'static, Seen<EndpointSlice>>;
+}
+
+/// Follow the workload on `node` until it is Ready and has a ready endpoint, or a bound
+/// ends the wait. Every watch is closed when this returns.
+pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &settings::ReadinessConfig) -> Record {
+    let deadline = tokio::time::Instant::now() + cfg.deadline;
+    let selector = cfg.label_selector();
+    let chosen = {
+        let mut pods = src.pods_on_node(node, selector);
+        let mut store: BTreeMap<PodRef, Pod> = BTreeMap::new();
+        let (mut listing, mut listed, mut last_error) = (false, false, None::<String>);
+        let timer = tokio::time::sleep_until(deadline);
+        tokio::pin!(timer);
+        loop {
+            let ev = tokio::select! {
+                ev = pods.next() => ev,
+                _ = &mut timer => break Err((listed, last_error)),
+            };
+            match ev {
+                Some(Seen::Reset) => {
+                    store.clear();
+                    listing = true;
+                }
+                Some(Seen::Applied(p)) => {
+                    store.insert(PodRef::of(&p), p);
+                }
+                Some(Seen::Deleted(p)) => {
+                    store.remove(&PodRef::of(&p));
+                }
+                Some(Seen::Listed) => {
+                    listing = false;
+                    listed = true;
+                }
+                Some(Seen::Error(e)) => {
+                    tracing::warn!(error = %e, reason = outcome::WATCH_FAILED, "watching the node's pods failed; retrying with backoff");
+                    last_error = Some(e);
+                    continue;
+                }
+                // A source that ends: nothing more can arrive, wait out the deadline.
+                None => {
+                    (&mut timer).await;
+                    break Err((listed, last_error));
+                }
+            }
+            if !listing && let Some(c) = decide::decide(store.values(), selector.is_some(), cfg.group()) {
+                break Ok(c);
+            }
+        }
+        // `pods` is dropped here: the Pod watch is closed.
+    };
+    let chosen = match chosen {
+        Ok(c) => c,
+        Err((listed, last_error)) => {
+            let (code, why) = match (listed, last_error) {
+                (false, Some(e)) => (outcome::WATCH_FAILED, format!("the pod watch never listed: {e}")),
+                _ => (outcome::NO_WORKLOAD_YET, "no workload Pod was Ready".to_string()),
+            };
+            tracing::info!(reason = code, deadline = ?cfg.deadline, "{why} by readiness.deadline; stopped watching (not a failure of the node)");
+            return Record {
+                stamps: Vec::new(),
+                workload: WorkloadEntry {
+                    outcome: code.into(),
+                    at_ms: Timestamp::now().as_millisecond(),
+                    pods: Vec::new(),
+                    group: String::new(),
+                },
+            };
+        }
+    };
+    tracing::info!(pods = ?chosen.pods.iter().map(ToString::to_string).collect::<Vec<_>>(), group = ?chosen.group, "workload Ready; waiting for its endpoint");
+    let endpoint = endpoint_ready(src, &chosen.pods, cfg.endpoint_wait).await;
+    let mut stamps = chosen.stamps;
+    let code = match endpoint {
+        Some(t) => {
+            stamps.push(Stamp::new(names::ENDPOINT_READY, t));
+            outcome::WORKLOAD_READY
+        }
+        None => outcome::NO_ENDPOINT_YET,
+    };
+    Record {
+        stamps,
+        workload: WorkloadEntry {
+            outcome: code.into(),
+            at_ms: Timestamp::now().as_millisecond(),
+            pods: chosen.pods.iter().map(ToString::to_string).collect(),
+            group: chosen.group.unwrap_or_default(),
+        },
+    }
+}
+
+/// Watch the EndpointSlices of the Pods' namespaces until every Pod has been listed as a
+/// ready endpoint (the latest of their first-ready writes), or `wait` passes.
+async fn endpoint_ready(src: &dyn WorkloadSource, pods: &[PodRef], wait: std::time::Duration) -> Option<Timestamp> {
+    let namespaces: BTreeSet<&str> = pods.iter().map(|p| p.namespace.as_str()).collect();
+    let mut slices = futures::stream::select_all(namespaces.into_iter().map(|ns| src.endpoint_slices(ns)));
+    let mut first: BTreeMap<&PodRef, Timestamp> = BTreeMap::new();
+    let timer = tokio::time::sleep(wait);
+    tokio::pin!(timer);
+    while first.len() < pods.len() {
+        let ev = tokio::select! {
+            ev = slices.next() => ev,
+            _ = &mut timer => break,
+        };
+        match ev {
+            Some(Seen::Applied(s)) => {
+                for p in pods {
+                    if !first.contains_key(p)
+                        && let Some(t) = decide::slice_ready_for(&s, p)
+                    {
+                        first.insert(p, t);
+                    }
+                }
+            }
+            Some(Seen::Error(e)) => {
+                tracing::warn!(error = %e, "watching endpointslices failed; retrying with backoff")
+            }
+            Some(_) => {}
+            None => {
+                (&mut timer).await;
+                break;
+            }
+        }
+    }
+    (first.len() == pods.len()).then(|| first.into_values().max()).flatten()
+}
+
+/// Run the readiness chain for the resident agent: follow the workload, record it in the
+/// annotation, export its trace. Returns what was recorded (`None` when turned off, when
+/// the API offers no workload source, or when cancelled).
+pub async fn run(api: &dyn NodeApi, config: &Config, cancel: &CancellationToken) -> Option<Record> {
+    let cfg = &config.readiness;
+    if !cfg.enabled {
+        return None;
+    }
+    let Some(src) = api.workload_source() else {
+        tracing::debug!("no workload source (simulated API): readiness chain not recorded");
+        return None;
+    };
+    let started = Timestamp::now();
+    let rec = tokio::select! {
+        r = follow(src, api.node_name(), cfg) => r,
+        _ = cancel.cancelled() => return None,
+    };
+    tracing::info!(reason = %rec.workload.outcome, stamps = rec.stamps.len(), "readiness chain recorded");
+    let released = match record::write(api, &config.reporting, &config.api, &rec, started).await {
+        Ok(node) => released_at(&node, &config.reporting.annotation_prefix).unwrap_or(started),
+        Err(e) => {
+            tracing::warn!(error = %e, reason = e.reason(), "writing the readiness chain to the annotation failed");
+            started
+        }
+    };
+    trace::export(api.node_name(), released, &rec.stamps, &rec.workload).await;
+    Some(rec)
+}
+
+/// The release time recorded by the bootstrap (agent start + verdict offset).
+fn released_at(node: &k8s_openapi::api::core::v1::Node, prefix: &str) -> Option<Timestamp> {
+    let raw = node.metadata.annotations.as_ref()?.get(&format!("{prefix}/timeline"))?;
+    let doc = crate::telemetry::annotation::decode(raw).ok()?;
+    let v = doc.verdict?;
+    doc.start.checked_add(std::time::Duration::from_millis(v.at_ms)).ok()
+}

@@ -1,0 +1,170 @@
+//! OTLP trace of the readiness chain: a root span `readiness` from the release to the last
+//! stamp, and one child span per interval between adjacent stamps, named
+//! `readiness:<to>` after the stamp it waited for. Same clock rules as the pre-agent
+//! spans (`crate::telemetry::otlp`): the objects' own times are used as they are (one
+//! second resolution), stamps are ordered by time with causal order breaking ties, and
+//! nothing re-reads a clock. Exported as its own trace (the bootstrap's was sent at
+//! release), carrying `k8s.node.name` like it so the two are joined by node.
+
+use crate::readiness::decide::names;
+use crate::telemetry::annotation::WorkloadEntry;
+use crate::telemetry::prestamps::Stamp;
+use jiff::Timestamp;
+use opentelemetry::trace::{SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState};
+use opentelemetry::{InstrumentationScope, KeyValue};
+use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanLinks};
+use std::borrow::Cow;
+use std::time::SystemTime;
+
+/// Name of the root span.
+pub const ROOT_SPAN: &str = "readiness";
+/// Prefix of interval span names.
+pub const SPAN_PREFIX: &str = "readiness:";
+/// Name of the first stamp: the release (the bootstrap's verdict).
+pub const RELEASED: &str = "released";
+
+/// The chain's stamps from the release on, ordered by time, causal order breaking ties.
+pub fn ordered(released: Timestamp, stamps: &[Stamp]) -> Vec<Stamp> {
+    let rank = |n: &str| {
+        if n == RELEASED {
+            0
+        } else {
+            1 + names::ALL.iter().position(|x| *x == n).unwrap_or(names::ALL.len())
+        }
+    };
+    let mut all = vec![Stamp::new(RELEASED, released)];
+    all.extend(stamps.iter().cloned());
+    all.sort_by(|a, b| a.at.cmp(&b.at).then_with(|| rank(&a.name).cmp(&rank(&b.name))));
+    all
+}
+
+/// The spans, root first, with the given ids.
+pub fn build_spans_with(
+    node: &str,
+    released: Timestamp,
+    stamps: &[Stamp],
+    workload: &WorkloadEntry,
+    trace_id: TraceId,
+    next_span_id: &mut dyn FnMut() -> SpanId,
+) -> Vec<SpanData> {
+    let scope = InstrumentationScope::builder("taintgate")
+        .with_version(env!("CARGO_PKG_VERSION"))
+        .build();
+    let mk =
+        |id: SpanId, parent: SpanId, name: String, start: Timestamp, end: Timestamp, attributes, status| SpanData {
+            span_context: SpanContext::new(trace_id, id, TraceFlags::SAMPLED, false, TraceState::default()),
+            parent_span_id: parent,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name: Cow::Owned(name),
+            start_time: SystemTime::from(start),
+            end_time: SystemTime::from(end.max(start)),
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status,
+            instrumentation_scope: scope.clone(),
+        };
+    let all = ordered(released, stamps);
+    let first = all.first().map(|s| s.at).unwrap_or(released);
+    let last = all.last().map(|s| s.at).unwrap_or(released);
+    let root_id = next_span_id();
+    let status = match workload.outcome.as_str() {
+        "WorkloadReady" | "NoEndpointYet" => Status::Ok,
+        _ => Status::Unset,
+    };
+    let mut out = vec![mk(
+        root_id,
+        SpanId::INVALID,
+        ROOT_SPAN.to_string(),
+        first,
+        last,
+        vec![
+            KeyValue::new("k8s.node.name", node.to_string()),
+            KeyValue::new("taintgate.readiness.outcome", workload.outcome.clone()),
+            KeyValue::new("taintgate.readiness.pods", workload.pods.join(",")),
+            KeyValue::new("taintgate.readiness.group", workload.group.clone()),
+        ],
+        status,
+    )];
+    for w in all.windows(2) {
+        out.push(mk(
+            next_span_id(),
+            root_id,
+            format!("{SPAN_PREFIX}{}", w[1].name),
+            w[0].at,
+            w[1].at,
+            vec![
+                KeyValue::new("k8s.node.name", node.to_string()),
+                KeyValue::new("taintgate.interval.from", w[0].name.clone()),
+                KeyValue::new("taintgate.interval.to", w[1].name.clone()),
+            ],
+            Status::Unset,
+        ));
+    }
+    out
+}
+
+/// Export the chain's trace when `OTEL_EXPORTER_OTLP_*` configures an endpoint. Never
+/// fails the caller: problems are logged with their reason code. Returns spans sent.
+pub async fn export(node: &str, released: Timestamp, stamps: &[Stamp], workload: &WorkloadEntry) -> usize {
+    if !crate::telemetry::otlp::enabled() {
+        return 0;
+    }
+    let ids = RandomIdGenerator::default();
+    let spans = build_spans_with(node, released, stamps, workload, ids.new_trace_id(), &mut || {
+        ids.new_span_id()
+    });
+    match crate::telemetry::otlp::export_spans_to(None, node, spans).await {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(error = %e, reason = e.reason(), "exporting the readiness trace failed");
+            0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn one_span_per_interval_from_the_release() {
+        let t = |s: &str| -> Timestamp { format!("2026-01-01T00:{s}Z").parse().unwrap() };
+        let stamps = vec![
+            Stamp::new("pod-scheduled", t("05:00")),
+            Stamp::new("pod-created", t("05:00")),
+            Stamp::new("pod-ready", t("07:30")),
+            Stamp::new("endpoint-ready", t("07:31")),
+        ];
+        let w = WorkloadEntry {
+            outcome: "WorkloadReady".into(),
+            at_ms: 0,
+            pods: vec!["ml/llm-0".into()],
+            group: String::new(),
+        };
+        let mut n = 0u64;
+        let spans = build_spans_with("n1", t("04:00"), &stamps, &w, TraceId::from(7u128), &mut || {
+            n += 1;
+            SpanId::from(n)
+        });
+        let got: Vec<(String, SystemTime, SystemTime)> = spans
+            .iter()
+            .map(|s| (s.name.to_string(), s.start_time, s.end_time))
+            .collect();
+        let st = |s: &str| SystemTime::from(t(s));
+        assert_eq!(
+            got,
+            vec![
+                ("readiness".into(), st("04:00"), st("07:31")),
+                ("readiness:pod-created".into(), st("04:00"), st("05:00")),
+                ("readiness:pod-scheduled".into(), st("05:00"), st("05:00")),
+                ("readiness:pod-ready".into(), st("05:00"), st("07:30")),
+                ("readiness:endpoint-ready".into(), st("07:30"), st("07:31")),
+            ]
+        );
+        assert!(spans[1..].iter().all(|s| s.parent_span_id == SpanId::from(1u64)));
+    }
+}
