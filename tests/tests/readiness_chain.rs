@@ -27,6 +27,7 @@ use taintgate::kube_api::KubeNodeApi;
 use taintgate::readiness;
 use taintgate::telemetry::annotation::decode;
 use taintgate_tests::cluster::{ApiServer, NodeBuilder, now_rfc3339};
+use taintgate_tests::otlp::OtlpReceiver;
 use taintgate_tests::require_service;
 use tokio_util::sync::CancellationToken;
 
@@ -321,6 +322,34 @@ async fn first_workload_to_first_ready_endpoint_and_the_fleet_view() {
     wait_until("every watch to close", Duration::from_secs(30), || {
         open_watches_on(&api, "/pods").is_empty() && open_watches_on(&api, "/endpointslices").is_empty()
     });
+
+    // The trace: one span per interval, from the release, at the recorded times, as a
+    // real OTLP receiver gets it.
+    let rx = require_service!("otlp receiver", OtlpReceiver::start().await);
+    let released = doc.start.as_millisecond() + doc.verdict.as_ref().unwrap().at_ms as i64;
+    let released_ts = Timestamp::from_millisecond(released).unwrap();
+    let n = readiness::trace::export_to(Some(&rx.endpoint()), node, released_ts, &rec.stamps, &rec.workload)
+        .await
+        .unwrap();
+    let spans = rx.wait_for_spans(n, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(n, want.len() + 1, "a root and one span per interval");
+    let root = spans.iter().find(|s| s.name == "readiness").unwrap();
+    assert_eq!(root.attr_str("taintgate.readiness.outcome"), Some("WorkloadReady"));
+    let mut prev = released;
+    for (name, at) in &want {
+        let s = spans
+            .iter()
+            .find(|s| s.name == format!("readiness:{name}"))
+            .unwrap_or_else(|| panic!("no span for {name}"));
+        assert_eq!(s.parent_span_id, root.span_id);
+        let nanos = |ms: i64| (ms as u64) * 1_000_000;
+        assert_eq!(
+            (s.start_unix_nano, s.end_unix_nano),
+            (nanos(prev), nanos(*at)),
+            "{name}"
+        );
+        prev = *at;
+    }
 
     // `taintgate timeline NODE`: the chain from NodeClaim created to endpoint ready.
     let client = api.client().unwrap();
@@ -625,5 +654,77 @@ fn check_fleet(text: &str, fleet: &[Intervals], real: &taintgate::telemetry::ann
     assert!(
         text.contains(&format!("workload after release: WorkloadReady {}", FLEET + 1)),
         "{text}"
+    );
+}
+
+/// The real binary, resident after its own release: the chain is recorded by the agent
+/// process, through its kubeconfig, into its own annotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_resident_agent_records_the_chain_after_its_own_release() {
+    use taintgate_tests::agent::{NODE, TAINT, output_text, profile, reference_node, spawn_agent, taint_keys};
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    api.put_object(reference_node(true).build()).unwrap();
+    setup_namespace(&api);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.yaml");
+    std::fs::write(&cfg, "readiness:\n  deadline: 5m\n  endpoint_wait: 1s\n").unwrap();
+    let child = require_service!(
+        "taintgate binary",
+        spawn_agent(&[
+            "run",
+            "--simulate",
+            &profile("8gpu-two-domains"),
+            "--kubeconfig",
+            &api.kubeconfig_path().to_string_lossy(),
+            "--config",
+            &cfg.to_string_lossy(),
+        ])
+    );
+    let released = |n: &Value| !taint_keys(n).contains(&TAINT.to_string());
+    api.wait_for("nodes", NODE, released, Duration::from_secs(90))
+        .await
+        .unwrap();
+    wait_until("the resident agent's pod watch", Duration::from_secs(60), || {
+        open_watches_on(&api, "/api/v1/pods")
+            .iter()
+            .any(|(_, q)| q.contains(&format!("spec.nodeName={NODE}")))
+    });
+    create_pod(&api, "llm-e2e", NODE, "ReplicaSet", json!({}));
+    make_ready(&api, "llm-e2e", false);
+    let recorded = |n: &Value| {
+        n["metadata"]["annotations"][KEY]
+            .as_str()
+            .and_then(|a| decode(a).ok())
+            .is_some_and(|d| d.workload.is_some())
+    };
+    let node = api
+        .wait_for("nodes", NODE, recorded, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let doc = decode(node["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
+    let pod = api.get_object("pods", &format!("{NS}/llm-e2e")).unwrap().unwrap();
+    assert_eq!(stamps_of(&doc.post), expected_pod_stamps(&pod));
+    let w = doc.workload.unwrap();
+    assert_eq!(
+        (w.outcome.as_str(), w.pods),
+        ("NoEndpointYet", vec![format!("{NS}/llm-e2e")])
+    );
+    assert!(doc.verdict.unwrap().released, "the bootstrap's record is kept");
+    wait_until("the agent's watches to close", Duration::from_secs(30), || {
+        open_watches_on(&api, "/pods").is_empty() && open_watches_on(&api, "/endpointslices").is_empty()
+    });
+    // The `timeout` wrapper forwards SIGTERM to the agent.
+    let st = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
+    assert!(
+        output_text(&o).contains("readiness chain recorded"),
+        "{}",
+        output_text(&o)
     );
 }

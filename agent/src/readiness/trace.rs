@@ -112,17 +112,28 @@ pub async fn export(node: &str, released: Timestamp, stamps: &[Stamp], workload:
     if !crate::telemetry::otlp::enabled() {
         return 0;
     }
-    let ids = RandomIdGenerator::default();
-    let spans = build_spans_with(node, released, stamps, workload, ids.new_trace_id(), &mut || {
-        ids.new_span_id()
-    });
-    match crate::telemetry::otlp::export_spans_to(None, node, spans).await {
+    match export_to(None, node, released, stamps, workload).await {
         Ok(n) => n,
         Err(e) => {
             tracing::warn!(error = %e, reason = e.reason(), "exporting the readiness trace failed");
             0
         }
     }
+}
+
+/// Export the chain's trace to `endpoint` (the environment's when `None`), in a new trace.
+pub async fn export_to(
+    endpoint: Option<&str>,
+    node: &str,
+    released: Timestamp,
+    stamps: &[Stamp],
+    workload: &WorkloadEntry,
+) -> Result<usize, crate::telemetry::otlp::OtlpError> {
+    let ids = RandomIdGenerator::default();
+    let spans = build_spans_with(node, released, stamps, workload, ids.new_trace_id(), &mut || {
+        ids.new_span_id()
+    });
+    crate::telemetry::otlp::export_spans_to(endpoint, node, spans).await
 }
 
 #[cfg(test)]
