@@ -710,6 +710,14 @@ async fn the_resident_agent_records_the_chain_after_its_own_release() {
         ("NoEndpointYet", vec![format!("{NS}/llm-e2e")])
     );
     assert!(doc.verdict.unwrap().released, "the bootstrap's record is kept");
+    let events = api.list_objects("events").unwrap();
+    let ev = events
+        .iter()
+        .find(|e| e["reason"] == "NoEndpointYet")
+        .unwrap_or_else(|| panic!("a Normal Event for the outcome: {events:?}"));
+    assert_eq!(ev["type"], "Normal");
+    assert_eq!(ev["involvedObject"]["name"], NODE);
+    assert!(ev["message"].as_str().unwrap().contains("ml/llm-e2e"), "{ev}");
     wait_until("the agent's watches to close", Duration::from_secs(30), || {
         open_watches_on(&api, "/pods").is_empty() && open_watches_on(&api, "/endpointslices").is_empty()
     });

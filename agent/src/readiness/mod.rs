@@ -5,7 +5,8 @@
 //! DaemonSet's, or the Pods a label selector chooses, or every Pod of a serving group —
 //! then watches the EndpointSlices of that Pod's namespace until one lists it as a ready
 //! endpoint. It records the objects' own timestamps ([`decide`]) into the timeline
-//! annotation ([`record`]) and the OTLP trace ([`trace`]), and stops watching. Both waits
+//! annotation ([`record`]), the OTLP trace ([`trace`]) and a Normal Event named after
+//! the outcome, and stops watching. Both waits
 //! are bounded (`readiness.deadline`, `readiness.endpoint_wait`): a node whose workload
 //! never comes records `NoWorkloadYet` at the deadline, which is not a failure of the
 //! node. See `docs/readiness-chain.md`.
@@ -208,7 +209,23 @@ pub async fn run(api: &dyn NodeApi, config: &Config, cancel: &CancellationToken)
     };
     tracing::info!(reason = %rec.workload.outcome, stamps = rec.stamps.len(), "readiness chain recorded");
     let released = match record::write(api, &config.reporting, &config.api, &rec, started).await {
-        Ok(node) => released_at(&node, &config.reporting.annotation_prefix).unwrap_or(started),
+        Ok(node) => {
+            if config.reporting.events {
+                // A Normal Event: `kubectl get events` shows how the chain ended.
+                let ev = crate::report::node_event(
+                    &node,
+                    &config.reporting,
+                    false,
+                    &rec.workload.outcome,
+                    &summary(&rec),
+                    Timestamp::now(),
+                );
+                if let Err(e) = api.create_event(&ev).await {
+                    tracing::warn!(error = %e, "writing the readiness event failed");
+                }
+            }
+            released_at(&node, &config.reporting.annotation_prefix).unwrap_or(started)
+        }
         Err(e) => {
             tracing::warn!(error = %e, reason = e.reason(), "writing the readiness chain to the annotation failed");
             started
@@ -216,6 +233,32 @@ pub async fn run(api: &dyn NodeApi, config: &Config, cancel: &CancellationToken)
     };
     trace::export(api.node_name(), released, &rec.stamps, &rec.workload).await;
     Some(rec)
+}
+
+/// One line for the Event: the outcome and the Pods, or what was waited for.
+fn summary(rec: &Record) -> String {
+    let pods = rec.workload.pods.join(", ");
+    let ready = rec.stamps.iter().find(|s| s.name == names::POD_READY).map(|s| s.at);
+    let endpoint = rec
+        .stamps
+        .iter()
+        .find(|s| s.name == names::ENDPOINT_READY)
+        .map(|s| s.at);
+    match rec.workload.outcome.as_str() {
+        outcome::WORKLOAD_READY => format!(
+            "first workload {pods} Ready at {}, endpoint ready at {}",
+            ready.map(|t| t.to_string()).unwrap_or_default(),
+            endpoint.map(|t| t.to_string()).unwrap_or_default()
+        ),
+        outcome::NO_ENDPOINT_YET => format!(
+            "first workload {pods} Ready at {}; no EndpointSlice listed it ready within readiness.endpoint_wait",
+            ready.map(|t| t.to_string()).unwrap_or_default()
+        ),
+        outcome::NO_WORKLOAD_YET => {
+            "no workload Pod Ready by readiness.deadline after release; stopped watching (not a failure)".into()
+        }
+        other => format!("readiness chain ended: {other}"),
+    }
 }
 
 /// The release time recorded by the bootstrap (agent start + verdict offset).
