@@ -401,4 +401,44 @@ mod tests {
         assert!(text.contains("[failed: DigestMismatch]"), "{text}");
         assert!(text.contains("<- longest"), "{text}");
     }
+
+    #[test]
+    fn post_release_stamps_extend_the_chain_in_time_and_causal_order() {
+        let doc = decode(
+            r#"{"v":1,"start":"2026-01-01T00:02:00Z","gpu":"nvml",
+            "pre":[["nodeclaim-created",1767225700000]],
+            "stages":[["untaint",0,1000,"passed",""]],
+            "verdict":{"released":true,"dryRun":false,"reason":"Released","atMs":1000},
+            "post":[["pod-ready",1767225800000],["containers-ready",1767225800000],
+                    ["pod-created",1767225730000],["endpoint-ready",1767225802000]],
+            "workload":{"outcome":"WorkloadReady","atMs":1767225803000,"pods":["ml/llm-0"]}}"#,
+        )
+        .unwrap();
+        let c = Chain::from_doc("n1", &doc);
+        let intervals = c.intervals();
+        let tail: Vec<(&str, u64)> = intervals.iter().skip(4).map(|i| (i.to.as_str(), i.ms)).collect();
+        // Equal times keep the causal order: containers-ready before pod-ready.
+        assert_eq!(
+            tail,
+            [
+                ("pod-created", 9_000),
+                ("containers-ready", 70_000),
+                ("pod-ready", 0),
+                ("endpoint-ready", 2_000)
+            ]
+        );
+        assert!(c.stamps.iter().filter(|s| s.kind == StampKind::Post).count() == 4);
+        let text = c.render();
+        assert!(
+            text.contains("workload: WorkloadReady at 2026-01-01T00:03:23.000Z"),
+            "{text}"
+        );
+        assert!(
+            text.contains("[ml/llm-0]") && text.contains("startup and readiness probes"),
+            "{text}"
+        );
+        let report = crate::fleet::stats::FleetReport::build(&[c], None, Vec::new());
+        assert_eq!(report.workload.get("WorkloadReady"), Some(&1));
+        assert_eq!(report.worst.as_deref(), Some("containers-ready"));
+    }
 }
