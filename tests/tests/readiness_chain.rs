@@ -736,3 +736,32 @@ async fn the_resident_agent_records_the_chain_after_its_own_release() {
         output_text(&o)
     );
 }
+
+/// A credential that may not list the node's Pods: the chain records
+/// `ReadinessWatchFailed` at the deadline (not `NoWorkloadYet`; the watcher retries with
+/// backoff until then), and no watch stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_watch_that_never_lists_is_named_at_the_deadline() {
+    use taintgate_tests::cluster::RequestMatch;
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    let node = "gpu-forbidden-1";
+    api.put_object(released_node(node, Duration::from_secs(5))).unwrap();
+    api.fail_next(usize::MAX, 403, RequestMatch::any().path("/api/v1/pods"));
+    let run = spawn_run(&api, node, config(Duration::from_secs(3), Duration::from_secs(1)));
+    let rec = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.workload.outcome, "ReadinessWatchFailed");
+    let tries = api
+        .requests()
+        .iter()
+        .filter(|r| r.path == "/api/v1/pods" && r.status == 403)
+        .count();
+    assert!(tries >= 1, "the list was asked for and refused");
+    let stored = api.get_object("nodes", node).unwrap().unwrap();
+    let doc = decode(stored["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
+    assert_eq!(doc.workload.unwrap().outcome, "ReadinessWatchFailed");
+    assert!(open_watches_on(&api, "/pods").is_empty());
+}
