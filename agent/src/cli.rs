@@ -41,6 +41,10 @@ pub enum Command {
     Reasons,
     /// Print one node's ready chain, or fleet percentiles per interval (`--all`).
     Timeline(crate::fleet::TimelineArgs),
+    /// Internal: run one CUDA request (JSON on stdin, reply on stdout) and exit. The agent
+    /// starts it for smoke and peer-bw so that it never holds a CUDA context itself.
+    #[command(hide = true)]
+    CudaWorker,
 }
 
 /// `config` subcommands.
@@ -150,6 +154,18 @@ pub async fn main_with(cli: Cli) -> i32 {
         Command::Timeline(a) => {
             init_logging(LogFormat::Text, "warn");
             crate::fleet::run_timeline_cmd(a).await
+        }
+        Command::CudaWorker => {
+            init_logging(LogFormat::Text, "warn");
+            // Blocking CUDA calls on a thread of their own; the process exits right after.
+            tokio::task::spawn_blocking(|| {
+                taintgate_validators::gpu::real::worker::worker_main(
+                    &mut std::io::stdin().lock(),
+                    &mut std::io::stdout().lock(),
+                )
+            })
+            .await
+            .unwrap_or(exit::BAD_INPUT)
         }
         Command::Check(args) => {
             init_logging(args.log_format, "warn");

@@ -40,24 +40,27 @@ stages:
 
 gpu:
   expect:
-    gpu_count: null             # null: 8 for known HGX products, else what NVML reports
+    gpu_count: null             # null: from the exact product name (8 on HGX H100/H200/B200, 4 on GB200); unknown products fail GpuCountUnconfigured
     product: null               # e.g. "H100" to require that product on every GPU
     nvlink_links: null          # null: every reported link must be active
-    pcie_degraded_fatal: false  # PCIe below max gen/width: warn (true: fail)
+    pcie_degraded_fatal: false  # PCIe narrower than its max width: warn (true: fail); idle gen is not judged
     persistence_required: false
     retired_pages_limit: 63     # DCGM diag level 1 figure
     remap_uncorrectable_limit: 512
     xid:
       fatal: [48, 64, 74, 79, 95, 119, 120]
       ignore: [13, 31, 43, 45, 63, 68, 109]
+    nvlink_required: null       # null: on SXM products (or with nvlink_links); false: inactive links only warn
   smoke_bytes: 1073741824       # 1 GiB per GPU
   peer_bw:
     efficiency: 0.75            # threshold = active links x per-link rate x efficiency
     busbw_gbps: null            # explicit all-reduce busbw threshold, GB/s
-    bytes: 268435456
+    bytes: 1073741824           # 1 GiB: where all-reduce busbw plateaus
     iterations: 5
     require_nccl: false         # false: copy matrix only, with a warning, when NCCL is absent
+    busbw_efficiency: 0.6       # all-reduce busbw threshold = link rate x this
   nvml_library: null
+  cuda_worker_timeout: 4m       # one CUDA worker process (a GPU's smoke, a domain's peer-bw)
 
 # Kubelet-side evidence.
 kubelet:

@@ -15,6 +15,7 @@ pub fn open(config: &Config) -> Arc<dyn Gpu> {
         nvml_library: config.gpu.nvml_library.clone(),
         require_nccl: config.gpu.peer_bw.require_nccl,
         smoke_bytes: config.gpu.smoke_bytes,
+        cuda_worker_timeout: config.gpu.cuda_worker_timeout,
         ..RealGpuOptions::default()
     };
     match RealGpu::open(&opts) {

@@ -213,6 +213,31 @@ pub const REASONS: &[Reason] = &[
         "libnccl could not be loaded and `require_nccl` is set.",
     ),
     r(
+        "GpuCountUnconfigured",
+        "driver",
+        "The product is not in the table of fixed-count HGX/SXM boards (exact NVML names), so the expected GPU count is unknown; set `gpu.expect.gpu_count`.",
+    ),
+    r(
+        "CudaWorkerCrashed",
+        "smoke",
+        "The CUDA worker process (smoke or peer-bw) died without a reply: a signal (e.g. SIGSEGV in the driver) or an exit; the message names it. Check dmesg for XIDs and the driver version.",
+    ),
+    r(
+        "CudaWorkerTimeout",
+        "smoke",
+        "The CUDA worker process did not finish within `gpu.cuda_worker_timeout` and was killed: a hung kernel or driver call. Check dmesg for XIDs; raise the timeout only for very large `peer_bw.bytes`.",
+    ),
+    r(
+        "PeerCopyMismatch",
+        "peer-bw",
+        "A GPU-to-GPU copy delivered wrong data (checked on the destination GPU); the message names the pair. Suspect the NVLink/PCIe path between them.",
+    ),
+    r(
+        "XidWatchError",
+        "resident",
+        "Waiting on NVML's XID events after release failed; the wait is retried with backoff and counted in `taintgate_xid_watch_errors_total`. Persistent errors mean XIDs are not being seen.",
+    ),
+    r(
         "AllocatableZero",
         "allocatable",
         "The Node publishes no GPUs: the device plugin never registered. Check the plugin pod on the node and its socket.",

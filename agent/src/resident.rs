@@ -46,7 +46,13 @@ pub struct Resident {
 pub async fn run(r: &Resident, cancel: &CancellationToken) {
     let evidence_stands = AtomicBool::new(true);
     let (tx, rx) = mpsc::channel(16);
-    if let Err(e) = spawn_xid_watch(r.gpu.clone(), r.config.continuous.xid_wait, tx, cancel.clone()) {
+    if let Err(e) = spawn_xid_watch_counted(
+        r.gpu.clone(),
+        r.config.continuous.xid_wait,
+        tx,
+        cancel.clone(),
+        Some(r.metrics.clone()),
+    ) {
         tracing::error!(error = %e, "cannot start the XID watch thread; XIDs after release are not watched");
     }
     tokio::select! {
@@ -107,20 +113,42 @@ pub async fn guard_release(
 }
 
 /// Wait on the XID subscription on a dedicated thread (NVML's wait is a blocking C call)
-/// and send each non-empty batch to `tx`. Ends when cancelled, when the receiver is gone,
-/// or when the backend cannot wait (no subscription): then XIDs are no longer watched,
-/// which is logged once.
+/// and send each non-empty batch to `tx`. Ends when cancelled or when the receiver is
+/// gone. A failed wait is retried with backoff (see [`spawn_xid_watch_counted`]).
 pub fn spawn_xid_watch(
     gpu: Arc<dyn Gpu>,
     wait: Duration,
     tx: mpsc::Sender<Vec<(u32, u32)>>,
     cancel: CancellationToken,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
+    spawn_xid_watch_counted(gpu, wait, tx, cancel, None)
+}
+
+/// Longest pause between retries of a failing XID wait.
+pub const XID_WATCH_BACKOFF_MAX: Duration = Duration::from_secs(300);
+
+/// [`spawn_xid_watch`], counting each failed wait in `metrics`
+/// (`taintgate_xid_watch_errors_total`). A failed wait (an NVML error other than a
+/// timeout, or no subscription yet) does not end the watch: it is logged with reason
+/// `XidWatchError` and retried after a pause that starts at `wait` and doubles up to
+/// [`XID_WATCH_BACKOFF_MAX`]; a successful wait resets it. Stopping for good would leave a
+/// released node unwatched for the rest of its life after one transient error.
+pub fn spawn_xid_watch_counted(
+    gpu: Arc<dyn Gpu>,
+    wait: Duration,
+    tx: mpsc::Sender<Vec<(u32, u32)>>,
+    cancel: CancellationToken,
+    metrics: Option<Arc<Metrics>>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("xid-watch".into()).spawn(move || {
+        let first_backoff = wait.max(Duration::from_millis(1));
+        let mut backoff = first_backoff;
+        let mut errors = 0u64;
         while !cancel.is_cancelled() {
             let t0 = Instant::now();
             match gpu.wait_xids(wait) {
                 Ok(batch) if batch.is_empty() => {
+                    backoff = first_backoff;
                     // A backend whose wait returned at once with nothing (a test library
                     // that never blocks) would make this loop spin: pace it at the
                     // interval instead. A real wait spends the whole interval blocked.
@@ -130,13 +158,34 @@ pub fn spawn_xid_watch(
                     }
                 }
                 Ok(batch) => {
+                    backoff = first_backoff;
                     if tx.blocking_send(batch).is_err() {
                         return;
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, reason = e.reason(), "XID subscription unavailable after release; XIDs are no longer watched");
-                    return;
+                    errors += 1;
+                    if let Some(m) = &metrics {
+                        m.observe_xid_watch_error();
+                    }
+                    tracing::warn!(
+                        error = %e,
+                        gpu_reason = e.reason(),
+                        reason = "XidWatchError",
+                        errors,
+                        retry_in_ms = backoff.as_millis() as u64,
+                        "waiting on the XID subscription failed; retrying"
+                    );
+                    // Sleep in slices so cancellation is seen promptly.
+                    let until = Instant::now() + backoff;
+                    while !cancel.is_cancelled() {
+                        let left = until.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        std::thread::sleep(left.min(Duration::from_millis(200)));
+                    }
+                    backoff = (backoff * 2).min(XID_WATCH_BACKOFF_MAX.max(first_backoff));
                 }
             }
         }
@@ -398,5 +447,73 @@ mod tests {
         assert_eq!(got, Some(vec![(4, 79)]));
         cancel.cancel();
         tokio::task::spawn_blocking(move || h.join()).await.unwrap().unwrap();
+    }
+
+    /// A backend whose XID wait fails a few times, then delivers one XID.
+    struct Flaky {
+        failures_left: std::sync::Mutex<u32>,
+    }
+
+    impl Gpu for Flaky {
+        fn backend(&self) -> &'static str {
+            "flaky"
+        }
+        fn inventory(&self) -> Result<taintgate_validators::gpu::Inventory, taintgate_validators::gpu::GpuError> {
+            unimplemented!("not used by the watch")
+        }
+        fn drain_xids(&self) -> Result<Vec<(u32, u32)>, taintgate_validators::gpu::GpuError> {
+            Ok(Vec::new())
+        }
+        fn wait_xids(&self, _: Duration) -> Result<Vec<(u32, u32)>, taintgate_validators::gpu::GpuError> {
+            let mut left = self.failures_left.lock().unwrap();
+            if *left > 0 && *left != u32::MAX {
+                *left -= 1;
+                return Err(taintgate_validators::gpu::GpuError::Nvml {
+                    call: "nvmlEventSetWait_v2".into(),
+                    gpu: None,
+                    message: "Unknown Error".into(),
+                });
+            }
+            // The XID once, then nothing (a full channel would block the watch thread).
+            if *left == 0 {
+                *left = u32::MAX;
+                return Ok(vec![(2, 79)]);
+            }
+            Ok(Vec::new())
+        }
+        fn smoke(
+            &self,
+            _: &taintgate_validators::gpu::GpuInfo,
+            _: u64,
+        ) -> Result<taintgate_validators::gpu::SmokeResult, taintgate_validators::gpu::GpuError> {
+            unimplemented!("not used by the watch")
+        }
+        fn peer_bandwidth(
+            &self,
+            _: &taintgate_validators::gpu::Inventory,
+            _: &taintgate_validators::gpu::PeerDomain,
+            _: &taintgate_validators::gpu::PeerBwOptions,
+        ) -> Result<taintgate_validators::gpu::DomainBandwidth, taintgate_validators::gpu::GpuError> {
+            unimplemented!("not used by the watch")
+        }
+    }
+
+    /// issue 34 item 13: an NVML error does not end the XID watch; it is counted and retried.
+    #[tokio::test]
+    async fn the_watch_survives_wait_errors_and_counts_them() {
+        let gpu: Arc<dyn Gpu> = Arc::new(Flaky {
+            failures_left: std::sync::Mutex::new(3),
+        });
+        let metrics = Arc::new(Metrics::new());
+        let (tx, mut rx) = mpsc::channel(4);
+        let cancel = CancellationToken::new();
+        let h =
+            spawn_xid_watch_counted(gpu, Duration::from_millis(5), tx, cancel.clone(), Some(metrics.clone())).unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(60), rx.recv()).await.unwrap();
+        assert_eq!(got, Some(vec![(2, 79)]));
+        cancel.cancel();
+        tokio::task::spawn_blocking(move || h.join()).await.unwrap().unwrap();
+        let text = metrics.encode().unwrap();
+        assert!(text.contains("taintgate_xid_watch_errors_total 3"), "{text}");
     }
 }

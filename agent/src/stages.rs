@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
-use taintgate_validators::gpu::decide::{evaluate_driver, evaluate_peer_bw, startup_record};
+use taintgate_validators::gpu::decide::{evaluate_driver, evaluate_peer_bw_with, startup_record};
 use taintgate_validators::gpu::{Gpu, GpuError, Inventory, PeerBwOptions};
 use taintgate_validators::kubelet;
 use taintgate_validators::kubelet::plugin_config::PluginConfig;
@@ -273,6 +273,23 @@ async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
             detail.push(json!({"domain": d.id, "gpus": d.gpus, "singleGpu": true}));
             continue;
         }
+        // MIG instances have no CUDA peer access to each other or to other GPUs: a domain
+        // with a MIG-enabled GPU has no peer copy to measure (smoke still runs per
+        // instance). A named outcome, not a pass by measurement.
+        let mig: Vec<u32> = d
+            .gpus
+            .iter()
+            .copied()
+            .filter(|i| inv.gpus.iter().any(|g| g.index == *i && g.mig_enabled))
+            .collect();
+        if !mig.is_empty() {
+            lines.push(format!(
+                "domain {} not measured: MIG enabled on GPUs {mig:?} (no peer access between MIG instances)",
+                d.id
+            ));
+            detail.push(json!({"domain": d.id, "gpus": d.gpus, "migEnabled": mig}));
+            continue;
+        }
         let gpu = ctx.gpu.clone();
         let inv = inv.clone();
         let opts = opts.clone();
@@ -284,7 +301,7 @@ async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         let (d, m) = h
             .await
             .map_err(|e| StageFailure::permanent("InternalError", format!("peer-bw worker failed: {e}")))??;
-        evaluate_peer_bw(&d, &m, cfg.efficiency, cfg.busbw_gbps)
+        evaluate_peer_bw_with(&d, &m, cfg.efficiency, cfg.busbw_efficiency, cfg.busbw_gbps)
             .map_err(|f| StageFailure::permanent(f.reason, f.message))?;
         let min_pair = m.pairs.iter().map(|p| p.gbps).fold(f64::INFINITY, f64::min);
         lines.push(match m.allreduce_busbw_gbps {

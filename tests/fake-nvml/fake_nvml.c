@@ -527,10 +527,23 @@ nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, nvmlEna
 	*active = in_list(gget(dev->index, "nvlink_inactive"), link) ? NVML_FEATURE_DISABLED : NVML_FEATURE_ENABLED;
 	return NVML_SUCCESS;
 }
+/* gpu-backend (issue 34): NVLink generation -> the header's nvmlNvlinkVersion_t. */
+static unsigned int nvlink_version_enum(unsigned long long generation) {
+	switch (generation) {
+	case 1: return NVML_NVLINK_VERSION_1_0;
+	case 2: return NVML_NVLINK_VERSION_2_0;
+	case 3: return NVML_NVLINK_VERSION_3_0;
+	case 4: return NVML_NVLINK_VERSION_4_0;
+	case 5: return NVML_NVLINK_VERSION_5_0;
+	default: return NVML_NVLINK_VERSION_INVALID;
+	}
+}
 nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t d, unsigned int link, unsigned int *version) {
 	GPU_GUARD(dev, d);
 	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
-	*version = (unsigned int)gnum(dev->index, "nvlink_version", 4);
+	/* gpu-backend (issue 34): the profile states the NVLink generation; a real driver
+	 * answers an nvmlNvlinkVersion_t, so answer that (generation 4 -> NVML_NVLINK_VERSION_4_0). */
+	*version = nvlink_version_enum(gnum(dev->index, "nvlink_version", 4));
 	return NVML_SUCCESS;
 }
 nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t d, unsigned int link, nvmlPciInfo_t *pci) {

@@ -20,6 +20,8 @@
 //! - `taintgate_bootstraps_total{verdict}`: bootstrap passes by verdict reason;
 //! - `taintgate_xids_total{class,xid}`: XIDs received after release, by policy class
 //!   (`fatal`, `warn`, `ignore`) and XID.
+//! - `taintgate_xid_watch_errors_total`: failed waits on the XID subscription after
+//!   release (each is retried with backoff; reason `XidWatchError` in the log).
 //!
 //! Endpoints: `/metrics` (OpenMetrics text), `/healthz` (200 while the process serves),
 //! `/readyz` (200 only once the shared `ready` flag is set, i.e. after release; 503
@@ -156,6 +158,7 @@ pub struct Metrics {
     release_seconds: Gauge<f64, AtomicU64>,
     released: Gauge,
     xids: Family<XidLabels, Counter>,
+    xid_watch_errors: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -186,6 +189,12 @@ impl Metrics {
         let release_seconds = Gauge::<f64, AtomicU64>::default();
         let released = Gauge::default();
         let xids = Family::<XidLabels, Counter>::default();
+        let xid_watch_errors = Counter::default();
+        registry.register(
+            "taintgate_xid_watch_errors",
+            "Failed waits on the XID subscription after release (retried with backoff)",
+            xid_watch_errors.clone(),
+        );
         registry.register(
             "taintgate_xids",
             "XIDs received after release, by policy class and XID",
@@ -249,7 +258,13 @@ impl Metrics {
             release_seconds,
             released,
             xids,
+            xid_watch_errors,
         }
+    }
+
+    /// Count one failed wait on the XID subscription (retried with backoff).
+    pub fn observe_xid_watch_error(&self) {
+        self.xid_watch_errors.inc();
     }
 
     /// Count one XID received after release, with its policy class.

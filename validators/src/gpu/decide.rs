@@ -66,7 +66,8 @@ pub struct DriverExpectations {
     pub product: Option<String>,
     /// Minimum active NVLink links per GPU on NVLink parts (`None`: all links reported).
     pub nvlink_links: Option<u32>,
-    /// Fail on PCIe current gen/width below max (else warn).
+    /// Fail on a PCIe link narrower than its maximum width (else warn). The generation is
+    /// not judged at idle (see [`evaluate_driver`]).
     pub pcie_degraded_fatal: bool,
     /// Fail when persistence mode is off (else warn).
     pub persistence_required: bool,
@@ -76,6 +77,10 @@ pub struct DriverExpectations {
     pub remap_uncorrectable_limit: u64,
     /// XID policy.
     pub xid: XidPolicy,
+    /// Must every NVLink link the GPU reports be active? `None`: required on SXM/HGX
+    /// products (the product table) or when `nvlink_links` is set; a PCIe card with NVLink
+    /// but no bridge reports its links present and inactive, which only warns.
+    pub nvlink_required: Option<bool>,
 }
 
 impl Default for DriverExpectations {
@@ -89,6 +94,7 @@ impl Default for DriverExpectations {
             retired_pages_limit: 63,
             remap_uncorrectable_limit: 512,
             xid: XidPolicy::default(),
+            nvlink_required: None,
         }
     }
 }
@@ -112,15 +118,89 @@ pub struct DriverEvidence {
     pub warnings: Vec<String>,
 }
 
+/// A product the table knows, by its exact NVML name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KnownProduct {
+    /// GPUs per node (per tray for GB200).
+    pub gpus_per_node: u32,
+    /// SXM/HGX module: its NVLink links are wired on the board and must be up.
+    pub sxm: bool,
+}
+
+/// Exact NVML product names (`nvmlDeviceGetName`, with or without the `NVIDIA ` prefix
+/// older drivers omit) of HGX/SXM boards whose GPU count is fixed. Matching is exact: a
+/// substring would take "H200" for GH200 (one GPU) or H200 NVL (PCIe), and "H800" for
+/// H800 PCIe. Names not listed (PCIe cards, 4-GPU HGX boards) need `gpu.expect.gpu_count`.
+const PRODUCTS: &[(&str, KnownProduct)] = &[
+    (
+        "H100 80GB HBM3",
+        KnownProduct {
+            gpus_per_node: 8,
+            sxm: true,
+        },
+    ),
+    (
+        "H200",
+        KnownProduct {
+            gpus_per_node: 8,
+            sxm: true,
+        },
+    ),
+    (
+        "H800",
+        KnownProduct {
+            gpus_per_node: 8,
+            sxm: true,
+        },
+    ),
+    (
+        "H20",
+        KnownProduct {
+            gpus_per_node: 8,
+            sxm: true,
+        },
+    ),
+    (
+        "B200",
+        KnownProduct {
+            gpus_per_node: 8,
+            sxm: true,
+        },
+    ),
+    (
+        "A100-SXM4-80GB",
+        KnownProduct {
+            gpus_per_node: 8,
+            sxm: true,
+        },
+    ),
+    (
+        "A100-SXM4-40GB",
+        KnownProduct {
+            gpus_per_node: 8,
+            sxm: true,
+        },
+    ),
+    // A GB200 NVL72 compute tray holds 4 GPUs.
+    (
+        "GB200",
+        KnownProduct {
+            gpus_per_node: 4,
+            sxm: true,
+        },
+    ),
+];
+
+/// Look a product up by its exact NVML name.
+pub fn known_product(product: &str) -> Option<KnownProduct> {
+    let name = product.trim();
+    let name = name.strip_prefix("NVIDIA ").unwrap_or(name);
+    PRODUCTS.iter().find(|(n, _)| *n == name).map(|(_, k)| *k)
+}
+
 /// GPUs per node for well-known HGX/SXM products, used when no count is configured.
 pub fn expected_count_for_product(product: &str) -> Option<u32> {
-    let p = product.to_ascii_uppercase();
-    let sxm8 = ["H100 80GB HBM3", "H200", "B200", "A100-SXM4", "H800", "GB200"];
-    if sxm8.iter().any(|m| p.contains(m)) {
-        Some(8)
-    } else {
-        None
-    }
+    known_product(product).map(|k| k.gpus_per_node)
 }
 
 fn fail(reason: &'static str, message: String) -> DriverFailure {
@@ -160,7 +240,17 @@ pub fn evaluate_driver(inv: &Inventory, exp: &DriverExpectations) -> Result<Driv
             ));
         }
         Some(_) => {}
-        None => warnings.push(format!("no expected GPU count configured; accepting {n} as reported")),
+        None => {
+            // Accepting whatever NVML reports would pass a node that lost a GPU off the bus.
+            let product = inv.gpus.first().map(|g| g.product.as_str()).unwrap_or("");
+            return Err(fail(
+                "GpuCountUnconfigured",
+                format!(
+                    "NVML reports {n} GPUs of product {product:?}, which the product table does not know; \
+                     set gpu.expect.gpu_count to the number this node must have"
+                ),
+            ));
+        }
     }
     if let Some(want) = &exp.product
         && let Some(g) = inv.gpus.iter().find(|g| !g.product.contains(want.as_str()))
@@ -226,6 +316,9 @@ pub fn evaluate_driver(inv: &Inventory, exp: &DriverExpectations) -> Result<Driv
         let active = g.nvlinks.iter().filter(|l| l.active).count() as u32;
         if !g.nvlinks.is_empty() {
             let want = exp.nvlink_links.unwrap_or(g.nvlinks.len() as u32);
+            let required = exp
+                .nvlink_required
+                .unwrap_or_else(|| exp.nvlink_links.is_some() || known_product(&g.product).is_some_and(|k| k.sxm));
             if active < want {
                 let down: Vec<String> = g
                     .nvlinks
@@ -233,20 +326,29 @@ pub fn evaluate_driver(inv: &Inventory, exp: &DriverExpectations) -> Result<Driv
                     .filter(|l| !l.active)
                     .map(|l| l.link.to_string())
                     .collect();
-                return Err(fail(
-                    "NvlinkInactive",
-                    format!(
-                        "{id}: {active} of {want} NVLink links active; inactive links [{}]",
-                        down.join(", ")
-                    ),
+                let msg = format!(
+                    "{id}: {active} of {want} NVLink links active; inactive links [{}]",
+                    down.join(", ")
+                );
+                if required {
+                    return Err(fail("NvlinkInactive", msg));
+                }
+                // A PCIe card with NVLink and no bridge installed: links present, inactive.
+                warnings.push(format!(
+                    "{msg} (not required: not an SXM product; set gpu.expect.nvlink_required to require them)"
                 ));
             }
         }
+        // Width is fixed by the slot and the training; a narrower link is a fault at any
+        // load. The generation is not: an idle GPU lowers its link speed to save power
+        // (ASPM/link-speed management), so gen below max at idle is normal. The peer-bw
+        // threshold of a PCIe domain uses the maximum generation, so a link that stays slow
+        // under load fails there.
         let p = g.pcie;
-        if p.current_gen < p.max_gen || p.current_width < p.max_width {
+        if p.current_width < p.max_width {
             let msg = format!(
-                "{id}: PCIe link at gen{} x{} below max gen{} x{}",
-                p.current_gen, p.current_width, p.max_gen, p.max_width
+                "{id}: PCIe link at x{} below max x{} (gen{} of max gen{})",
+                p.current_width, p.max_width, p.current_gen, p.max_gen
             );
             if exp.pcie_degraded_fatal {
                 return Err(fail("PcieDegraded", msg));
@@ -303,12 +405,28 @@ pub fn group_domains(indexes: &[u32], connected: impl Fn(u32, u32) -> bool) -> V
     out
 }
 
-/// Per-link, per-direction NVLink rate in GB/s by generation (NVLink3/4: 25 GB/s per
-/// link per direction, e.g. A100 12 x 25 = 300, H100 18 x 25 = 450; NVLink5: 50).
+/// Decode `nvmlDeviceGetNvLinkVersion`'s value, an `nvmlNvlinkVersion_t`
+/// (`NVML_NVLINK_VERSION_1_0` = 1, 2_0 = 2, 2_2 = 3, 3_0 = 4, 3_1 = 5, 4_0 = 6, 5_0 = 7 in
+/// nvml.h), into the NVLink generation (1..=5). `None` for INVALID and values newer than
+/// this table.
+pub fn nvlink_generation_from_nvml(raw: u32) -> Option<u32> {
+    match raw {
+        1 => Some(1),
+        2 | 3 => Some(2),
+        4 | 5 => Some(3),
+        6 => Some(4),
+        7 => Some(5),
+        _ => None,
+    }
+}
+
+/// Per-link, per-direction NVLink rate in GB/s by generation (the generation, not NVML's
+/// enum; see [`nvlink_generation_from_nvml`]): NVLink1 20, NVLink2/3/4 25 (A100 12 x 25 =
+/// 300, H100 18 x 25 = 450), NVLink5 50 (B200 18 x 50 = 900).
 pub fn nvlink_link_gbps(version: u32) -> Option<f64> {
     match version {
-        2 => Some(25.0),
-        3 | 4 => Some(25.0),
+        1 => Some(20.0),
+        2..=4 => Some(25.0),
         5 => Some(50.0),
         _ => None,
     }
@@ -385,7 +503,20 @@ pub fn evaluate_peer_bw(
     efficiency: f64,
     explicit_busbw: Option<f64>,
 ) -> Result<(), PeerBwFailure> {
-    let Some(threshold) = domain_threshold_gbps(&domain.interconnect, efficiency, explicit_busbw) else {
+    evaluate_peer_bw_with(domain, measured, efficiency, efficiency, explicit_busbw)
+}
+
+/// [`evaluate_peer_bw`] with the all-reduce bus bandwidth judged at its own efficiency
+/// (`gpu.peer_bw.busbw_efficiency`): a copy engine moves one stream near the link rate,
+/// while ring all-reduce's busbw sits lower by design.
+pub fn evaluate_peer_bw_with(
+    domain: &PeerDomain,
+    measured: &super::DomainBandwidth,
+    efficiency: f64,
+    busbw_efficiency: f64,
+    explicit_busbw: Option<f64>,
+) -> Result<(), PeerBwFailure> {
+    let Some(threshold) = domain_threshold_gbps(&domain.interconnect, busbw_efficiency, explicit_busbw) else {
         return Err(PeerBwFailure {
             reason: "PeerBandwidthUnknown",
             message: format!(
@@ -509,5 +640,214 @@ mod tests {
         assert_eq!(g, vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
         let single = group_domains(&[0, 1], |_, _| false);
         assert_eq!(single, vec![vec![0], vec![1]]);
+    }
+
+    fn gpu(product: &str) -> GpuInfo {
+        GpuInfo {
+            index: 0,
+            uuid: "GPU-0".into(),
+            pci_bus_id: "0000:18:00.0".into(),
+            numa_node: None,
+            product: product.into(),
+            memory_bytes: 1,
+            driver_version: String::new(),
+            cuda_version: String::new(),
+            vbios_version: String::new(),
+            persistence_mode: true,
+            mig_enabled: false,
+            mig_devices: Vec::new(),
+            pcie: crate::gpu::PcieLink::default(),
+            nvlinks: Vec::new(),
+            health: Default::default(),
+            fabric: None,
+        }
+    }
+
+    fn inv(gpus: Vec<GpuInfo>) -> Inventory {
+        Inventory {
+            gpus,
+            domains: Vec::new(),
+            nics: Vec::new(),
+        }
+    }
+
+    /// issue 34 item 2: NVML's nvmlNvlinkVersion_t values, not generations.
+    #[test]
+    fn nvlink_version_enum_decodes_to_generation_and_rate() {
+        // nvml.h: 1_0 = 1, 2_0 = 2, 2_2 = 3, 3_0 = 4, 3_1 = 5, 4_0 = 6, 5_0 = 7.
+        let want = [
+            (0, None),
+            (1, Some(1)),
+            (2, Some(2)),
+            (3, Some(2)),
+            (4, Some(3)),
+            (5, Some(3)),
+            (6, Some(4)),
+            (7, Some(5)),
+            (8, None),
+        ];
+        for (raw, generation) in want {
+            assert_eq!(nvlink_generation_from_nvml(raw), generation, "raw {raw}");
+        }
+        // H100 (NVML 6 = NVLink 4.0): 18 links x 25 GB/s; B200 (7 = 5.0): 18 x 50.
+        let h100 = nvlink_generation_from_nvml(6).unwrap();
+        assert_eq!(
+            interconnect_gbps(&Interconnect::Nvlink {
+                version: h100,
+                links: 18
+            }),
+            Some(450.0)
+        );
+        let b200 = nvlink_generation_from_nvml(7).unwrap();
+        assert_eq!(
+            interconnect_gbps(&Interconnect::Nvlink {
+                version: b200,
+                links: 18
+            }),
+            Some(900.0)
+        );
+    }
+
+    /// issue 34 item 7: exact product names, not substrings.
+    #[test]
+    fn product_table_matches_exact_names() {
+        assert_eq!(expected_count_for_product("NVIDIA H100 80GB HBM3"), Some(8));
+        assert_eq!(expected_count_for_product("NVIDIA H200"), Some(8));
+        assert_eq!(expected_count_for_product("A100-SXM4-40GB"), Some(8));
+        assert_eq!(expected_count_for_product("NVIDIA GB200"), Some(4));
+        for other in [
+            "NVIDIA GH200 480GB",
+            "NVIDIA H200 NVL",
+            "NVIDIA H800 PCIe",
+            "NVIDIA H100 PCIe",
+            "NVIDIA L40S",
+        ] {
+            assert_eq!(expected_count_for_product(other), None, "{other}");
+        }
+        // An unknown product needs a configured count; a configured count is enough.
+        let one = inv(vec![gpu("NVIDIA GH200 480GB")]);
+        assert_eq!(
+            evaluate_driver(&one, &DriverExpectations::default())
+                .unwrap_err()
+                .reason,
+            "GpuCountUnconfigured"
+        );
+        let exp = DriverExpectations {
+            gpu_count: Some(1),
+            ..Default::default()
+        };
+        assert!(evaluate_driver(&one, &exp).is_ok());
+    }
+
+    /// issue 34 item 5: an idle GPU's lower link generation is normal; a narrow link is not.
+    #[test]
+    fn idle_pcie_generation_is_not_degraded_width_is() {
+        let strict = DriverExpectations {
+            gpu_count: Some(1),
+            pcie_degraded_fatal: true,
+            ..Default::default()
+        };
+        let mut g = gpu("NVIDIA L40S");
+        g.pcie = crate::gpu::PcieLink {
+            current_gen: 1,
+            max_gen: 4,
+            current_width: 16,
+            max_width: 16,
+        };
+        let ev = evaluate_driver(&inv(vec![g.clone()]), &strict).unwrap();
+        assert!(ev.warnings.is_empty(), "{:?}", ev.warnings);
+        g.pcie.current_width = 8;
+        assert_eq!(
+            evaluate_driver(&inv(vec![g]), &strict).unwrap_err().reason,
+            "PcieDegraded"
+        );
+    }
+
+    /// issue 34 item 6: links are required on SXM products or by configuration.
+    #[test]
+    fn nvlink_links_required_by_form_factor_or_config() {
+        let links = |active: bool| -> Vec<crate::gpu::NvLinkState> {
+            (0..4)
+                .map(|l| crate::gpu::NvLinkState {
+                    link: l,
+                    active,
+                    version: None,
+                    remote_pci_bus_id: None,
+                })
+                .collect()
+        };
+        let one = DriverExpectations {
+            gpu_count: Some(1),
+            ..Default::default()
+        };
+        let mut pcie_card = gpu("NVIDIA H100 NVL");
+        pcie_card.nvlinks = links(false);
+        let ev = evaluate_driver(&inv(vec![pcie_card.clone()]), &one).unwrap();
+        assert_eq!(ev.warnings.len(), 1, "{:?}", ev.warnings);
+        let required = DriverExpectations {
+            nvlink_required: Some(true),
+            ..one.clone()
+        };
+        assert_eq!(
+            evaluate_driver(&inv(vec![pcie_card.clone()]), &required)
+                .unwrap_err()
+                .reason,
+            "NvlinkInactive"
+        );
+        let counted = DriverExpectations {
+            nvlink_links: Some(2),
+            ..one.clone()
+        };
+        assert_eq!(
+            evaluate_driver(&inv(vec![pcie_card]), &counted).unwrap_err().reason,
+            "NvlinkInactive"
+        );
+        let mut sxm = gpu("NVIDIA H100 80GB HBM3");
+        sxm.nvlinks = links(false);
+        assert_eq!(
+            evaluate_driver(&inv(vec![sxm.clone()]), &one).unwrap_err().reason,
+            "NvlinkInactive"
+        );
+        let waived = DriverExpectations {
+            nvlink_required: Some(false),
+            ..one
+        };
+        assert!(evaluate_driver(&inv(vec![sxm]), &waived).is_ok());
+    }
+
+    /// issue 34 item 9: busbw is judged at its own efficiency, copies at theirs.
+    #[test]
+    fn busbw_has_its_own_efficiency() {
+        let domain = PeerDomain {
+            id: 0,
+            gpus: vec![0, 1],
+            interconnect: Interconnect::Nvlink { version: 4, links: 18 },
+        };
+        let m = crate::gpu::DomainBandwidth {
+            domain: 0,
+            pairs: vec![crate::gpu::PairBandwidth {
+                src: 0,
+                dst: 1,
+                gbps: 380.0,
+            }],
+            allreduce_busbw_gbps: Some(300.0),
+            allreduce_skipped: None,
+        };
+        // Copies 380 >= 450 x 0.75; busbw 300 < 337.5 but >= 450 x 0.6 = 270.
+        assert_eq!(
+            evaluate_peer_bw(&domain, &m, 0.75, None).unwrap_err().reason,
+            "PeerBandwidthLow"
+        );
+        assert!(evaluate_peer_bw_with(&domain, &m, 0.75, 0.6, None).is_ok());
+        let slow = crate::gpu::DomainBandwidth {
+            allreduce_busbw_gbps: Some(200.0),
+            ..m
+        };
+        assert_eq!(
+            evaluate_peer_bw_with(&domain, &slow, 0.75, 0.6, None)
+                .unwrap_err()
+                .reason,
+            "PeerBandwidthLow"
+        );
     }
 }

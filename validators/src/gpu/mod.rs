@@ -267,7 +267,8 @@ pub struct PeerBwOptions {
 }
 
 /// Failures at the GPU boundary itself (as opposed to a decision over healthy data).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+/// Serializable: the CUDA worker process hands them back to the agent.
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
 pub enum GpuError {
     /// NVML could not load or initialise: no driver on this machine.
     #[error("NVIDIA driver not loaded: {0}")]
@@ -319,6 +320,38 @@ pub enum GpuError {
         /// What failed.
         message: String,
     },
+    /// The CUDA worker process crashed (a signal, or an exit without a reply).
+    #[error("CUDA worker crashed: {detail}")]
+    CudaWorkerCrashed {
+        /// Signal or exit status.
+        detail: String,
+    },
+    /// The CUDA worker process did not finish in time and was killed.
+    #[error("CUDA worker timed out: {detail}")]
+    CudaWorkerTimeout {
+        /// The bound that passed.
+        detail: String,
+    },
+    /// A CUDA call of the peer-bandwidth measurement failed (not the smoke kernel's).
+    #[error("CUDA call {call} failed on GPU {gpu} during peer-bw: {message}")]
+    PeerCuda {
+        /// CUDA function.
+        call: String,
+        /// GPU UUID or domain.
+        gpu: String,
+        /// Driver's message.
+        message: String,
+    },
+    /// A peer copy arrived with wrong contents.
+    #[error("peer copy GPU {src} -> GPU {dst} delivered wrong data: {detail}")]
+    PeerCopyMismatch {
+        /// Source GPU index.
+        src: u32,
+        /// Destination GPU index.
+        dst: u32,
+        /// What differed.
+        detail: String,
+    },
 }
 
 impl GpuError {
@@ -332,6 +365,10 @@ impl GpuError {
             GpuError::SmokeMismatch { .. } => "SmokeFailed",
             GpuError::NcclMissing(_) => "NcclMissing",
             GpuError::Nccl { .. } => "PeerBandwidthFailed",
+            GpuError::CudaWorkerCrashed { .. } => "CudaWorkerCrashed",
+            GpuError::CudaWorkerTimeout { .. } => "CudaWorkerTimeout",
+            GpuError::PeerCuda { .. } => "PeerBandwidthFailed",
+            GpuError::PeerCopyMismatch { .. } => "PeerCopyMismatch",
         }
     }
 }

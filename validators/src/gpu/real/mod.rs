@@ -1,19 +1,24 @@
-//! The real `Gpu` backend: NVML (`nvml-wrapper`) for the driver stage, the CUDA driver API
-//! and NCCL (`cudarc`) for smoke and peer-bw. Every NVIDIA library is loaded at run time,
-//! so the binary builds and starts on a machine without a driver and reports
-//! `DriverNotLoaded` there.
+//! The real `Gpu` backend: NVML (`nvml-wrapper`) for the driver stage, in this process; the
+//! CUDA driver API (`cudarc`) and NCCL for smoke and peer-bw, in a short-lived child
+//! process per request ([`worker`]), so the resident agent never holds a CUDA context.
+//! Every NVIDIA library is loaded at run time, so the binary builds and starts on a machine
+//! without a driver and reports `DriverNotLoaded` there.
 //!
-//! Tests run the NVML half against a fake `libnvidia-ml.so.1` (`tests/fake-nvml/`); the
-//! CUDA half needs a GPU (`validators/tests/gpu_hw.rs`, `scripts/gpu-check.sh`).
+//! Tests run the NVML half against a fake `libnvidia-ml.so.1` (`tests/fake-nvml/`), the
+//! worker's process structure against a fake `libcuda.so.1` (`tests/fake-cuda/`); the CUDA
+//! work itself needs a GPU (`validators/tests/gpu_hw.rs`, `scripts/gpu-check.sh`).
 
 pub mod cuda;
 pub mod kmsg;
+pub mod nccl;
 mod nvml;
 pub mod sysfs;
+pub mod worker;
 
 use super::{DomainBandwidth, Gpu, GpuError, GpuInfo, Inventory, PeerBwOptions, PeerDomain, SmokeResult};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::time::Duration;
+use worker::{WorkerCommand, WorkerReply, WorkerRequest};
 
 /// Environment variable naming the NVML library when the options do not.
 pub const NVML_LIBRARY_ENV: &str = "TAINTGATE_NVML_LIBRARY";
@@ -39,6 +44,11 @@ pub struct RealGpuOptions {
     pub require_nccl: bool,
     /// Smoke buffer size per GPU in bytes.
     pub smoke_bytes: u64,
+    /// Program run as `<it> cuda-worker` for the CUDA work; `None`:
+    /// `$TAINTGATE_CUDA_WORKER`, else the running executable.
+    pub cuda_worker: Option<PathBuf>,
+    /// Bound on one CUDA worker run (`CudaWorkerTimeout` past it).
+    pub cuda_worker_timeout: Duration,
 }
 
 impl Default for RealGpuOptions {
@@ -49,6 +59,8 @@ impl Default for RealGpuOptions {
             sysfs_root: PathBuf::from("/sys"),
             require_nccl: false,
             smoke_bytes: DEFAULT_SMOKE_BYTES,
+            cuda_worker: None,
+            cuda_worker_timeout: worker::DEFAULT_CUDA_WORKER_TIMEOUT,
         }
     }
 }
@@ -70,8 +82,6 @@ impl RealGpuOptions {
 /// The GPU boundary over real hardware.
 pub struct RealGpu {
     nvml: nvml::NvmlBackend,
-    /// CUDA is opened on first use (the driver stage needs none of it); the outcome is kept.
-    cuda: OnceLock<Result<cuda::CudaBackend, GpuError>>,
     opts: RealGpuOptions,
 }
 
@@ -92,7 +102,6 @@ impl RealGpu {
         let nvml = nvml::NvmlBackend::open(&lib, opts.kmsg_path.as_deref(), &opts.sysfs_root)?;
         Ok(RealGpu {
             nvml,
-            cuda: OnceLock::new(),
             opts: opts.clone(),
         })
     }
@@ -113,11 +122,49 @@ impl RealGpu {
         self.nvml.lib_path()
     }
 
-    fn cuda(&self) -> Result<&cuda::CudaBackend, GpuError> {
-        self.cuda
-            .get_or_init(cuda::CudaBackend::open)
-            .as_ref()
-            .map_err(Clone::clone)
+    fn worker(&self) -> Result<WorkerCommand, GpuError> {
+        WorkerCommand::resolve(self.opts.cuda_worker.as_deref(), self.opts.cuda_worker_timeout)
+    }
+
+    /// Smoke on a MIG-enabled GPU: CUDA sees its MIG instances, not the GPU, so the kernel
+    /// runs once per instance, each in its own worker restricted to that instance
+    /// (`CUDA_VISIBLE_DEVICES=MIG-…`). MIG enabled with no instance created leaves nothing
+    /// a workload could run on: an error naming it.
+    fn smoke_mig(&self, gpu: &GpuInfo, bytes: u64) -> Result<SmokeResult, GpuError> {
+        if gpu.mig_devices.is_empty() {
+            return Err(GpuError::Cuda {
+                call: "nvmlDeviceGetMigDeviceHandleByIndex".into(),
+                gpu: gpu.uuid.clone(),
+                message: "MIG is enabled but no MIG instance exists: CUDA has no device to run on".into(),
+            });
+        }
+        let w = self.worker()?;
+        let mut total = Duration::ZERO;
+        for m in &gpu.mig_devices {
+            let req = WorkerRequest::Smoke {
+                gpu: gpu.clone(),
+                bytes,
+                only_visible: true,
+            };
+            let r = smoke_reply(w.run(&req, Some(&m.uuid))?)?;
+            tracing::info!(gpu = gpu.index, mig = %m.uuid, profile = %m.profile, ms = r.duration.as_millis() as u64, "smoke on MIG instance");
+            total += r.duration;
+        }
+        Ok(SmokeResult {
+            index: gpu.index,
+            uuid: gpu.uuid.clone(),
+            bytes,
+            duration: total,
+        })
+    }
+}
+
+fn smoke_reply(r: WorkerReply) -> Result<SmokeResult, GpuError> {
+    match r {
+        WorkerReply::Smoke(r) => r,
+        WorkerReply::PeerBw(_) => Err(GpuError::CudaWorkerCrashed {
+            detail: "the CUDA worker answered a smoke request with a peer-bw reply".into(),
+        }),
     }
 }
 
@@ -139,7 +186,15 @@ impl Gpu for RealGpu {
     }
 
     fn smoke(&self, gpu: &GpuInfo, bytes: u64) -> Result<SmokeResult, GpuError> {
-        self.cuda()?.smoke(gpu, bytes)
+        if gpu.mig_enabled {
+            return self.smoke_mig(gpu, bytes);
+        }
+        let req = WorkerRequest::Smoke {
+            gpu: gpu.clone(),
+            bytes,
+            only_visible: false,
+        };
+        smoke_reply(self.worker()?.run(&req, None)?)
     }
 
     fn peer_bandwidth(
@@ -148,6 +203,16 @@ impl Gpu for RealGpu {
         domain: &PeerDomain,
         opts: &PeerBwOptions,
     ) -> Result<DomainBandwidth, GpuError> {
-        self.cuda()?.peer_bandwidth(inventory, domain, opts)
+        let req = WorkerRequest::PeerBw {
+            inventory: inventory.clone(),
+            domain: domain.clone(),
+            opts: opts.clone(),
+        };
+        match self.worker()?.run(&req, None)? {
+            WorkerReply::PeerBw(r) => r,
+            WorkerReply::Smoke(_) => Err(GpuError::CudaWorkerCrashed {
+                detail: "the CUDA worker answered a peer-bw request with a smoke reply".into(),
+            }),
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! The driver stage over NVML (`nvml-wrapper`, library loaded at run time): inventory,
 //! health, topology and the XID event subscription.
 //!
-//! NVML is opened once; one event set per GPU (a GPU that cannot register does not cost
-//! the others their subscription) is created at open and held until the backend drops.
+//! NVML is opened once; one event set holding every GPU's XID registration (a GPU that
+//! cannot register does not cost the others theirs) is created at open and held until the
+//! backend drops, so one `nvmlEventSetWait_v2` waits on all GPUs at once.
 //! Both live in one self-referential cell because `nvml-wrapper` ties `EventSet` to the
 //! `Nvml` it came from by lifetime.
 
@@ -13,9 +14,7 @@ use crate::gpu::{
     FabricState, GpuError, GpuHealth, GpuInfo, Interconnect, Inventory, MigDevice, NvLinkState, PcieLink, PeerDomain,
 };
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::{
-    EccCounter, MemoryError, P2pCapabilitiesIndex, P2pStatus, RetirementCause, TopologyLevel,
-};
+use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, P2pCapabilitiesIndex, P2pStatus, RetirementCause};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::{NvmlError, nvml_try};
 use nvml_wrapper::{Device, EventSet, Nvml};
@@ -26,8 +25,9 @@ use std::sync::Mutex;
 /// Highest NVLink link count NVML reports (`NVML_NVLINK_MAX_LINKS`).
 const MAX_NVLINKS: u32 = 18;
 
-/// Event sets, one per GPU that accepted the XID subscription.
-type EventSets<'a> = Mutex<Vec<(u32, EventSet<'a>)>>;
+/// The event set, with the GPUs that accepted the XID registration on it; empty when none
+/// did (the set itself is then dropped).
+type EventSets<'a> = Mutex<Vec<(Vec<u32>, EventSet<'a>)>>;
 
 self_cell::self_cell!(
     /// NVML plus the event sets borrowed from it.
@@ -102,11 +102,14 @@ impl NvmlBackend {
             .map_err(|e| nvml_err("nvmlDeviceGetCount_v2", None, e))?;
         let cell = NvmlCell::new(nvml, |nvml| {
             let mut sets = Vec::new();
-            for i in 0..count {
-                match subscribe(nvml, i) {
-                    Ok(set) => sets.push((i, set)),
-                    Err(msg) => warnings.push(msg),
+            match subscribe_all(nvml, count) {
+                Ok((gpus, set, failed)) => {
+                    warnings.extend(failed);
+                    if !gpus.is_empty() {
+                        sets.push((gpus, set));
+                    }
                 }
+                Err(msg) => warnings.push(msg),
             }
             Mutex::new(sets)
         });
@@ -152,26 +155,25 @@ impl NvmlBackend {
 
     /// Collect XID events; with `block`, wait up to that long for the first one.
     ///
-    /// NVML waits on one event set at a time and there is one set per GPU, so a blocking
-    /// collection gives each set an equal share of `block` in turn (each share is a real
-    /// `nvmlEventSetWait_v2` sleep, not a poll); once an event has arrived the remaining
-    /// sets are only drained.
+    /// Every GPU is registered on one event set, so a blocking collection is one real
+    /// `nvmlEventSetWait_v2` sleep of `block` over all GPUs; once an event has arrived the
+    /// rest are only drained.
     fn collect_events(&self, block: Option<std::time::Duration>) -> Result<(), GpuError> {
         let mut fresh = Vec::new();
         let mut failed = None;
         self.cell.with_dependent(|_nvml, sets| -> Result<(), GpuError> {
             let sets = sets.lock().map_err(|_| poisoned())?;
-            let share_ms = block.map_or(0, |b| {
-                let per_set = b.as_millis() / sets.len().max(1) as u128;
-                u32::try_from(per_set).unwrap_or(u32::MAX).max(1)
-            });
-            for (index, set) in sets.iter() {
+            let block_ms = block.map_or(0, |b| u32::try_from(b.as_millis()).unwrap_or(u32::MAX).max(1));
+            for (gpus, set) in sets.iter() {
                 // Bounded: a storm of events cannot keep this loop busy forever.
                 for _ in 0..1024 {
-                    let wait_ms = if fresh.is_empty() { share_ms } else { 0 };
+                    let wait_ms = if fresh.is_empty() { block_ms } else { 0 };
                     match set.wait(wait_ms) {
                         Ok(ev) => {
-                            let gpu = ev.device.index().unwrap_or(*index);
+                            let Ok(gpu) = ev.device.index() else {
+                                tracing::warn!(registered = ?gpus, "XID event from a device whose index cannot be read");
+                                continue;
+                            };
                             match ev.event_data {
                                 Some(XidError::Value(x)) => fresh.push((gpu, u32::try_from(x).unwrap_or(u32::MAX))),
                                 Some(XidError::Unknown) => fresh.push((gpu, 999)),
@@ -180,14 +182,12 @@ impl NvmlBackend {
                         }
                         Err(NvmlError::Timeout) => break,
                         Err(NvmlError::GpuLost) => {
-                            // The GPU is gone; the inventory reports it as lost.
+                            // A GPU is gone; the inventory reports it as lost.
                             break;
                         }
                         Err(e) => {
-                            // Reported after every other GPU was read and what arrived was
-                            // kept: returning here dropped the XIDs already collected from
-                            // the GPUs before this one, and never read those after it.
-                            failed.get_or_insert_with(|| nvml_err("nvmlEventSetWait_v2", Some(index.to_string()), e));
+                            // Reported after what arrived was kept; the caller retries.
+                            failed.get_or_insert_with(|| nvml_err("nvmlEventSetWait_v2", None, e));
                             break;
                         }
                     }
@@ -282,17 +282,50 @@ fn poisoned() -> GpuError {
     }
 }
 
-/// Open an event set for one GPU and register it for critical XID events.
-fn subscribe(nvml: &Nvml, index: u32) -> Result<EventSet<'_>, String> {
-    let dev = nvml
-        .device_by_index(index)
-        .map_err(|e| format!("GPU {index}: no XID subscription: {e}"))?;
+/// Open one event set and register every GPU on it for critical XID events. Returns the
+/// GPUs registered, the set, and a warning per GPU that could not register.
+///
+/// `nvml-wrapper`'s `register_events` frees the set when a registration fails, which would
+/// cost every GPU its subscription; the C function leaves the set intact on failure
+/// (except `NVML_ERROR_UNKNOWN`, after which nvml.h says the set is undefined: then the
+/// set is not used).
+#[allow(unsafe_code)]
+fn subscribe_all(nvml: &Nvml, count: u32) -> Result<(Vec<u32>, EventSet<'_>, Vec<String>), String> {
+    let register = nvml.lib().nvmlDeviceRegisterEvents.as_ref().map_err(|e| {
+        format!("nvmlDeviceRegisterEvents not exported: {e}; XIDs after start are seen only in the kernel log")
+    })?;
     let set = nvml
         .create_event_set()
-        .map_err(|e| format!("GPU {index}: nvmlEventSetCreate: {e}"))?;
-    dev.register_events(EventTypes::CRITICAL_XID_ERROR, set).map_err(|e| {
-        format!("GPU {index}: nvmlDeviceRegisterEvents (XID): {e}; XIDs after start are seen only in the kernel log")
-    })
+        .map_err(|e| format!("nvmlEventSetCreate: {e}; XIDs after start are seen only in the kernel log"))?;
+    let mut registered = Vec::new();
+    let mut warnings = Vec::new();
+    for index in 0..count {
+        let dev = match nvml.device_by_index(index) {
+            Ok(d) => d,
+            Err(e) => {
+                warnings.push(format!("GPU {index}: no XID subscription: {e}"));
+                continue;
+            }
+        };
+        // SAFETY: `register` is the library's `nvmlDeviceRegisterEvents(nvmlDevice_t,
+        // unsigned long long, nvmlEventSet_t)` resolved by name with the binding's
+        // signature; the device handle and the set come from this initialised library and
+        // outlive the call.
+        let code = unsafe { register(dev.handle(), EventTypes::CRITICAL_XID_ERROR.bits(), set.handle()) };
+        match nvml_try(code) {
+            Ok(()) => registered.push(index),
+            Err(NvmlError::Unknown) => {
+                return Err(format!(
+                    "GPU {index}: nvmlDeviceRegisterEvents (XID): unknown error, the event set is undefined; \
+                     XIDs after start are seen only in the kernel log"
+                ));
+            }
+            Err(e) => warnings.push(format!(
+                "GPU {index}: nvmlDeviceRegisterEvents (XID): {e}; XIDs after start are seen only in the kernel log"
+            )),
+        }
+    }
+    Ok((registered, set, warnings))
 }
 
 /// Per-GPU query helper: unsupported features read as absent, a lost GPU is recorded (and
@@ -495,7 +528,17 @@ fn read_gpu<'n>(nvml: &'n Nvml, index: u32, sysfs_root: &Path) -> Result<(GpuInf
             }
         };
         let (version, remote) = if active {
-            (link.version().ok(), link.remote_pci_info().ok().map(|p| bus_id(&p)))
+            // NVML answers an nvmlNvlinkVersion_t (4.0 = 6), not the generation; logged raw
+            // so a driver that answers otherwise is visible.
+            let version = link.version().ok().and_then(|raw| {
+                let generation = crate::gpu::decide::nvlink_generation_from_nvml(raw);
+                tracing::debug!(gpu = index, link = l, raw, ?generation, "nvmlDeviceGetNvLinkVersion");
+                if generation.is_none() {
+                    tracing::warn!(gpu = index, link = l, raw, "unknown NVML NVLink version value");
+                }
+                generation
+            });
+            (version, link.remote_pci_info().ok().map(|p| bus_id(&p)))
         } else {
             (None, None)
         };
@@ -586,9 +629,11 @@ fn fabric_state(nvml: &Nvml, dev: &Device<'_>) -> Result<FabricState, NvmlError>
     })
 }
 
-/// Group GPUs into peer domains: an NVLink P2P path, a supported PCIe P2P read, or a common
-/// PCIe switch connects two GPUs. Lost GPUs form no domain.
-fn peer_domains(nvml: &Nvml, gpus: &[GpuInfo], devices: &[Option<Device<'_>>]) -> Vec<PeerDomain> {
+/// Group GPUs into peer domains: an NVLink P2P path or a supported PCIe P2P read connects
+/// two GPUs. A common PCIe switch alone does not: without P2P (ACS redirect, a platform
+/// that disables it) copies go through host memory and would be judged against the link's
+/// rate. Lost GPUs form no domain.
+fn peer_domains(_nvml: &Nvml, gpus: &[GpuInfo], devices: &[Option<Device<'_>>]) -> Vec<PeerDomain> {
     let live: Vec<u32> = gpus.iter().filter(|g| !g.health.lost).map(|g| g.index).collect();
     let dev = |i: u32| devices.get(i as usize).and_then(Option::as_ref);
     let nvlink_ok = |a: u32, b: u32| match (dev(a), dev(b)) {
@@ -599,13 +644,7 @@ fn peer_domains(nvml: &Nvml, gpus: &[GpuInfo], devices: &[Option<Device<'_>>]) -
         let (Some(x), Some(y)) = (dev(a), dev(b)) else {
             return false;
         };
-        nvlink_ok(a, b)
-            || matches!(x.p2p_status(y, P2pCapabilitiesIndex::Read), Ok(P2pStatus::Ok))
-            || matches!(
-                // The call takes the peer by value; a fresh handle for the same index.
-                nvml.device_by_index(b).and_then(|y2| x.topology_common_ancestor(y2)),
-                Ok(TopologyLevel::Internal | TopologyLevel::Single | TopologyLevel::Multiple)
-            )
+        nvlink_ok(a, b) || matches!(x.p2p_status(y, P2pCapabilitiesIndex::Read), Ok(P2pStatus::Ok))
     };
     let groups = group_domains(&live, connected);
     groups
