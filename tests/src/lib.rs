@@ -15,5 +15,7 @@ pub mod deploy;
 pub mod faults;
 pub mod kubelet;
 pub mod mounts;
+pub mod nvidia;
 pub mod otlp;
+pub mod profile;
 pub mod services;
