@@ -17,5 +17,6 @@ pub mod kubelet;
 pub mod mounts;
 pub mod nvidia;
 pub mod otlp;
+#[path = "../fake-nvml/profile.rs"]
 pub mod profile;
 pub mod services;
