@@ -16,6 +16,7 @@ pub mod manifest;
 pub mod progress;
 mod slots;
 mod source;
+mod view_copy;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
