@@ -5,7 +5,7 @@ use crate::bootstrap::exit;
 use clap::Subcommand;
 use std::path::PathBuf;
 use taintgate_prefetch::{
-    BundleRef, CancellationToken, PrefetchOptions, create_manifest, prefetch_bundles, sha256_hex,
+    BundleRef, CancellationToken, MAX_MANIFEST_BYTES, PrefetchOptions, create_manifest, prefetch_bundles, sha256_hex,
 };
 
 /// `bundle` subcommands.
@@ -123,7 +123,7 @@ pub async fn run(cmd: BundleCommand) -> i32 {
                         return exit::BAD_INPUT;
                     }
                 };
-                let bytes = match std::fs::read(&abs) {
+                let bytes = match read_manifest_file(&abs) {
                     Ok(b) => b,
                     Err(e) => {
                         eprintln!("error: {}: {e}", abs.display());
@@ -177,4 +177,29 @@ pub async fn run(cmd: BundleCommand) -> i32 {
             }
         }
     }
+}
+
+/// A local manifest file's bytes, at most [`MAX_MANIFEST_BYTES`]: refused by its size
+/// before reading when it says one, and by what was read otherwise (a pipe, a device).
+fn read_manifest_file(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    use taintgate_validators::text_bounds::human_bytes;
+    let f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let limit = MAX_MANIFEST_BYTES;
+    if let Ok(m) = f.metadata()
+        && m.is_file()
+        && m.len() > limit
+    {
+        return Err(format!(
+            "file is {} bytes, larger than the {} manifest limit",
+            m.len(),
+            human_bytes(limit)
+        ));
+    }
+    let mut bytes = Vec::new();
+    f.take(limit + 1).read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > limit {
+        return Err(format!("more than the {} manifest limit", human_bytes(limit)));
+    }
+    Ok(bytes)
 }

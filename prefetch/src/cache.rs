@@ -442,7 +442,21 @@ impl Cache {
     /// Make `<cache>/bundles/<bundle>/<rel>` a hard link to the blob. Refuses to follow a
     /// symlink anywhere under the bundle directory, so a planted link cannot redirect the
     /// view outside the cache. Idempotent; replaces a stale entry atomically.
+    /// Past the filesystem's link limit for the blob, the view is a verified copy (see
+    /// `view_copy`).
     pub fn link_view(&self, bundle: &str, rel: &str, digest: &str) -> Result<PathBuf, PrefetchError> {
+        self.link_view_with(bundle, rel, digest, |blob, tmp| fs::hard_link(blob, tmp))
+    }
+
+    /// [`Cache::link_view`] with the hard link made by `link`: the seam through which the
+    /// tests inject `EMLINK` on a filesystem without ext4's limit.
+    pub(crate) fn link_view_with(
+        &self,
+        bundle: &str,
+        rel: &str,
+        digest: &str,
+        link: impl FnOnce(&Path, &Path) -> std::io::Result<()>,
+    ) -> Result<PathBuf, PrefetchError> {
         let escape = |what: &Path| PrefetchError::ManifestInvalid {
             manifest: format!("bundle {bundle:?}"),
             detail: format!("{} is a symlink; bundle paths must not leave the cache", what.display()),
@@ -491,6 +505,8 @@ impl Cache {
                 });
             }
             Ok(m) if m.ino() == blob_meta.ino() && m.dev() == blob_meta.dev() => return Ok(target),
+            // A copy an earlier run made past the link limit: kept once it hashes right.
+            Ok(m) if crate::view_copy::is_verified_copy(&m, &target, &blob_meta, digest) => return Ok(target),
             Ok(_) | Err(_) => {}
         }
         // Linked under tmp/ first (same filesystem), so no temporary name can collide with
@@ -498,7 +514,7 @@ impl Cache {
         let seq = LINK_SEQ.fetch_add(1, Ordering::Relaxed);
         let tmp = self.tmp_dir().join(format!("link-{}-{seq}", std::process::id()));
         let _ = fs::remove_file(&tmp);
-        fs::hard_link(&blob, &tmp).map_err(io("hard-link", &tmp))?;
+        crate::view_copy::link_or_copy(&blob, &tmp, digest, link)?;
         if let Err(e) = fs::rename(&tmp, &target) {
             let _ = fs::remove_file(&tmp);
             return Err(PrefetchError::io("rename", &target, e));
@@ -934,5 +950,34 @@ pub(crate) mod tests {
         std::os::unix::fs::symlink(&target, &link).unwrap();
         assert!(write_nofollow(&link, b"overwritten").is_err());
         assert_eq!(fs::read(&target).unwrap(), b"keep");
+    }
+
+    /// When the blob's hard links are exhausted (`EMLINK`, injected here; the ext4 test in
+    /// tests/tests/view_link_limit.rs meets the real limit), the view is a verified copy,
+    /// kept by the next run while it hashes right and made again when it does not.
+    #[test]
+    fn a_view_past_the_link_limit_is_a_verified_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let d = committed(&c, b"shard");
+        let emlink = |_: &Path, _: &Path| {
+            Err(std::io::Error::from_raw_os_error(
+                rustix::io::Errno::MLINK.raw_os_error(),
+            ))
+        };
+        let v = c.link_view_with("b", "dup/1.bin", &d, emlink).unwrap();
+        let (vm, bm) = (fs::metadata(&v).unwrap(), fs::metadata(c.blob_path(&d)).unwrap());
+        assert_ne!(vm.ino(), bm.ino(), "a copy, not a link");
+        assert_eq!(fs::read(&v).unwrap(), b"shard");
+        // Kept as it is by the next run (no new inode), with the link still impossible.
+        let again = c.link_view_with("b", "dup/1.bin", &d, emlink).unwrap();
+        assert_eq!(fs::metadata(&again).unwrap().ino(), vm.ino());
+        // A copy whose bytes changed is replaced (by a link, now that one can be made).
+        fs::write(&v, b"shart").unwrap();
+        let v = c.link_view("b", "dup/1.bin", &d).unwrap();
+        assert_eq!(fs::metadata(&v).unwrap().ino(), bm.ino());
+        assert_eq!(fs::read(&v).unwrap(), b"shard");
+        // No temporary file is left behind.
+        assert_eq!(fs::read_dir(c.tmp_dir()).unwrap().count(), 0);
     }
 }

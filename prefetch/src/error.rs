@@ -38,7 +38,8 @@ pub enum PrefetchError {
         actual: u64,
     },
     /// The manifest (or a bundle reference) is malformed or unsafe.
-    #[error("manifest {manifest}: {detail}")]
+    // Cut again here: a detail may quote a long path or value from the manifest.
+    #[error("manifest {manifest}: {}", taintgate_validators::text_bounds::clip_message(.detail))]
     ManifestInvalid {
         /// Manifest URI, bundle name or directory concerned.
         manifest: String,

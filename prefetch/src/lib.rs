@@ -16,6 +16,7 @@ pub mod manifest;
 pub mod progress;
 mod slots;
 mod source;
+mod view_copy;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -38,8 +39,9 @@ use fetch::{BlobJob, Engine, blocking};
 use progress::Progress;
 use source::{Sources, map_store_error};
 
-/// Manifests larger than this are refused (a manifest lists files; it is never big).
-const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+/// Manifests larger than this are refused: a manifest lists files, with room for a digest
+/// per chunk of a large one (64 hex digits per chunk), far above any config's limit.
+pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 
 /// One rule for the space a prefetch leaves free: at least `bytes`, and at least `ppm`
 /// parts per million of the cache filesystem's size.
@@ -685,8 +687,9 @@ async fn load_manifest(cache: &Cache, sources: &Sources, b: &BundleRef) -> Resul
         return Err(PrefetchError::ManifestInvalid {
             manifest: b.manifest_uri.clone(),
             detail: format!(
-                "{} bytes is larger than the {MAX_MANIFEST_BYTES}-byte limit",
-                res.meta.size
+                "{} bytes is larger than the {} limit",
+                res.meta.size,
+                taintgate_validators::text_bounds::human_bytes(MAX_MANIFEST_BYTES)
             ),
         });
     }

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::PrefetchError;
+use taintgate_validators::text_bounds::{MAX_NESTING, check_nesting, clip_message};
 
 /// Largest file a manifest may list (1 PiB): far above any model file, and low enough that
 /// sums over a manifest's files cannot overflow.
@@ -105,9 +106,11 @@ impl Manifest {
     pub fn parse(bytes: &[u8], origin: &str) -> Result<Self, PrefetchError> {
         let invalid = |detail: String| PrefetchError::ManifestInvalid {
             manifest: origin.to_string(),
-            detail,
+            detail: clip_message(&detail).into_owned(),
         };
         let text = std::str::from_utf8(bytes).map_err(|e| invalid(format!("not UTF-8: {e}")))?;
+        // Refuse deep nesting before a parser spends quadratic time on it.
+        check_nesting(text, MAX_NESTING).map_err(|d| invalid(format!("line {}: {d}", d.line)))?;
         let trimmed = text.trim_start();
         let manifest: Manifest = if trimmed.starts_with('{') {
             serde_json::from_str(text).map_err(|e| invalid(format!("JSON: {e}")))?
@@ -124,7 +127,7 @@ impl Manifest {
     pub fn validate(&self, origin: &str) -> Result<(), PrefetchError> {
         let invalid = |detail: String| PrefetchError::ManifestInvalid {
             manifest: origin.to_string(),
-            detail,
+            detail: clip_message(&detail).into_owned(),
         };
         let mut files = HashSet::new();
         // Keyed by the lowercased path, so two paths that would be one file on a

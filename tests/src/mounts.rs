@@ -42,6 +42,29 @@ impl Mount {
         Ok(m)
     }
 
+    /// A fresh ext4 filesystem of `size_mib` MiB, made by `mkfs.ext4` (e2fsprogs) in an
+    /// image file and loop-mounted: for limits only ext4 has (65,000 links per inode).
+    /// The image file lives inside the temp dir's sibling and is removed with it.
+    pub fn ext4_image(size_mib: u64) -> anyhow::Result<Self> {
+        let dir = tempfile::Builder::new().prefix("tg-ext4").tempdir()?;
+        let image = dir.path().with_extension("img");
+        std::fs::File::create(&image)?.set_len(size_mib << 20)?;
+        let made = Command::new("mkfs.ext4").arg("-q").arg("-F").arg(&image).status();
+        let made = made.map_err(|e| anyhow::anyhow!("mkfs.ext4 (e2fsprogs): {e}"));
+        let mounted = made.and_then(|st| {
+            anyhow::ensure!(st.success(), "mkfs.ext4 {}: {st}", image.display());
+            let (i, d) = (
+                image.to_string_lossy().into_owned(),
+                dir.path().to_string_lossy().into_owned(),
+            );
+            Self::run(&["-o", "loop", &i, &d])
+        });
+        // The mount keeps the image open; unlinking it now frees it on unmount.
+        let _ = std::fs::remove_file(&image);
+        mounted?;
+        Ok(Mount { dir })
+    }
+
     /// Where it is mounted.
     pub fn path(&self) -> &Path {
         self.dir.path()

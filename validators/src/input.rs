@@ -1,6 +1,7 @@
 //! Loading untrusted YAML/JSON input (config, node profiles, plugin configs, manifests)
 //! with errors that name the file, the line and column, and the key path that was wrong.
 
+use crate::text_bounds::{MAX_NESTING, check_nesting, clip_message, clip_value, human_bytes};
 use serde::de::DeserializeOwned;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -29,10 +30,11 @@ impl fmt::Display for InputError {
                 write!(f, ":{c}")?;
             }
         }
+        // Cut again here: a message built elsewhere may quote a long value.
         if let Some(k) = &self.key {
-            write!(f, ": key `{k}`")?;
+            write!(f, ": key `{}`", clip_value(k))?;
         }
-        write!(f, ": {}", self.message)
+        write!(f, ": {}", clip_message(&self.message))
     }
 }
 
@@ -45,8 +47,8 @@ impl InputError {
             file: file.into(),
             line: None,
             column: None,
-            key: key.map(str::to_owned),
-            message: message.into(),
+            key: key.map(|k| clip_value(k).into_owned()),
+            message: clip_message(&message.into()).into_owned(),
         }
     }
 
@@ -56,12 +58,24 @@ impl InputError {
     }
 }
 
-/// Largest input document accepted (config, profiles, manifests are small; this bounds
-/// memory for a hostile file).
-pub const MAX_INPUT_BYTES: u64 = 64 * 1024 * 1024;
+/// Largest input document accepted (a config or a profile is a few KiB, a kubelet config
+/// or CDI spec a few tens; this bounds memory and parse time for a hostile file). Bundle
+/// manifests, which list a digest per chunk, have their own larger limit in the prefetch
+/// crate.
+pub const MAX_INPUT_BYTES: u64 = 4 * 1024 * 1024;
 
 /// Parse YAML (JSON is YAML) into `T`, naming line, column and key path on error.
+/// Nesting deeper than [`MAX_NESTING`] is refused first by a linear pre-scan, naming the line.
 pub fn parse_yaml<T: DeserializeOwned>(file: &Path, text: &str) -> Result<T, InputError> {
+    if let Err(deep) = check_nesting(text, MAX_NESTING) {
+        return Err(InputError {
+            file: file.to_path_buf(),
+            line: Some(deep.line),
+            column: None,
+            key: None,
+            message: deep.to_string(),
+        });
+    }
     let de = serde_yaml_ng::Deserializer::from_str(text);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -76,8 +90,8 @@ pub fn parse_yaml<T: DeserializeOwned>(file: &Path, text: &str) -> Result<T, Inp
             file: file.to_path_buf(),
             line: loc.as_ref().map(|l| l.line()),
             column: loc.as_ref().map(|l| l.column()),
-            key: (path != "." && path != "?" && !path.is_empty()).then_some(path),
-            message,
+            key: (path != "." && path != "?" && !path.is_empty()).then(|| clip_value(&path).into_owned()),
+            message: clip_message(&message).into_owned(),
         }
     })
 }
@@ -146,8 +160,9 @@ fn read_open(file: &Path, f: std::fs::File, meta: Option<std::fs::Metadata>) -> 
                 file,
                 None,
                 format!(
-                    "file is {} bytes, larger than the {MAX_INPUT_BYTES} byte limit",
-                    meta.len()
+                    "file is {} bytes, larger than the {} limit",
+                    meta.len(),
+                    human_bytes(MAX_INPUT_BYTES)
                 ),
             ));
         }
@@ -161,7 +176,7 @@ fn read_open(file: &Path, f: std::fs::File, meta: Option<std::fs::Metadata>) -> 
         return Err(InputError::new(
             file,
             None,
-            format!("more than the {MAX_INPUT_BYTES} byte limit"),
+            format!("more than the {} limit", human_bytes(MAX_INPUT_BYTES)),
         ));
     }
     String::from_utf8(bytes).map_err(|e| InputError::new(file, None, format!("not UTF-8 text: {}", e.utf8_error())))
@@ -217,7 +232,7 @@ mod tests {
     fn reads_are_bounded_by_what_is_read_not_by_the_size_given() {
         // A device with no size and no end: refused at the limit, not read into memory.
         let e = read_bounded(Path::new("/dev/zero")).unwrap_err().to_string();
-        assert!(e.contains("/dev/zero") && e.contains("byte limit"), "{e}");
+        assert!(e.contains("/dev/zero") && e.contains("4 MiB limit"), "{e}");
         let d = tempfile::tempdir().unwrap();
         let f = d.path().join("bad.yaml");
         std::fs::write(&f, b"a: \xff\n").unwrap();

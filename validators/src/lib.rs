@@ -5,3 +5,4 @@ pub mod gpu;
 pub mod input;
 pub mod kubelet;
 pub mod profile;
+pub mod text_bounds;
