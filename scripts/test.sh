@@ -30,5 +30,7 @@ echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "==> unused dependencies (cargo-machete)"
+"$(bash scripts/install-test-deps-machete.sh --print-path)"
 echo "==> cargo test"
 cargo test --workspace --locked --no-fail-fast
