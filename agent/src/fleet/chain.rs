@@ -212,6 +212,20 @@ impl Chain {
         intervals(&self.stamps)
     }
 
+    /// The stage this node's release waited for: of the stages that ran and ended by the
+    /// verdict, the one that ended last (a tie goes to the name first in order, so the
+    /// answer does not depend on row order). `None` without a released verdict.
+    pub fn critical_stage(&self) -> Option<&StageSpan> {
+        let v = self.verdict()?;
+        if !matches!(v.name.as_str(), "released" | "would-release") {
+            return None;
+        }
+        self.stages
+            .iter()
+            .filter(|s| ran(&s.outcome) && s.end_ms <= v.at_ms)
+            .max_by(|a, b| a.end_ms.cmp(&b.end_ms).then_with(|| b.stage.cmp(&a.stage)))
+    }
+
     /// The verdict stamp, if recorded.
     pub fn verdict(&self) -> Option<&ChainStamp> {
         self.stamps.iter().find(|s| s.kind == StampKind::Verdict)

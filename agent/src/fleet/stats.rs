@@ -84,6 +84,10 @@ pub struct FleetReport {
     /// Nodes per readiness-chain outcome after release (`WorkloadReady`, `NoWorkloadYet`,
     /// ...); nodes with none recorded yet are not counted.
     pub workload: BTreeMap<String, usize>,
+    /// The critical stage of each release ([`Chain::critical_stage`]): per stage, how many
+    /// released nodes waited for it last and the distribution of its duration on them;
+    /// most nodes first.
+    pub critical: Vec<(Dist, usize)>,
 }
 
 impl FleetReport {
@@ -95,7 +99,13 @@ impl FleetReport {
         let mut st: BTreeMap<String, (Vec<u64>, usize)> = BTreeMap::new();
         let (mut released, mut held) = (0, 0);
         let mut workload: BTreeMap<String, usize> = BTreeMap::new();
+        let mut crit: BTreeMap<String, Vec<u64>> = BTreeMap::new();
         for c in chains {
+            if let Some(s) = c.critical_stage() {
+                crit.entry(s.stage.clone())
+                    .or_default()
+                    .push((s.end_ms - s.start_ms).max(0) as u64);
+            }
             if let Some((outcome, _, _)) = &c.workload {
                 *workload.entry(outcome.clone()).or_default() += 1;
             }
@@ -138,7 +148,16 @@ impl FleetReport {
             .filter_map(|(name, (samples, failed))| Dist::new(&name, samples).map(|d| (d, failed)))
             .collect();
         stages.sort_by(|a, b| b.0.p90.cmp(&a.0.p90).then_with(|| a.0.name.cmp(&b.0.name)));
+        let mut critical: Vec<(Dist, usize)> = crit
+            .into_iter()
+            .filter_map(|(name, samples)| {
+                let n = samples.len();
+                Dist::new(&name, samples).map(|d| (d, n))
+            })
+            .collect();
+        critical.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.name.cmp(&b.0.name)));
         FleetReport {
+            critical,
             nodes: chains.len(),
             released,
             held,
@@ -178,14 +197,39 @@ impl FleetReport {
             let parts: Vec<String> = self.workload.iter().map(|(k, n)| format!("{k} {n}")).collect();
             out.push_str(&format!("workload after release: {}\n", parts.join(", ")));
         }
-        out.push_str(
-            "\nintervals between adjacent stamps (named after the stamp they waited for), nearest-rank percentiles:\n",
-        );
+        if !self.critical.is_empty() {
+            out.push_str("\nrelease waited for (per released node, the stage that finished last):\n");
+            out.push_str(&format!(
+                "{:<24} {:>5} {:>10} {:>10} {:>10}\n",
+                "WAITED-FOR", "NODES", "P50", "P90", "MAX"
+            ));
+            for (d, n) in &self.critical {
+                out.push_str(&format!(
+                    "{:<24} {:>5} {:>10} {:>10} {:>10}\n",
+                    d.name,
+                    n,
+                    fmt_ms(d.p50),
+                    fmt_ms(d.p90),
+                    fmt_ms(d.max)
+                ));
+            }
+        }
+        // An interval that never took time on any node (a stage that starts the moment
+        // the agent does) is a row of zeros: counted in the heading, not printed.
+        let zero = self.intervals.iter().filter(|d| d.max == 0).count();
+        let hidden = if zero > 0 {
+            format!(" ({zero} intervals were 0 ms on every node and are not shown)")
+        } else {
+            String::new()
+        };
+        out.push_str(&format!(
+            "\nintervals between adjacent stamps (named after the stamp they waited for), nearest-rank percentiles{hidden}:\n",
+        ));
         out.push_str(&format!(
             "{:<24} {:>5} {:>10} {:>10} {:>10} {:>10}  {}\n",
             "INTERVAL", "N", "P50", "P90", "P99", "MAX", "WAITED ON"
         ));
-        for d in &self.intervals {
+        for d in self.intervals.iter().filter(|d| d.max > 0) {
             let mark = if self.worst.as_deref() == Some(d.name.as_str()) {
                 "  <- largest p90"
             } else {
@@ -241,6 +285,135 @@ impl FleetReport {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    use crate::fleet::chain::{Chain, ChainStamp, StageSpan, StampKind};
+
+    fn stamp(name: &str, at_ms: i64, kind: StampKind) -> ChainStamp {
+        ChainStamp {
+            name: name.into(),
+            at_ms,
+            kind,
+            outcome: None,
+            reason: None,
+            tie: 0,
+        }
+    }
+
+    /// A node whose stages ran as `(stage, start, end, outcome)`, with `verdict` at `at`.
+    fn chain(node: &str, stages: &[(&str, i64, i64, &str)], verdict: (&str, i64)) -> Chain {
+        let mut stamps = vec![stamp("agent-start", 0, StampKind::AgentStart)];
+        let mut spans = Vec::new();
+        for &(st, a, b, outcome) in stages {
+            stamps.push(stamp(&format!("{st}.start"), a, StampKind::StageStart));
+            stamps.push(stamp(&format!("{st}.end"), b, StampKind::StageEnd));
+            spans.push(StageSpan {
+                stage: st.into(),
+                start_ms: a,
+                end_ms: b,
+                outcome: outcome.into(),
+                reason: String::new(),
+            });
+        }
+        stamps.push(stamp(verdict.0, verdict.1, StampKind::Verdict));
+        stamps.sort_by_key(|s| s.at_ms);
+        Chain {
+            node: node.into(),
+            agent_start: String::new(),
+            gpu: "sim".into(),
+            stamps,
+            stages: spans,
+            truncated: false,
+            pre_read_live: false,
+            workload: None,
+        }
+    }
+
+    #[test]
+    fn critical_stage_is_the_last_to_finish_before_release() {
+        type Case<'a> = (
+            &'a str,
+            Vec<(&'a str, i64, i64, &'a str)>,
+            (&'a str, i64),
+            Option<&'a str>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "models last",
+                vec![
+                    ("driver", 0, 100, "passed"),
+                    ("models", 0, 900, "passed"),
+                    ("images", 0, 400, "passed"),
+                ],
+                ("released", 900),
+                Some("models"),
+            ),
+            (
+                "a skipped stage does not count",
+                vec![("driver", 0, 100, "passed"), ("models", 0, 900, "skipped")],
+                ("released", 900),
+                Some("driver"),
+            ),
+            (
+                "dry run counts as a release",
+                vec![("driver", 0, 100, "passed")],
+                ("would-release", 100),
+                Some("driver"),
+            ),
+            (
+                "equal ends: the first name",
+                vec![("images", 0, 500, "passed"), ("driver", 0, 500, "passed")],
+                ("released", 500),
+                Some("driver"),
+            ),
+            (
+                "held nodes have none",
+                vec![("driver", 0, 100, "failed")],
+                ("held", 100),
+                None,
+            ),
+            (
+                "a stage ending after the verdict is not what it waited for",
+                vec![("driver", 0, 100, "passed"), ("readiness", 0, 5000, "passed")],
+                ("released", 100),
+                Some("driver"),
+            ),
+        ];
+        for (what, stages, verdict, want) in cases {
+            let c = chain("n", &stages, verdict);
+            assert_eq!(c.critical_stage().map(|s| s.stage.as_str()), want, "{what}");
+        }
+    }
+
+    #[test]
+    fn report_leads_with_what_releases_waited_for_and_hides_zero_rows() {
+        let chains: Vec<Chain> = (0..10)
+            .map(|i| {
+                let models_end = if i < 7 { 900 + i } else { 300 };
+                chain(
+                    &format!("n{i}"),
+                    &[
+                        ("driver", 0, 100, "passed"),
+                        ("models", 0, models_end, "passed"),
+                        ("images", 0, 500, "passed"),
+                    ],
+                    ("released", 900 + i),
+                )
+            })
+            .collect();
+        let r = FleetReport::build(&chains, None, vec![]);
+        let crit: Vec<(&str, usize)> = r.critical.iter().map(|(d, n)| (d.name.as_str(), *n)).collect();
+        assert_eq!(crit, vec![("models", 7), ("images", 3)]);
+        let text = r.render();
+        let waited = text.find("release waited for").unwrap();
+        assert!(waited < text.find("intervals between").unwrap(), "{text}");
+        // Every stage starts the moment the agent does: those rows are zeros, not printed.
+        assert!(!text.contains("driver.start"), "{text}");
+        assert!(
+            text.contains("intervals were 0 ms on every node and are not shown"),
+            "{text}"
+        );
+        assert!(text.contains("driver.end"), "{text}");
+    }
 
     #[test]
     fn nearest_rank() {
