@@ -2,7 +2,8 @@
 //! no Docker engine) makes the OCI archive, skopeo pushes it to a loopback registry, a
 //! private containerd pulls it **by digest** through its CRI plugin (the agent's own CRI
 //! client), and `ctr run` (runc) runs it: `taintgate --version` matches the image's
-//! version label, and `taintgate check --simulate builtin` releases inside it.
+//! version label, `taintgate check --simulate builtin` releases inside it, and without the
+//! NVIDIA libraries a runtime would inject, the driver stage holds with DriverNotLoaded.
 //!
 //! The archive is `TAINTGATE_IMAGE_ARCHIVE` when set (made by `scripts/build-image.sh`);
 //! otherwise the test runs the script, which builds the release binary. Needs root,
@@ -144,4 +145,16 @@ async fn the_image_pulled_by_digest_through_cri_runs_and_releases() {
     let out = text(&o);
     assert!(o.status.success(), "check in the image: {out}");
     assert!(out.contains("WOULD RELEASE"), "{out}");
+
+    // The NVIDIA libraries are not in the image (the NVIDIA container runtime or CDI
+    // injects them on a node): the image alone holds the node with DriverNotLoaded.
+    let o = ctr_run(
+        &containerd,
+        &by_digest,
+        "tg-driver",
+        &["taintgate", "check", "--stages", "driver"],
+    );
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "held: {out}");
+    assert!(out.contains("HELD: DriverNotLoaded"), "{out}");
 }
