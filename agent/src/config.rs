@@ -399,6 +399,14 @@ pub struct KubeletConfig {
     /// Root under which CDI device nodes are checked (the host's `/` when mounted
     /// elsewhere in a container).
     pub host_root: PathBuf,
+    /// Open the plugin's own `ListAndWatch` stream in the device-plugin stage (`false`, the
+    /// default: never). NVIDIA's device plugin keeps a probe's stream loop running after
+    /// the probe leaves, and that loop swallows a later health event the kubelet should
+    /// get (docs/device-plugin.md); by default the stage asks the plugin only
+    /// `GetDevicePluginOptions` and takes device IDs and health from the kubelet
+    /// (pod-resources `GetAllocatableResources`, Node capacity). Only for plugins whose
+    /// `ListAndWatch` ends with its client.
+    pub plugin_list_and_watch: bool,
 }
 
 impl Default for KubeletConfig {
@@ -417,6 +425,7 @@ impl Default for KubeletConfig {
             cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
             cdi_kind: "nvidia.com/gpu".into(),
             host_root: PathBuf::from("/"),
+            plugin_list_and_watch: false,
         }
     }
 }

@@ -96,6 +96,7 @@ kubelet:
   cdi_dirs: [/etc/cdi, /var/run/cdi]
   cdi_kind: nvidia.com/gpu
   host_root: /                  # where the host's /dev is, for CDI device nodes
+  plugin_list_and_watch: false  # never open the plugin's ListAndWatch (docs/device-plugin.md)
 
 # Serving-group bin-pack: how many complete groups fit after DaemonSets and reservations.
 # null checks nothing. Example (the reference note's TP4 group, 2 per node):

@@ -295,7 +295,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "PluginDeviceUnhealthy",
         "device-plugin",
-        "The plugin reports a device Unhealthy (it saw an XID or health event).",
+        "The plugin reports a device Unhealthy (it saw an XID or health event); by default read from the kubelet: the Node's capacity counts the device but pod-resources does not offer it. The message names it.",
     ),
     r(
         "PodResourcesUnavailable",
@@ -305,7 +305,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "KubeletDevicesMismatch",
         "device-plugin",
-        "The kubelet's own allocatable device IDs differ from the plugin's.",
+        "The kubelet's own allocatable device IDs differ from the plugin's (or, when the Node's capacity cannot be read, from the expected IDs).",
     ),
     r(
         "RuntimeInjectionMissing",

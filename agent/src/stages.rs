@@ -383,10 +383,30 @@ async fn device_plugin(ctx: &Context) -> Result<Evidence, StageFailure> {
     let inv = ctx.inventory()?;
     let expected = kubelet::plugin_config::expected_device_ids(inv, &ctx.plugin_config)
         .map_err(|e| plugin_config_failure(&e, e.reason()))?;
+    let to_failure = |f: kubelet::device_plugin::DevicePluginFailure| StageFailure {
+        reason: f.reason().into(),
+        message: f.to_string(),
+        transient: f.is_transient(),
+    };
     let probe: Box<dyn DevicePluginProbe> = match &ctx.profile {
         Some(p) => {
             tokio::time::sleep(p.latency("device-plugin")).await;
             Box::new(SimDevicePluginProbe::new(p.kubelet.clone(), expected.clone()))
+        }
+        None if !ctx.config.kubelet.plugin_list_and_watch => {
+            // The kubelet's view, never the plugin's ListAndWatch (see kubelet_view).
+            let grpc = GrpcDevicePluginProbe::new(ctx.config.kubelet.paths.clone(), ctx.config.kubelet.probe_timeout);
+            let capacity = node_device_capacity(ctx).await;
+            let ev = kubelet::kubelet_view::check_kubelet_view(&grpc, &expected, &capacity)
+                .await
+                .map_err(to_failure)?;
+            let n: usize = ev.resources.iter().map(|r| r.devices).sum();
+            return Ok(Evidence {
+                summary: format!(
+                    "{n} devices Healthy and equal to NVML (kubelet pod-resources and Node capacity; plugin answers)"
+                ),
+                detail: serde_json::to_value(&ev).unwrap_or_default(),
+            });
         }
         None => Box::new(GrpcDevicePluginProbe::new(
             ctx.config.kubelet.paths.clone(),
@@ -395,11 +415,7 @@ async fn device_plugin(ctx: &Context) -> Result<Evidence, StageFailure> {
     };
     let ev = check_device_plugin(probe.as_ref(), &expected, ctx.config.kubelet.check_pod_resources)
         .await
-        .map_err(|f| StageFailure {
-            reason: f.reason().into(),
-            message: f.to_string(),
-            transient: f.is_transient(),
-        })?;
+        .map_err(to_failure)?;
     let n: usize = ev.resources.iter().map(|r| r.devices).sum();
     let summary = format!(
         "{n} devices Healthy and equal to NVML ({}){}",
@@ -414,6 +430,30 @@ async fn device_plugin(ctx: &Context) -> Result<Evidence, StageFailure> {
         summary,
         detail: serde_json::to_value(&ev).unwrap_or_default(),
     })
+}
+
+/// The Node's `status.capacity` of every device resource (counts every device a plugin
+/// lists, healthy or not): the latest Node a stage read, else one read now; empty when no
+/// Node can be read (the kubelet-view check then reports ambiguity, not a guess).
+async fn node_device_capacity(ctx: &Context) -> BTreeMap<String, u64> {
+    let mut node = ctx.node.lock().ok().and_then(|n| n.clone());
+    if node.is_none()
+        && let Some(api) = &ctx.api
+    {
+        node = api.get().await.ok();
+    }
+    let mut out = BTreeMap::new();
+    let Some(cap) = node.and_then(|n| n.status).and_then(|s| s.capacity) else {
+        return out;
+    };
+    for (name, q) in cap {
+        if name.contains('/')
+            && let Ok(v) = q.0.parse::<u64>()
+        {
+            out.insert(name, v);
+        }
+    }
+    out
 }
 
 async fn runtime(ctx: &Context) -> Result<Evidence, StageFailure> {

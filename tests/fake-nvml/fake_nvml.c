@@ -234,20 +234,32 @@ static nvmlReturn_t copy_str(char *dst, unsigned int len, const char *src) {
 	return NVML_SUCCESS;
 }
 
+/* nvmlInit/nvmlShutdown are reference counted, as in the real library: NVIDIA's device
+ * plugin initialises NVML in several places (resource managers, health checker) and shuts
+ * each down on its own, so a Shutdown must not end the others' session, and a nested Init
+ * must not reload the profile under a thread still using it. */
+static unsigned int init_refs;
+
 static nvmlReturn_t do_init(void) {
+	if (init_refs > 0) { init_refs++; return NVML_SUCCESS; }
 	if (load_profile() != 0) return NVML_ERROR_UNKNOWN;
 	const char *mode = get("init");
 	if (mode && strcmp(mode, "driver_not_loaded") == 0) return NVML_ERROR_DRIVER_NOT_LOADED;
 	if (mode && strcmp(mode, "no_permission") == 0) return NVML_ERROR_NO_PERMISSION;
 	if (mode && strcmp(mode, "rm_version_mismatch") == 0) return NVML_ERROR_LIB_RM_VERSION_MISMATCH;
 	initialised = 1;
+	init_refs = 1;
 	return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlInit_v2(void) { return do_init(); }
 nvmlReturn_t nvmlInit(void) { return do_init(); }
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { (void)flags; return do_init(); }
-nvmlReturn_t nvmlShutdown(void) { initialised = 0; return NVML_SUCCESS; }
+nvmlReturn_t nvmlShutdown(void) {
+	if (init_refs == 0) return NVML_ERROR_UNINITIALIZED;
+	if (--init_refs == 0) initialised = 0;
+	return NVML_SUCCESS;
+}
 
 const char *nvmlErrorString(nvmlReturn_t r) {
 	switch (r) {
@@ -716,5 +728,58 @@ nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigne
 }
 nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
 	free(as_set(set));
+	return NVML_SUCCESS;
+}
+
+/* ==== NVIDIA k8s device plugin and GPU Feature Discovery (tests/tests/nvidia_device_plugin.rs) ====
+ * The calls the stock plugin and GFD (v0.19.1) make at start and in their health checker
+ * that nvml-wrapper never needed; each answers from the profile like the ones above. */
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor) {
+	GPU_GUARD(dev, d);
+	if (!minor) return NVML_ERROR_INVALID_ARGUMENT;
+	/* /dev/nvidia<minor>: the driver numbers GPUs in probe order, as the index here. */
+	*minor = (unsigned int)gnum(dev->index, "minor", dev->index);
+	return NVML_SUCCESS;
+}
+
+/* gpu.N.cc=9.0 (default: 9.0, Hopper, like the default H100 product name). */
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t d, int *major, int *minor) {
+	GPU_GUARD(dev, d);
+	if (!major || !minor) return NVML_ERROR_INVALID_ARGUMENT;
+	const char *cc = gget(dev->index, "cc");
+	*major = 9;
+	*minor = 0;
+	if (cc && sscanf(cc, "%d.%d", major, minor) != 2) return NVML_ERROR_UNKNOWN;
+	return NVML_SUCCESS;
+}
+
+/* The health checker finds each GPU by UUID (MIG devices included). */
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+	if (!initialised) return NVML_ERROR_UNINITIALIZED;
+	if (!uuid || !device) return NVML_ERROR_INVALID_ARGUMENT;
+	for (unsigned int i = 0; i < gpu_count; i++) {
+		char buf[96];
+		if (nvmlDeviceGetUUID(gpu_handle(&gpus[i]), buf, sizeof buf) == NVML_SUCCESS && strcmp(buf, uuid) == 0) {
+			if (gpus[i].lost || gnum(i, "handle_lost", 0)) return NVML_ERROR_GPU_IS_LOST;
+			*device = gpu_handle(&gpus[i]);
+			return NVML_SUCCESS;
+		}
+		for (int m = 0; m < MAX_MIG; m++)
+			if (gpus[i].mig[m].present && strcmp(gpus[i].mig[m].uuid, uuid) == 0) {
+				*device = (nvmlDevice_t)(void *)&gpus[i].mig[m];
+				return NVML_SUCCESS;
+			}
+	}
+	return NVML_ERROR_NOT_FOUND;
+}
+
+/* XID events on every GPU unless gpu.N.events_unsupported=1 (then NOT_SUPPORTED, which the
+ * plugin takes as "too old for health checks", as on a real pre-Kepler GPU). */
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long *types) {
+	GPU_GUARD(dev, d);
+	if (!types) return NVML_ERROR_INVALID_ARGUMENT;
+	if (gnum(dev->index, "events_unsupported", 0)) return NVML_ERROR_NOT_SUPPORTED;
+	*types = nvmlEventTypeXidCriticalError | nvmlEventTypeDoubleBitEccError | nvmlEventTypeSingleBitEccError;
 	return NVML_SUCCESS;
 }

@@ -308,3 +308,233 @@ pub fn stale_socket(socket: &Path) -> std::io::Result<()> {
     drop(std::os::unix::net::UnixListener::bind(socket)?);
     Ok(())
 }
+
+/// What a [`KubeletStandIn`] holds for one registered resource.
+#[derive(Debug, Clone, Default)]
+pub struct ResourceView {
+    /// The plugin's `RegisterRequest`.
+    pub registration: Option<dp::RegisterRequest>,
+    /// The latest `ListAndWatch` list on the kubelet's own stream.
+    pub devices: Vec<dp::Device>,
+    /// How many lists the kubelet's stream has delivered (the first one included).
+    pub updates: u64,
+    /// Why the kubelet's stream ended, if it did.
+    pub stream_error: Option<String>,
+}
+
+type Views = watch::Sender<std::collections::BTreeMap<String, ResourceView>>;
+
+#[derive(Clone)]
+struct RegistrationService {
+    dir: PathBuf,
+    views: Arc<Views>,
+}
+
+#[tonic::async_trait]
+impl dp::registration_server::Registration for RegistrationService {
+    async fn register(&self, req: Request<dp::RegisterRequest>) -> Result<Response<dp::Empty>, Status> {
+        let req = req.into_inner();
+        if req.version != "v1beta1" {
+            return Err(Status::invalid_argument(format!(
+                "unsupported API version {:?}",
+                req.version
+            )));
+        }
+        let resource = req.resource_name.clone();
+        let socket = self.dir.join(&req.endpoint);
+        self.views.send_modify(|v| {
+            v.insert(
+                resource.clone(),
+                ResourceView {
+                    registration: Some(req),
+                    ..ResourceView::default()
+                },
+            );
+        });
+        // Like the kubelet's device manager: after answering Register, dial the plugin's
+        // endpoint and keep its ListAndWatch stream open for as long as the plugin lives.
+        let views = self.views.clone();
+        tokio::spawn(async move {
+            let end = watch_plugin(&socket, &resource, &views).await;
+            views.send_modify(|v| v.entry(resource).or_default().stream_error = Some(end));
+        });
+        Ok(Response::new(dp::Empty {}))
+    }
+}
+
+async fn watch_plugin(socket: &Path, resource: &str, views: &Views) -> String {
+    let p = socket.to_path_buf();
+    let endpoint = tonic::transport::Endpoint::from_static("http://localhost");
+    let channel =
+        match endpoint
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let p = p.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                }
+            }))
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => return format!("dial {}: {e}", socket.display()),
+        };
+    let mut client = dp::device_plugin_client::DevicePluginClient::new(channel);
+    let mut stream = match client.list_and_watch(dp::Empty {}).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => return format!("ListAndWatch: {e}"),
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(list)) => views.send_modify(|v| {
+                let view = v.entry(resource.to_string()).or_default();
+                view.devices = list.devices;
+                view.updates += 1;
+            }),
+            Ok(None) => return "stream closed by the plugin".into(),
+            Err(e) => return format!("ListAndWatch stream: {e}"),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct StandInPodResources(Arc<Views>);
+
+#[tonic::async_trait]
+impl pr::pod_resources_lister_server::PodResourcesLister for StandInPodResources {
+    async fn list(
+        &self,
+        _: Request<pr::ListPodResourcesRequest>,
+    ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
+        Ok(Response::new(pr::ListPodResourcesResponse {
+            pod_resources: Vec::new(),
+        }))
+    }
+
+    /// The kubelet's answer: every device its own stream listed as Healthy (kubelet v1.36
+    /// `devicemanager.GetAllocatableDevices` returns `allDevices.Filter(healthyDevices)`).
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<pr::AllocatableResourcesRequest>,
+    ) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
+        let views = self.0.borrow();
+        let mut devices = Vec::new();
+        for (resource, view) in views.iter() {
+            for d in view.devices.iter().filter(|d| d.health == HEALTHY) {
+                devices.push(pr::ContainerDevices {
+                    resource_name: resource.clone(),
+                    device_ids: vec![d.id.clone()],
+                    topology: None,
+                });
+            }
+        }
+        Ok(Response::new(pr::AllocatableResourcesResponse {
+            devices,
+            cpu_ids: Vec::new(),
+            memory: Vec::new(),
+        }))
+    }
+
+    async fn get(
+        &self,
+        _: Request<pr::GetPodResourcesRequest>,
+    ) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+        Err(Status::not_found("kubelet stand-in has no pods"))
+    }
+}
+
+/// The kubelet's side of the device plugin API, for a real device plugin: the
+/// `Registration` service on `<dir>/kubelet.sock` (the plugin registers there), a
+/// `ListAndWatch` stream per registered plugin that stays open like the kubelet's device
+/// manager keeps it, and the pod-resources `GetAllocatableResources` answered from those
+/// streams (Healthy devices only, as the kubelet does) on `<pod_resources>`.
+///
+/// `dir` is a private directory of the test (the plugin sees it as its
+/// `/var/lib/kubelet/device-plugins` through a private mount namespace), never the host's.
+pub struct KubeletStandIn {
+    dir: PathBuf,
+    pod_resources: PathBuf,
+    views: Arc<Views>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl KubeletStandIn {
+    /// Serve `Registration` on `<dir>/kubelet.sock` and pod-resources on `pod_resources`.
+    /// Must run inside tokio.
+    pub fn start(dir: &Path, pod_resources: &Path) -> std::io::Result<Self> {
+        let (tx, _) = watch::channel(std::collections::BTreeMap::new());
+        let views = Arc::new(tx);
+        let reg = dp::registration_server::RegistrationServer::new(RegistrationService {
+            dir: dir.to_path_buf(),
+            views: views.clone(),
+        });
+        let listener = bind(&dir.join("kubelet.sock"))?;
+        let t1 = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(reg)
+                .serve_with_incoming(UnixListenerStream::new(listener))
+                .await;
+        });
+        let pr_svc = pr::pod_resources_lister_server::PodResourcesListerServer::new(StandInPodResources(views.clone()));
+        let listener = bind(pod_resources)?;
+        let t2 = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(pr_svc)
+                .serve_with_incoming(UnixListenerStream::new(listener))
+                .await;
+        });
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            pod_resources: pod_resources.to_path_buf(),
+            views,
+            tasks: vec![t1, t2],
+        })
+    }
+
+    /// The device-plugin directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The pod-resources socket.
+    pub fn pod_resources_socket(&self) -> &Path {
+        &self.pod_resources
+    }
+
+    /// The current view of `resource` (default when it never registered).
+    pub fn view(&self, resource: &str) -> ResourceView {
+        self.views.borrow().get(resource).cloned().unwrap_or_default()
+    }
+
+    /// Every resource registered so far.
+    pub fn resources(&self) -> Vec<String> {
+        self.views.borrow().keys().cloned().collect()
+    }
+
+    /// Wait (event-driven, bounded by `timeout`) until `pred` holds for the views; returns
+    /// them, or an error naming what was last seen.
+    pub async fn wait_for(
+        &self,
+        what: &str,
+        timeout: std::time::Duration,
+        pred: impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool,
+    ) -> anyhow::Result<std::collections::BTreeMap<String, ResourceView>> {
+        let mut rx = self.views.subscribe();
+        match tokio::time::timeout(timeout, rx.wait_for(|v| pred(v))).await {
+            Ok(Ok(v)) => Ok(v.clone()),
+            _ => Err(anyhow::anyhow!(
+                "kubelet stand-in: {what} not seen within {timeout:?}; last views: {:?}",
+                *self.views.borrow()
+            )),
+        }
+    }
+}
+
+impl Drop for KubeletStandIn {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = std::fs::remove_file(self.dir.join("kubelet.sock"));
+        let _ = std::fs::remove_file(&self.pod_resources);
+    }
+}

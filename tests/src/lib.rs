@@ -15,5 +15,8 @@ pub mod deploy;
 pub mod faults;
 pub mod kubelet;
 pub mod mounts;
+pub mod nvidia;
 pub mod otlp;
+#[path = "../fake-nvml/profile.rs"]
+pub mod profile;
 pub mod services;

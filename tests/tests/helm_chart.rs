@@ -188,7 +188,10 @@ fn the_default_render_equals_the_kustomize_base() {
     for (k, b) in &base {
         let c = &chart[k];
         if let Some(d) = taintgate_tests::deploy::first_difference(b, c, k) {
-            panic!("{k} differs from the kustomize base: {d}");
+            panic!(
+                "{k} differs from the kustomize base: {d}\n(a changed daemonset/config.yaml: \
+                 run scripts/sync-chart-config.sh; another file: edit charts/taintgate/templates/)"
+            );
         }
     }
 }

@@ -201,7 +201,7 @@ fn malformed_configs_name_the_key() {
         (
             "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 0}\n",
             "sharing.timeSlicing.resources[0].replicas",
-            "at least 1",
+            "at least 2",
         ),
         (
             "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: -2}\n",
@@ -223,10 +223,11 @@ fn malformed_configs_name_the_key() {
             "sharing.timeSlicing.resources[0].devices",
             "all",
         ),
+        // NVIDIA's device plugin v0.19.1 refuses this and exits (tests/tests/nvidia_device_plugin.rs).
         (
-            "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n    - {name: nvidia.com/gpu, replicas: 3}\n",
-            "sharing.timeSlicing.resources[1].name",
-            "twice",
+            "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 1}\n",
+            "sharing.timeSlicing.resources[0].replicas",
+            "the device plugin refuses fewer",
         ),
         ("sharng: {}\n", "", "unknown field `sharng`"),
         ("sharing: [1, 2\n", "", ""),
@@ -274,4 +275,21 @@ fn loads_from_file() {
     assert_eq!(expected_allocatable(&inventory(), &c).unwrap()["nvidia.com/gpu"], 32);
     let e = PluginConfig::load(&dir.path().join("absent.yaml")).unwrap_err();
     assert!(e.to_string().contains("absent.yaml"), "{e}");
+}
+
+/// A resource listed twice: NVIDIA's device plugin v0.19.1 accepts it and publishes the
+/// larger replicas count (checked against the real plugin in
+/// tests/tests/nvidia_device_plugin.rs); the agent predicts the same and warns.
+#[test]
+fn resource_listed_twice_publishes_the_larger_count() {
+    let c = PluginConfig::parse(
+        Path::new("dp.yaml"),
+        "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n    - {name: nvidia.com/gpu, replicas: 3}\n",
+    )
+    .unwrap();
+    assert!(
+        c.warnings().iter().any(|w| w.contains("listed twice")),
+        "{:?}",
+        c.warnings()
+    );
 }

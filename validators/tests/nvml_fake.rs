@@ -50,7 +50,16 @@ impl Node {
     }
 }
 
-const H100_8: &str = "gpus=8\nfabric=completed\n";
+/// The fake's profile generator, shared with the harness (one profile language).
+#[path = "../../tests/fake-nvml/profile.rs"]
+mod fake_profile;
+
+/// The reference node (8 x H100 SXM, the `--simulate builtin` YAML profile) in the fake's
+/// language; a test appends its fault lines, and a later line overrides an earlier one.
+fn h100_8() -> String {
+    let p = taintgate_validators::profile::NodeProfile::load("builtin").unwrap();
+    fake_profile::fake_nvml_profile(&p)
+}
 
 fn reason(inv: &Inventory) -> &'static str {
     match evaluate_driver(inv, &DriverExpectations::default()) {
@@ -61,32 +70,37 @@ fn reason(inv: &Inventory) -> &'static str {
 
 #[test]
 fn healthy_hgx_node_passes_the_driver_stage() {
-    let node = Node::new(&format!(
-        "{H100_8}gpu.0.numa=0\ngpu.4.numa=1\ngpu.0.uuid=GPU-11111111-2222-3333-4444-555555555555\n"
-    ));
+    // The node is stated once, as the YAML profile `--simulate builtin` runs; the real NVML
+    // backend must read back exactly that node through the fake.
+    let profile = taintgate_validators::profile::NodeProfile::load("builtin").unwrap();
+    let node = Node::new(&h100_8());
     let gpu = node.open().unwrap();
     assert_eq!(gpu.backend(), "nvml");
     let inv = gpu.inventory().unwrap();
-    assert_eq!(inv.gpus.len(), 8);
-    let g0 = &inv.gpus[0];
-    assert_eq!(g0.uuid, "GPU-11111111-2222-3333-4444-555555555555");
-    assert_eq!(g0.pci_bus_id, "0000:18:00.0");
-    assert_eq!(inv.gpus[1].pci_bus_id, "0000:28:00.0");
-    assert_eq!(g0.numa_node, Some(0));
-    assert_eq!(inv.gpus[4].numa_node, Some(1));
-    assert_eq!(g0.product, "NVIDIA H100 80GB HBM3");
-    assert_eq!(g0.memory_bytes, 85_899_345_920);
-    assert_eq!(g0.driver_version, "550.90.07");
-    assert_eq!(g0.cuda_version, "12.4");
-    assert_eq!(g0.vbios_version, "96.00.89.00.01");
-    assert!(g0.persistence_mode);
-    assert_eq!(g0.nvlinks.len(), 18);
-    assert!(g0.nvlinks.iter().all(|l| l.active && l.version == Some(4)));
-    assert_eq!(g0.nvlinks[0].remote_pci_bus_id.as_deref(), Some("0000:05:00.0"));
-    assert_eq!(g0.fabric, Some(taintgate_validators::gpu::FabricState::Completed));
-    // All eight behind NVSwitch: one domain at NVLink4 x 18.
-    assert_eq!(inv.domains.len(), 1);
-    assert_eq!(inv.domains[0].gpus, (0..8).collect::<Vec<u32>>());
+    assert_eq!(inv.gpus.len(), profile.gpus.len());
+    for (got, want) in inv.gpus.iter().zip(&profile.gpus) {
+        // The fake has one far end per GPU (`nvlink_remote`, the first link's); every
+        // other field of the profile must come back unchanged.
+        let mut want = want.clone();
+        let remote = want.nvlinks.first().and_then(|l| l.remote_pci_bus_id.clone());
+        for l in &mut want.nvlinks {
+            l.remote_pci_bus_id = remote.clone();
+        }
+        assert_eq!(
+            got, &want,
+            "GPU {} read through NVML differs from the profile",
+            want.index
+        );
+    }
+    assert_eq!(inv.gpus[0].nvlinks.len(), 18);
+    assert_eq!(
+        inv.gpus[0].fabric,
+        Some(taintgate_validators::gpu::FabricState::Completed)
+    );
+    // Two 4-GPU NVLink domains, as the profile states them.
+    let domains: Vec<&Vec<u32>> = inv.domains.iter().map(|d| &d.gpus).collect();
+    let want: Vec<&Vec<u32>> = profile.domains.iter().map(|d| &d.gpus).collect();
+    assert_eq!(domains, want);
     assert_eq!(
         inv.domains[0].interconnect,
         Interconnect::Nvlink { version: 4, links: 18 }
@@ -96,6 +110,15 @@ fn healthy_hgx_node_passes_the_driver_stage() {
     assert!(ev.warnings.is_empty(), "{:?}", ev.warnings);
     assert!(gpu.drain_xids().unwrap().is_empty());
     assert!(gpu.open_warnings().is_empty(), "{:?}", gpu.open_warnings());
+    // A line after the profile overrides it (how a test adds its fault).
+    let node = Node::new(&format!(
+        "{}gpu.0.uuid=GPU-11111111-2222-3333-4444-555555555555\n",
+        h100_8()
+    ));
+    assert_eq!(
+        node.inventory().gpus[0].uuid,
+        "GPU-11111111-2222-3333-4444-555555555555"
+    );
 }
 
 #[test]
@@ -108,34 +131,34 @@ fn missing_gpu_is_a_count_mismatch() {
 
 #[test]
 fn lost_gpu_is_reported_as_lost() {
-    let inv = Node::new(&format!("{H100_8}gpu.3.lost=1\n")).inventory();
+    let inv = Node::new(&format!("{}gpu.3.lost=1\n", h100_8())).inventory();
     assert!(inv.gpus[3].health.lost);
     assert!(!inv.gpus[2].health.lost);
     // The lost GPU is left out of the peer domains.
     assert!(inv.domains.iter().all(|d| !d.gpus.contains(&3)));
     assert_eq!(reason(&inv), "GpuLost");
     // Even when the handle itself cannot be had.
-    let inv = Node::new(&format!("{H100_8}gpu.5.handle_lost=1\n")).inventory();
+    let inv = Node::new(&format!("{}gpu.5.handle_lost=1\n", h100_8())).inventory();
     assert!(inv.gpus[5].health.lost);
     assert_eq!(reason(&inv), "GpuLost");
 }
 
 #[test]
 fn row_remap_faults() {
-    let inv = Node::new(&format!("{H100_8}gpu.2.remap=0,0,1,0\n")).inventory();
+    let inv = Node::new(&format!("{}gpu.2.remap=0,0,1,0\n", h100_8())).inventory();
     assert!(inv.gpus[2].health.remap_pending);
     assert_eq!(reason(&inv), "RowRemapPending");
     assert_eq!(
-        reason(&Node::new(&format!("{H100_8}gpu.2.remap=0,0,0,1\n")).inventory()),
+        reason(&Node::new(&format!("{}gpu.2.remap=0,0,0,1\n", h100_8())).inventory()),
         "RowRemapFailed"
     );
     assert_eq!(
-        reason(&Node::new(&format!("{H100_8}gpu.2.remap=3,512,0,0\n")).inventory()),
+        reason(&Node::new(&format!("{}gpu.2.remap=3,512,0,0\n", h100_8())).inventory()),
         "RowRemapFailed"
     );
     // Unsupported (pre-Ampere) is not a fault.
     assert_eq!(
-        reason(&Node::new(&format!("{H100_8}gpu.2.remap=unsupported\n")).inventory()),
+        reason(&Node::new(&format!("{}gpu.2.remap=unsupported\n", h100_8())).inventory()),
         "Ok"
     );
 }
@@ -143,25 +166,25 @@ fn row_remap_faults() {
 #[test]
 fn ecc_and_page_retirement_faults() {
     assert_eq!(
-        reason(&Node::new(&format!("{H100_8}gpu.1.ecc_uncorrectable=2\n")).inventory()),
+        reason(&Node::new(&format!("{}gpu.1.ecc_uncorrectable=2\n", h100_8())).inventory()),
         "EccUncorrectable"
     );
-    let inv = Node::new(&format!("{H100_8}gpu.1.retired_pages=63\n")).inventory();
+    let inv = Node::new(&format!("{}gpu.1.retired_pages=63\n", h100_8())).inventory();
     assert_eq!(inv.gpus[1].health.retired_pages, 63);
     assert_eq!(reason(&inv), "PagesRetired");
     assert_eq!(
-        reason(&Node::new(&format!("{H100_8}gpu.1.retired_pages=62\n")).inventory()),
+        reason(&Node::new(&format!("{}gpu.1.retired_pages=62\n", h100_8())).inventory()),
         "Ok"
     );
     assert_eq!(
-        reason(&Node::new(&format!("{H100_8}gpu.1.pending_retirement=1\n")).inventory()),
+        reason(&Node::new(&format!("{}gpu.1.pending_retirement=1\n", h100_8())).inventory()),
         "PagesRetired"
     );
 }
 
 #[test]
 fn inactive_nvlink_is_reported() {
-    let inv = Node::new(&format!("{H100_8}gpu.6.nvlink_inactive=3,7\n")).inventory();
+    let inv = Node::new(&format!("{}gpu.6.nvlink_inactive=3,7\n", h100_8())).inventory();
     let down: Vec<u32> = inv.gpus[6]
         .nvlinks
         .iter()
@@ -170,10 +193,8 @@ fn inactive_nvlink_is_reported() {
         .collect();
     assert_eq!(down, vec![3, 7]);
     // The domain's link count is the weakest GPU's.
-    assert_eq!(
-        inv.domains[0].interconnect,
-        Interconnect::Nvlink { version: 4, links: 16 }
-    );
+    let d = inv.domains.iter().find(|d| d.gpus.contains(&6)).unwrap();
+    assert_eq!(d.interconnect, Interconnect::Nvlink { version: 4, links: 16 });
     let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
     assert_eq!(f.reason, "NvlinkInactive");
     assert!(
@@ -185,7 +206,7 @@ fn inactive_nvlink_is_reported() {
 
 #[test]
 fn xid_event_arrives_through_the_event_set() {
-    let node = Node::new(&format!("{H100_8}gpu.2.xid_events=79\n"));
+    let node = Node::new(&format!("{}gpu.2.xid_events=79\n", h100_8()));
     let gpu = node.open().unwrap();
     assert_eq!(gpu.drain_xids().unwrap(), vec![(2, 79)]);
     assert!(gpu.drain_xids().unwrap().is_empty(), "an event is drained once");
@@ -196,20 +217,27 @@ fn xid_event_arrives_through_the_event_set() {
     assert_eq!(f.reason, "XidFatal");
     assert!(f.message.contains("GPU 2"), "{}", f.message);
     // A warn-class XID does not hold the node.
-    let inv = Node::new(&format!("{H100_8}gpu.2.xid_events=92\n")).inventory();
+    let inv = Node::new(&format!("{}gpu.2.xid_events=92\n", h100_8())).inventory();
     let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
     assert!(ev.warnings.iter().any(|w| w.contains("XID 92")), "{:?}", ev.warnings);
 }
 
 #[test]
 fn xids_before_start_come_from_the_kernel_log() {
-    let node = Node::new(H100_8);
+    let node = Node::new(&h100_8());
     let log = node.dir.path().join("kmsg");
+    // The kernel names a GPU by its PCI address without the function (`0000:2a:00`).
+    let profile = taintgate_validators::profile::NodeProfile::load("builtin").unwrap();
+    let pci = |i: usize| profile.gpus[i].pci_bus_id.trim_end_matches(".0").to_string();
     std::fs::write(
         &log,
-        "6,100,1000,-;NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07\n\
-         4,101,2000,-;NVRM: Xid (PCI:0000:28:00): 48, pid=77, name=python, An uncorrectable double bit error\n\
-         4,102,3000,-;NVRM: Xid (PCI:0000:38:00): 13, pid=78, name=python, Graphics Exception\n",
+        format!(
+            "6,100,1000,-;NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07\n\
+             4,101,2000,-;NVRM: Xid (PCI:{}): 48, pid=77, name=python, An uncorrectable double bit error\n\
+             4,102,3000,-;NVRM: Xid (PCI:{}): 13, pid=78, name=python, Graphics Exception\n",
+            pci(1),
+            pci(2)
+        ),
     )
     .unwrap();
     let gpu = RealGpu::open(&RealGpuOptions {
@@ -238,7 +266,10 @@ fn xids_before_start_come_from_the_kernel_log() {
 
 #[test]
 fn gpu_without_event_support_keeps_the_others_subscribed() {
-    let node = Node::new(&format!("{H100_8}gpu.0.events_unsupported=1\ngpu.1.xid_events=64\n"));
+    let node = Node::new(&format!(
+        "{}gpu.0.events_unsupported=1\ngpu.1.xid_events=64\n",
+        h100_8()
+    ));
     let gpu = node.open().unwrap();
     assert!(
         gpu.open_warnings().iter().any(|w| w.contains("GPU 0")),
@@ -260,7 +291,7 @@ fn fabric_not_ready_on_nvswitch_systems() {
 
 #[test]
 fn two_nvlink_domains_and_pcie_domains() {
-    let inv = Node::new(&format!("{H100_8}p2p_nvlink=0,1,2,3;4,5,6,7\n")).inventory();
+    let inv = Node::new(&format!("{}p2p_nvlink=0,1,2,3;4,5,6,7\n", h100_8())).inventory();
     let groups: Vec<Vec<u32>> = inv.domains.iter().map(|d| d.gpus.clone()).collect();
     assert_eq!(groups, vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
 
@@ -347,14 +378,15 @@ fn inactive_nvlinks_fail_only_where_required() {
         ..two
     };
     assert_eq!(evaluate_driver(&inv, &required).unwrap_err().reason, "NvlinkInactive");
-    let sxm = Node::new(&format!("{H100_8}gpu.2.nvlink_inactive=5\n")).inventory();
+    let sxm = Node::new(&format!("{}gpu.2.nvlink_inactive=5\n", h100_8())).inventory();
     assert_eq!(reason(&sxm), "NvlinkInactive");
 }
 
 #[test]
 fn mig_devices_and_persistence() {
     let inv = Node::new(&format!(
-        "{H100_8}gpu.0.mig=1\ngpu.0.mig_devices=MIG-aaaa:1g.10gb,MIG-bbbb:3g.40gb\ngpu.1.persistence=0\n"
+        "{}gpu.0.mig=1\ngpu.0.mig_devices=MIG-aaaa:1g.10gb,MIG-bbbb:3g.40gb\ngpu.1.persistence=0\n",
+        h100_8()
     ))
     .inventory();
     assert!(inv.gpus[0].mig_enabled);

@@ -214,7 +214,7 @@ impl GrpcDevicePluginProbe {
 }
 
 /// Connect a tonic channel to a unix socket (the URI only fills the `:authority` header).
-async fn unix_channel(path: &Path, timeout: Duration) -> Result<Channel, ProbeError> {
+pub(crate) async fn unix_channel(path: &Path, timeout: Duration) -> Result<Channel, ProbeError> {
     let p = path.to_path_buf();
     let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
     let connect = endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
@@ -243,7 +243,7 @@ async fn unix_channel(path: &Path, timeout: Duration) -> Result<Channel, ProbeEr
     }
 }
 
-fn rpc_error(path: &Path, call: &'static str, s: tonic::Status) -> ProbeError {
+pub(crate) fn rpc_error(path: &Path, call: &'static str, s: tonic::Status) -> ProbeError {
     if s.code() == tonic::Code::Unavailable {
         return ProbeError::Unreachable {
             path: path.to_path_buf(),

@@ -13,6 +13,8 @@
 //!   pod-resources view (`GetAllocatableResources`);
 //! - [`cdi`]: CDI specs naming every advertised device, so runtime injection can succeed;
 //! - [`fit`]: serving-group bin-packing over every resource;
+//! - [`kubelet_view`]: the device-plugin check from the kubelet's view, never opening the
+//!   plugin's `ListAndWatch` (a probe's stream would swallow health events);
 //! - [`eviction`]: the kubelet's disk thresholds (eviction, image garbage collection)
 //!   from its config files, the disk reserve the model prefetch keeps;
 //! - [`process`]: the running kubelet's command line (its real config files, threshold
@@ -24,6 +26,7 @@ pub mod cdi;
 pub mod device_plugin;
 pub mod eviction;
 pub mod fit;
+pub mod kubelet_view;
 pub mod plugin_config;
 pub mod process;
 pub mod proto;

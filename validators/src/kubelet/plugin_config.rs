@@ -43,6 +43,9 @@ pub const MAX_RESOURCE_NAME_LEN: usize = 63;
 /// serving configuration; the bound keeps a hostile file from exhausting memory).
 pub const MAX_REPLICAS: u32 = 1024;
 
+/// Fewest replicas per device the plugin accepts (it refuses `replicas: 1` and exits).
+pub const MIN_REPLICAS: u32 = 2;
+
 /// The device plugin config file (`version: v1`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -213,23 +216,25 @@ impl PluginConfig {
             for (i, r) in rr.resources.iter().enumerate() {
                 let at = format!("{key}.resources[{i}]");
                 let name = qualify(&r.name).map_err(|e| InputError::new(file, Some(&format!("{at}.name")), e))?;
-                if !seen.insert(name.clone()) {
-                    return Err(InputError::new(
-                        file,
-                        Some(&format!("{at}.name")),
-                        format!("{name} is listed twice"),
-                    ));
-                }
+                // A resource listed twice is accepted by the plugin (v0.19.1 replicates it
+                // once per entry into one ID-keyed map, so the larger `replicas` wins):
+                // modelled in `expected_devices`, reported in `warnings`.
+                seen.insert(name.clone());
                 if let Some(rename) = &r.rename {
                     qualify(rename).map_err(|e| InputError::new(file, Some(&format!("{at}.rename")), e))?;
                 }
                 // Upper bound: the expected device IDs are replicas x GPUs, and a hostile
                 // file must not make the agent allocate billions of them.
-                if r.replicas == 0 || r.replicas > MAX_REPLICAS {
+                // The plugin refuses fewer than MIN_REPLICAS ("number of replicas must be
+                // >= 2", api/config/v1/replicas.go) and exits.
+                if r.replicas < MIN_REPLICAS || r.replicas > MAX_REPLICAS {
                     return Err(InputError::new(
                         file,
                         Some(&format!("{at}.replicas")),
-                        format!("must be at least 1 and at most {MAX_REPLICAS}, got {}", r.replicas),
+                        format!(
+                            "must be at least {MIN_REPLICAS} (the device plugin refuses fewer) and at most {MAX_REPLICAS}, got {}",
+                            r.replicas
+                        ),
                     ));
                 }
                 if let Some(d) = &r.devices {
@@ -252,8 +257,14 @@ impl PluginConfig {
             out.push("`resources` is ignored by the device plugin (resource naming is disabled)".to_string());
         }
         if let Some(rr) = self.replicated() {
+            let mut seen = BTreeSet::new();
             for r in &rr.resources {
                 let Ok(name) = qualify(&r.name) else { continue };
+                if !seen.insert(name.clone()) {
+                    out.push(format!(
+                        "{name} is listed twice; the device plugin publishes the larger replicas count"
+                    ));
+                }
                 if let Some(rename) = r.rename.as_deref().and_then(|x| qualify(x).ok()) {
                     let default = format!("{name}{SHARED_SUFFIX}");
                     if !rr.rename_by_default || rename != default {
@@ -396,7 +407,10 @@ pub fn expected_devices(
         } else {
             name.clone()
         };
-        replicated.insert(name, (publish, r.replicas));
+        // Listed twice: the plugin inserts each entry's replica IDs into one map keyed by
+        // ID, so the union is the larger count.
+        let entry = replicated.entry(name).or_insert((publish, r.replicas));
+        entry.1 = entry.1.max(r.replicas);
     }
     for (resource, devices) in base {
         match replicated.get(&resource) {
