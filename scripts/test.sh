@@ -32,5 +32,8 @@ echo "==> cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==> unused dependencies (cargo-machete)"
 "$(bash scripts/install-test-deps-machete.sh --print-path)"
+echo "==> scripts/build-image.sh (the image tests/tests/image_containerd.rs pushes and runs)"
+bash scripts/build-image.sh target/image/taintgate-oci.tar
+export TAINTGATE_IMAGE_ARCHIVE="$PWD/target/image/taintgate-oci.tar"
 echo "==> cargo test"
 cargo test --workspace --locked --no-fail-fast

@@ -92,11 +92,13 @@ impl AuthFile {
     /// Read and parse `path`. Errors ([`ImageError::AuthFile`]) name the path and what is
     /// wrong, never the file's contents.
     pub fn load(path: &Path) -> Result<Self, ImageError> {
-        let bytes = std::fs::read(path).map_err(|e| ImageError::AuthFile {
+        // Bounded like every config the agent reads (4 MiB): a registry auth file is a few
+        // KiB. The error names the file and the limit, never the contents.
+        let text = taintgate_validators::input::read_bounded(path).map_err(|e| ImageError::AuthFile {
             path: path.to_path_buf(),
-            why: format!("cannot read: {e}"),
+            why: e.message,
         })?;
-        Self::parse(&bytes, path)
+        Self::parse(text.as_bytes(), path)
     }
 
     /// Parse the bytes of a `.dockerconfigjson` file read from `path`.
@@ -207,6 +209,16 @@ fn normalize_registry_key(key: &str) -> Key {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn a_huge_auth_file_is_refused_by_its_size() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("config.json");
+        std::fs::File::create(&f).unwrap().set_len(50 << 20).unwrap();
+        let e = AuthFile::load(&f).unwrap_err().to_string();
+        assert!(e.contains("config.json") && e.contains("4 MiB limit"), "{e}");
+        assert!(e.len() < 400, "{e}");
+    }
 
     #[test]
     fn lookup_normalises_keys_and_wildcards() {

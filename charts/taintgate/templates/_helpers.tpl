@@ -1,0 +1,19 @@
+{{/* The agent config file, as the ConfigMap carries it. */}}
+{{- define "taintgate.config" -}}
+{{ toYaml .Values.config }}
+{{- end -}}
+
+{{/* The ConfigMap's name: with a hash of its content, as kustomize's configMapGenerator
+     names it, so a changed config rolls the DaemonSet. */}}
+{{- define "taintgate.configMapName" -}}
+taintgate-config-{{ include "taintgate.config" . | sha256sum | trunc 10 }}
+{{- end -}}
+
+{{/* The image reference: by digest when one is given. */}}
+{{- define "taintgate.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
