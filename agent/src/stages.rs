@@ -514,7 +514,7 @@ async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
         tracing::info!(target: "taintgate::fit", "{line}");
     }
     Ok(Evidence {
-        summary: table.lines().last().unwrap_or_default().trim().to_string(),
+        summary: ev.summary(),
         detail: json!({"table": table, "promised": fc.promised_groups}),
     })
 }

@@ -93,6 +93,11 @@ fn reference_worked_example() {
     ] {
         assert!(t.contains(line), "missing {line:?} in\n{t}");
     }
+    // The one-line evidence the report prints names every bound.
+    assert_eq!(
+        ev.summary(),
+        "GPU 8/4 = 2, CPU 88/40 = 2, memory 736Gi/300Gi = 2, pods 107/1 = 107 \u{2192} 2 complete TP4 groups (GPU binds)"
+    );
     // A third group is not promised by anyone sane: ask and see GPU bind.
     let e = fit(&reference_node(), &reference_pods(), &tp4(), 3).unwrap_err();
     assert_eq!(e.reason(), "GroupFitShort");

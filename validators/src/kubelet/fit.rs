@@ -150,6 +150,38 @@ fn plural(n: u64, word: &str) -> String {
 }
 
 impl FitEvidence {
+    /// One line naming every resource's bound, like the reference note's worked example:
+    /// `GPU 8/4 = 2, CPU 88/40 = 2, memory 736Gi/300Gi = 2, pods 107/1 = 107 → 2 complete
+    /// TP4 groups (GPU binds)`.
+    pub fn summary(&self) -> String {
+        let parts: Vec<String> = self
+            .rows
+            .iter()
+            .map(|r| {
+                let (label, unit) = display(&r.resource);
+                let suffix = if matches!(r.resource.as_str(), MEMORY | EPHEMERAL_STORAGE)
+                    || r.resource.starts_with("hugepages-")
+                {
+                    "Gi"
+                } else {
+                    ""
+                };
+                format!(
+                    "{label} {}{suffix}/{}{suffix} = {}",
+                    r.free.display_in(unit),
+                    r.per_group.display_in(unit),
+                    r.groups
+                )
+            })
+            .collect();
+        format!(
+            "{} \u{2192} {} ({} binds)",
+            parts.join(", "),
+            plural(self.groups, &format!("complete {} group", self.group)),
+            display(&self.binding).0
+        )
+    }
+
     /// The bound table, laid out like the reference note's worked example (CPU in cores,
     /// memory and storage in GiB, devices and pods as counts):
     ///
