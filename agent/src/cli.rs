@@ -224,6 +224,19 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             }
         }
     }
+    // The first run (`check --simulate builtin`, no config) shows every boundary: the demo's
+    // serving group, bundle and images (see crate::demo). Kept alive until the run ends.
+    let demo_wanted = dry_run && args.config.is_none() && args.simulate.as_deref() == Some("builtin");
+    let mut demo = None;
+    if demo_wanted {
+        match crate::demo::Demo::prepare(config).await {
+            Ok((c, d)) => {
+                config = c;
+                demo = Some(d);
+            }
+            Err(e) => return bad_input(e),
+        }
+    }
     let config = config;
     let profile = match &args.simulate {
         Some(spec) => match NodeProfile::load(spec) {
@@ -326,6 +339,9 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
                     if let Some(m) = &s.message {
                         println!("  {:<14} {}", s.stage, m);
                     }
+                }
+                if demo.is_some() {
+                    println!("\n{}", crate::demo::Demo::note());
                 }
             }
             OutputFormat::Json => match serde_json::to_string_pretty(&timeline) {

@@ -6,6 +6,7 @@ pub mod bootstrap;
 pub mod bundle_cli;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod example;
 pub mod fleet;
 pub mod gpu_backend;

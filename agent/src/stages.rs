@@ -653,9 +653,22 @@ async fn images(ctx: &Context) -> Result<Evidence, StageFailure> {
             detail: json!(null),
         });
     }
-    let rt = CriImageRuntime::connect(&cfg.socket).map_err(|e| StageFailure::permanent(e.reason(), e.to_string()))?;
+    // A simulated node has no runtime socket to dial: its images go to the simulated one.
+    let (rt, simulated): (Box<dyn taintgate_prefetch::images::ImageRuntime>, bool) = match &ctx.profile {
+        Some(p) => (
+            Box::new(taintgate_prefetch::images::SimImageRuntime::new(p.latency("images"))),
+            true,
+        ),
+        None => (
+            Box::new(
+                CriImageRuntime::connect(&cfg.socket)
+                    .map_err(|e| StageFailure::permanent(e.reason(), e.to_string()))?,
+            ),
+            false,
+        ),
+    };
     // prepull retries transient errors itself, within each image's deadline.
-    let report = prepull(cfg, &rt, ctx.cancel.child_token())
+    let report = prepull(cfg, rt.as_ref(), ctx.cancel.child_token())
         .await
         .map_err(|e| StageFailure::permanent(e.reason(), e.to_string()))?;
     let bytes: u64 = report
@@ -666,11 +679,12 @@ async fn images(ctx: &Context) -> Result<Evidence, StageFailure> {
         .sum();
     Ok(Evidence {
         summary: format!(
-            "{} images present: {} cache hits, {} pulled, {:.1} MB",
+            "{} images present: {} cache hits, {} pulled, {:.1} MB{}",
             report.images.len(),
             report.cache_hits(),
             report.pulled(),
-            bytes as f64 / 1e6
+            bytes as f64 / 1e6,
+            if simulated { " (simulated runtime)" } else { "" }
         ),
         detail: json!({"bytes": bytes, "report": serde_json::to_value(&report).unwrap_or_default()}),
     })

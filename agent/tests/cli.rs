@@ -56,6 +56,61 @@ fn check_on_builtin_profile_prints_every_stage_and_would_release() {
     assert!(out.contains("WOULD RELEASE (dry-run)"), "{out}");
 }
 
+#[test]
+fn first_run_shows_every_boundary_with_the_demo_config() {
+    let child = bin()
+        .args(["check", "--simulate", "builtin"])
+        .env_remove("TAINTGATE_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let o = child.wait_with_output().unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    for want in [
+        "fit            GPU 8/4 = 2, CPU 88/40 = 2, memory 736Gi/300Gi = 2",
+        "2 complete TP4 groups (GPU binds)",
+        "models         1 bundles, 4 files verified: 11.0 MB fetched",
+        "images         2 images present: 0 cache hits, 2 pulled, 0.0 MB (simulated runtime)",
+        "simulated: GPUs (NVML, CUDA), Node API",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+    assert!(
+        !out.contains("no bundles configured") && !out.contains("no images configured"),
+        "{out}"
+    );
+    // Through a pipe: no escape sequences (no colour, no progress bar).
+    assert!(!o.stdout.contains(&0x1b) && !o.stderr.contains(&0x1b), "{out}");
+    // The demo's bundle and cache are removed when the run ends.
+    let leftovers: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("taintgate-demo-{pid}-"))
+        })
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // With a config, the config is what runs: no demo.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(&cfg, "{}\n").unwrap();
+    let o = bin()
+        .args(["check", "--simulate", "builtin", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(
+        out.contains("no bundles configured") && !out.contains("demo config"),
+        "{out}"
+    );
+}
+
 /// The allocator settings in `main.rs` reach jemalloc: a misspelt symbol name (or a build
 /// where jemalloc is not prefixed) would leave them silently ignored, and the prefetch
 /// would lose its huge pages and the resident agent its single arena.

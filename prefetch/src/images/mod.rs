@@ -14,6 +14,7 @@
 pub mod auth;
 pub mod cri;
 pub mod reference;
+pub mod sim;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -30,6 +31,7 @@ use tracing::{Instrument, info, info_span, warn};
 pub use auth::{Auth, AuthFile};
 pub use cri::CriImageRuntime;
 pub use reference::ImageRef;
+pub use sim::SimImageRuntime;
 
 /// Configuration of the `images` stage (`images:` in the agent's YAML config).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
