@@ -64,13 +64,30 @@ impl Progress {
 
 type StageFuture = Shared<BoxFuture<'static, StageRecord>>;
 
+/// What one attempt of a stage does: the production bodies ([`run_stage_body`]), or a
+/// scripted one in the executor's own tests. The executor owns order, deadlines, retries,
+/// cancellation and dependency failure; the body owns the evidence.
+pub type StageBody = Arc<
+    dyn Fn(Arc<Context>, &'static str, Arc<Progress>) -> BoxFuture<'static, Result<Evidence, StageFailure>>
+        + Send
+        + Sync,
+>;
+
 /// Run every stage of the graph; returns records in report order.
 pub async fn run_graph(ctx: Arc<Context>) -> Vec<StageRecord> {
+    let body: StageBody =
+        Arc::new(|ctx, name, progress| async move { run_stage_body(&ctx, name, &progress).await }.boxed());
+    run_graph_with(ctx, body).await
+}
+
+/// [`run_graph`] with the stage bodies given.
+pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageRecord> {
     let mut futs: BTreeMap<&'static str, StageFuture> = BTreeMap::new();
     // STAGES lists every dependency before its dependents.
     for name in STAGES {
         let dep_futs: Vec<(&'static str, StageFuture)> = deps(name).iter().map(|d| (*d, futs[d].clone())).collect();
         let ctx2 = ctx.clone();
+        let body2 = body.clone();
         let fut = async move {
             let mut blocked = None;
             for (d, f) in dep_futs {
@@ -79,7 +96,7 @@ pub async fn run_graph(ctx: Arc<Context>) -> Vec<StageRecord> {
                     blocked = Some((d, rec.outcome));
                 }
             }
-            run_one(ctx2, name, blocked).await
+            run_one(ctx2, name, blocked, body2).await
         }
         .boxed()
         .shared();
@@ -108,7 +125,12 @@ pub async fn run_graph(ctx: Arc<Context>) -> Vec<StageRecord> {
     out
 }
 
-async fn run_one(ctx: Arc<Context>, name: &'static str, blocked: Option<(&'static str, Outcome)>) -> StageRecord {
+async fn run_one(
+    ctx: Arc<Context>,
+    name: &'static str,
+    blocked: Option<(&'static str, Outcome)>,
+    stage_body: StageBody,
+) -> StageRecord {
     let settings = ctx.settings(name);
     let span = tracing::info_span!(
         "stage",
@@ -180,7 +202,7 @@ async fn run_one(ctx: Arc<Context>, name: &'static str, blocked: Option<(&'stati
         let progress = progress.clone();
         let attempts = attempts.clone();
         let settings = settings.clone();
-        async move { retry_loop(&ctx, name, &settings, &progress, &attempts).await }
+        async move { retry_loop(ctx, name, &settings, progress, &attempts, &stage_body).await }
     }
     .instrument(span.clone());
     tracing::info!(parent: &span, "stage started");
@@ -233,11 +255,12 @@ async fn run_one(ctx: Arc<Context>, name: &'static str, blocked: Option<(&'stati
 }
 
 async fn retry_loop(
-    ctx: &Context,
+    ctx: Arc<Context>,
     name: &'static str,
     settings: &StageSettings,
-    progress: &Progress,
+    progress: Arc<Progress>,
     attempts: &std::sync::atomic::AtomicU32,
+    stage_body: &StageBody,
 ) -> Result<Evidence, StageFailure> {
     let mut backoff = ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(200))
@@ -248,7 +271,7 @@ async fn retry_loop(
     let mut left = settings.retries;
     loop {
         attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        match run_stage_body(ctx, name, progress).await {
+        match stage_body(ctx.clone(), name, progress.clone()).await {
             Ok(e) => return Ok(e),
             Err(f) if f.transient && left > 0 => {
                 left -= 1;
@@ -259,5 +282,238 @@ async fn retry_loop(
             }
             Err(f) => return Err(f),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The executor on its own, with scripted stage bodies: order, dependency failure,
+    //! retries, deadlines, cancellation. No stage of the product runs here.
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::config::Config;
+    use crate::node_api::SimNodeApi;
+    use std::sync::OnceLock;
+    use taintgate_validators::gpu::sim::SimGpu;
+    use taintgate_validators::profile::NodeProfile;
+    use tokio_util::sync::CancellationToken;
+
+    /// What a scripted stage does on each attempt.
+    #[derive(Clone, Copy)]
+    enum Step {
+        Pass,
+        Fail(&'static str),
+        Transient(&'static str),
+        Hang,
+    }
+
+    fn context(tweak: impl FnOnce(&mut Config)) -> Arc<Context> {
+        let profile = NodeProfile::load("builtin").unwrap();
+        let mut config = Config::default();
+        for name in STAGES {
+            let s = config.stages.get_mut(name).unwrap();
+            s.deadline = Duration::from_secs(30);
+            s.retries = 3;
+        }
+        tweak(&mut config);
+        Arc::new(Context {
+            config,
+            gpu: Arc::new(SimGpu::new(profile.clone())),
+            api: Some(SimNodeApi::new(&profile)),
+            profile: Some(profile),
+            plugin_config: Default::default(),
+            inventory: OnceLock::new(),
+            clock: Clock::start(),
+            cancel: CancellationToken::new(),
+            node: Default::default(),
+            prefetch_observer: Arc::new(taintgate_prefetch::NoopObserver),
+        })
+    }
+
+    /// A body following `script` (per stage, one step per attempt; the last step repeats;
+    /// stages not named pass), logging `<stage>.start` / `<stage>.end` in order.
+    fn scripted(script: Vec<(&'static str, Vec<Step>)>, log: Arc<Mutex<Vec<String>>>) -> StageBody {
+        let script: BTreeMap<&'static str, Vec<Step>> = script.into_iter().collect();
+        let calls: Arc<Mutex<BTreeMap<&'static str, usize>>> = Arc::default();
+        Arc::new(move |_ctx, name, _progress| {
+            let steps = script.get(name).cloned().unwrap_or_else(|| vec![Step::Pass]);
+            let (log, calls) = (log.clone(), calls.clone());
+            async move {
+                let n = {
+                    let mut c = calls.lock().unwrap();
+                    let e = c.entry(name).or_default();
+                    *e += 1;
+                    *e - 1
+                };
+                let step = steps[n.min(steps.len() - 1)];
+                log.lock().unwrap().push(format!("{name}.start"));
+                tokio::task::yield_now().await;
+                let r = match step {
+                    Step::Pass => Ok(Evidence {
+                        summary: format!("{name} ok"),
+                        detail: serde_json::Value::Null,
+                    }),
+                    Step::Fail(reason) => Err(StageFailure::permanent(reason, "scripted")),
+                    Step::Transient(reason) => Err(StageFailure::transient(reason, "scripted, transient")),
+                    Step::Hang => std::future::pending().await,
+                };
+                log.lock().unwrap().push(format!("{name}.end"));
+                r
+            }
+            .boxed()
+        })
+    }
+
+    fn by_stage(records: &[StageRecord]) -> BTreeMap<&str, &StageRecord> {
+        records.iter().map(|r| (r.stage.as_str(), r)).collect()
+    }
+
+    #[tokio::test]
+    async fn every_stage_starts_after_its_dependencies_end_and_records_come_in_report_order() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let records = run_graph_with(context(|_| {}), scripted(vec![], log.clone())).await;
+        let order: Vec<&str> = records.iter().map(|r| r.stage.as_str()).collect();
+        assert_eq!(order, STAGES.to_vec());
+        assert!(records.iter().all(|r| r.outcome == Outcome::Passed), "{records:?}");
+        let log = log.lock().unwrap().clone();
+        let pos = |s: &str| {
+            log.iter()
+                .position(|l| l == s)
+                .unwrap_or_else(|| panic!("{s} not in {log:?}"))
+        };
+        for name in STAGES {
+            for d in deps(name) {
+                assert!(
+                    pos(&format!("{d}.end")) < pos(&format!("{name}.start")),
+                    "{name} before {d}: {log:?}"
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_dependency_skips_its_dependents_and_nothing_else() {
+        type Case = (
+            &'static str,
+            Vec<(&'static str, Vec<Step>)>,
+            Vec<(&'static str, Outcome, Option<&'static str>)>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "driver fails",
+                vec![("driver", vec![Step::Fail("DriverNotLoaded")])],
+                vec![
+                    ("driver", Outcome::Failed, Some("DriverNotLoaded")),
+                    ("smoke", Outcome::Skipped, Some("DependencyFailed")),
+                    ("peer-bw", Outcome::Skipped, Some("DependencyFailed")),
+                    ("allocatable", Outcome::Skipped, Some("DependencyFailed")),
+                    ("fit", Outcome::Skipped, Some("DependencyFailed")),
+                    ("models", Outcome::Passed, None),
+                    ("images", Outcome::Passed, None),
+                    ("register", Outcome::Passed, None),
+                ],
+            ),
+            (
+                "allocatable fails: only fit waits on it",
+                vec![("allocatable", vec![Step::Fail("AllocatableZero")])],
+                vec![
+                    ("allocatable", Outcome::Failed, Some("AllocatableZero")),
+                    ("fit", Outcome::Skipped, Some("DependencyFailed")),
+                    ("smoke", Outcome::Passed, None),
+                    ("device-plugin", Outcome::Passed, None),
+                ],
+            ),
+        ];
+        for (what, script, want) in cases {
+            let records = run_graph_with(context(|_| {}), scripted(script, Arc::default())).await;
+            let got = by_stage(&records);
+            for (stage, outcome, reason) in want {
+                assert_eq!(got[stage].outcome, outcome, "{what}: {stage}");
+                assert_eq!(got[stage].reason.as_deref(), reason, "{what}: {stage}");
+            }
+            let smoke = got["smoke"];
+            if smoke.outcome == Outcome::Skipped {
+                assert!(
+                    smoke.message.as_deref().unwrap().contains("`driver`"),
+                    "{what}: {smoke:?}"
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_disabled_dependency_skips_its_dependents() {
+        let ctx = context(|c| c.stages.get_mut("driver").unwrap().enabled = false);
+        let records = run_graph_with(ctx, scripted(vec![], Arc::default())).await;
+        let got = by_stage(&records);
+        assert_eq!(got["driver"].outcome, Outcome::Disabled);
+        assert_eq!(got["driver"].attempts, 0);
+        assert_eq!(got["smoke"].outcome, Outcome::Skipped);
+    }
+
+    #[tokio::test]
+    async fn transient_failures_are_retried_within_the_budget_permanent_ones_are_not() {
+        let script = vec![
+            (
+                "smoke",
+                vec![
+                    Step::Transient("SmokeFailed"),
+                    Step::Transient("SmokeFailed"),
+                    Step::Pass,
+                ],
+            ),
+            ("images", vec![Step::Transient("ImagePullFailed")]),
+            ("models", vec![Step::Fail("DigestMismatch")]),
+        ];
+        let ctx = context(|c| c.stages.get_mut("images").unwrap().retries = 1);
+        let records = run_graph_with(ctx, scripted(script, Arc::default())).await;
+        let got = by_stage(&records);
+        assert_eq!((got["smoke"].outcome, got["smoke"].attempts), (Outcome::Passed, 3));
+        assert_eq!((got["images"].outcome, got["images"].attempts), (Outcome::Failed, 2));
+        assert_eq!(got["images"].reason.as_deref(), Some("ImagePullFailed"));
+        assert_eq!((got["models"].outcome, got["models"].attempts), (Outcome::Failed, 1));
+    }
+
+    #[tokio::test]
+    async fn a_deadline_names_the_last_transient_state_or_says_no_evidence() {
+        let script = vec![
+            ("images", vec![Step::Transient("ImagePullFailed")]),
+            ("models", vec![Step::Hang]),
+        ];
+        let ctx = context(|c| {
+            for s in ["images", "models"] {
+                let st = c.stages.get_mut(s).unwrap();
+                st.deadline = Duration::from_millis(300);
+                st.retries = u32::MAX;
+            }
+        });
+        let records = run_graph_with(ctx, scripted(script, Arc::default())).await;
+        let got = by_stage(&records);
+        assert_eq!(got["images"].outcome, Outcome::Failed);
+        assert_eq!(got["images"].reason.as_deref(), Some("ImagePullFailed"));
+        assert!(
+            got["images"].message.as_deref().unwrap().contains("still so at the"),
+            "{:?}",
+            got["images"]
+        );
+        assert_eq!(got["models"].reason.as_deref(), Some("DeadlineExceeded"));
+        assert_eq!(got["driver"].outcome, Outcome::Passed, "other stages are not affected");
+    }
+
+    #[tokio::test]
+    async fn cancellation_stops_every_running_stage() {
+        let ctx = context(|_| {});
+        let cancel = ctx.cancel.clone();
+        let script = vec![("driver", vec![Step::Hang]), ("models", vec![Step::Hang])];
+        let run = tokio::spawn(run_graph_with(ctx, scripted(script, Arc::default())));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        cancel.cancel();
+        let records = run.await.unwrap();
+        let got = by_stage(&records);
+        for s in ["driver", "models"] {
+            assert_eq!(got[s].outcome, Outcome::Cancelled, "{s}");
+            assert_eq!(got[s].reason.as_deref(), Some("Cancelled"), "{s}");
+        }
+        assert_eq!(got["smoke"].outcome, Outcome::Skipped, "waits on the cancelled driver");
     }
 }
