@@ -7,12 +7,12 @@
 use crate::config::StageSettings;
 use crate::stages::{Context, Evidence, StageFailure, run_stage_body};
 use crate::timeline::{Clock, Outcome, StageRecord};
-use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use taintgate_validators::retry::RetryPolicy;
 use tracing::Instrument;
 
 /// Every stage, in report order.
@@ -262,12 +262,8 @@ async fn retry_loop(
     attempts: &std::sync::atomic::AtomicU32,
     stage_body: &StageBody,
 ) -> Result<Evidence, StageFailure> {
-    let mut backoff = ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(200))
-        .with_max_delay(Duration::from_secs(30))
-        .with_jitter()
-        .without_max_times()
-        .build();
+    // The retry count is the stage's budget (`left`); the deadline bounds the whole.
+    let mut backoff = RetryPolicy::new(Duration::from_millis(200), Duration::from_secs(30)).backoff();
     let mut left = settings.retries;
     loop {
         attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

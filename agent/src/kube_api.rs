@@ -4,12 +4,12 @@
 
 use crate::node_api::{ApiError, NodeApi, NodePredicate};
 use async_trait::async_trait;
-use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use std::path::Path;
 use std::time::Duration;
+use taintgate_validators::retry::RetryPolicy;
 
 /// The real API.
 pub struct KubeNodeApi {
@@ -115,12 +115,7 @@ impl NodeApi for KubeNodeApi {
         let wp = WatchParams::default()
             .fields(&format!("metadata.name={}", self.name))
             .timeout(self.watch_timeout_secs);
-        let mut backoff = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(Duration::from_secs(10))
-            .with_jitter()
-            .without_max_times()
-            .build();
+        let mut backoff = RetryPolicy::new(Duration::from_millis(100), Duration::from_secs(10)).backoff();
         'relist: loop {
             // (Re)read: the starting point of the watch, and the check for a state reached
             // while no watch was open.

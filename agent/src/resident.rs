@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use taintgate_validators::gpu::Gpu;
 use taintgate_validators::gpu::decide::XidClass;
+use taintgate_validators::retry::RetryPolicy;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -142,13 +143,15 @@ pub fn spawn_xid_watch_counted(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("xid-watch".into()).spawn(move || {
         let first_backoff = wait.max(Duration::from_millis(1));
-        let mut backoff = first_backoff;
+        // No jitter: one local subscription, nobody to desynchronise from.
+        let policy = RetryPolicy::new(first_backoff, XID_WATCH_BACKOFF_MAX.max(first_backoff)).without_jitter();
+        let mut delays = policy.backoff();
         let mut errors = 0u64;
         while !cancel.is_cancelled() {
             let t0 = Instant::now();
             match gpu.wait_xids(wait) {
                 Ok(batch) if batch.is_empty() => {
-                    backoff = first_backoff;
+                    delays = policy.backoff();
                     // A backend whose wait returned at once with nothing (a test library
                     // that never blocks) would make this loop spin: pace it at the
                     // interval instead. A real wait spends the whole interval blocked.
@@ -158,13 +161,14 @@ pub fn spawn_xid_watch_counted(
                     }
                 }
                 Ok(batch) => {
-                    backoff = first_backoff;
+                    delays = policy.backoff();
                     if tx.blocking_send(batch).is_err() {
                         return;
                     }
                 }
                 Err(e) => {
                     errors += 1;
+                    let backoff = delays.next().unwrap_or(policy.max);
                     if let Some(m) = &metrics {
                         m.observe_xid_watch_error();
                     }
@@ -185,7 +189,6 @@ pub fn spawn_xid_watch_counted(
                         }
                         std::thread::sleep(left.min(Duration::from_millis(200)));
                     }
-                    backoff = (backoff * 2).min(XID_WATCH_BACKOFF_MAX.max(first_backoff));
                 }
             }
         }

@@ -12,10 +12,10 @@
 
 use crate::config::TaintConfig;
 use crate::node_api::{ApiError, ApiErrorKind, NodeApi};
-use backon::{BackoffBuilder, ExponentialBuilder};
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, TestOperation};
 use k8s_openapi::api::core::v1::Node;
 use std::time::{Duration, Instant};
+use taintgate_validators::retry::RetryPolicy;
 
 /// Position of the configured taint in the Node's taint list.
 pub fn taint_index(node: &Node, taint: &TaintConfig) -> Option<usize> {
@@ -106,12 +106,7 @@ impl Retry {
         Self {
             limit: "api.untaint_deadline",
             until: Instant::now() + deadline,
-            backoff: ExponentialBuilder::default()
-                .with_min_delay(backoff_min)
-                .with_max_delay(backoff_max)
-                .with_jitter()
-                .without_max_times()
-                .build(),
+            backoff: RetryPolicy::new(backoff_min, backoff_max).backoff(),
             max: backoff_max,
             attempts: 0,
             retries: 0,

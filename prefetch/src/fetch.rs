@@ -25,12 +25,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use backon::BackoffBuilder;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use object_store::{GetOptions, GetRange, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use taintgate_validators::retry::RetryPolicy;
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::Cache;
@@ -154,12 +154,9 @@ impl From<PrefetchError> for AttemptError {
 }
 
 fn backoff(retries: u32) -> impl Iterator<Item = Duration> {
-    backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(100))
-        .with_max_delay(Duration::from_secs(5))
+    RetryPolicy::new(Duration::from_millis(100), Duration::from_secs(5))
         .with_max_times(retries as usize)
-        .with_jitter()
-        .build()
+        .backoff()
 }
 
 /// Context shared by the chunk tasks of one file attempt.

@@ -5,4 +5,5 @@ pub mod gpu;
 pub mod input;
 pub mod kubelet;
 pub mod profile;
+pub mod retry;
 pub mod text_bounds;

@@ -22,9 +22,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
+use taintgate_validators::retry::RetryPolicy;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
@@ -410,11 +411,9 @@ async fn ensure_image(
         attempts.fetch_add(1, Ordering::Relaxed);
         attempt_once(runtime, image, auth).await
     };
-    let backoff = ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(cfg.retry_backoff_ms))
-        .with_max_delay(Duration::from_secs(30))
-        .with_jitter()
-        .with_max_times(cfg.retries);
+    let backoff = RetryPolicy::new(Duration::from_millis(cfg.retry_backoff_ms), Duration::from_secs(30))
+        .with_max_times(cfg.retries)
+        .builder();
     let retried = attempt
         .retry(backoff)
         .when(ImageError::is_transient)
