@@ -653,13 +653,16 @@ async fn images(ctx: &Context) -> Result<Evidence, StageFailure> {
             detail: json!(null),
         });
     }
-    // A simulated node has no runtime socket to dial: its images go to the simulated one.
+    // A simulated node has no runtime socket to dial: its images go to the simulated
+    // runtime, unless the config names a socket of its own (a real runtime on purpose,
+    // as the fault-matrix and images tests do with a private containerd).
+    let own_socket = cfg.socket.as_path() != std::path::Path::new(taintgate_prefetch::images::DEFAULT_SOCKET);
     let (rt, simulated): (Box<dyn taintgate_prefetch::images::ImageRuntime>, bool) = match &ctx.profile {
-        Some(p) => (
+        Some(p) if !own_socket => (
             Box::new(taintgate_prefetch::images::SimImageRuntime::new(p.latency("images"))),
             true,
         ),
-        None => (
+        _ => (
             Box::new(
                 CriImageRuntime::connect(&cfg.socket)
                     .map_err(|e| StageFailure::permanent(e.reason(), e.to_string()))?,

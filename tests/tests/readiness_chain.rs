@@ -710,7 +710,15 @@ async fn the_resident_agent_records_the_chain_after_its_own_release() {
         ("NoEndpointYet", vec![format!("{NS}/llm-e2e")])
     );
     assert!(doc.verdict.unwrap().released, "the bootstrap's record is kept");
-    let events = api.list_objects("events").unwrap();
+    // The agent records the annotation, then posts the Event: wait (bounded) for it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let events = loop {
+        let events = api.list_objects("events").unwrap();
+        if events.iter().any(|e| e["reason"] == "NoEndpointYet") || std::time::Instant::now() > deadline {
+            break events;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     let ev = events
         .iter()
         .find(|e| e["reason"] == "NoEndpointYet")

@@ -39,7 +39,8 @@ pub use sim::SimImageRuntime;
 #[serde(deny_unknown_fields, default)]
 pub struct ImagesConfig {
     /// The CRI runtime's unix socket (containerd's by default; CRI-O:
-    /// `/var/run/crio/crio.sock`).
+    /// `/var/run/crio/crio.sock`). Under `--simulate` the default socket is not dialled
+    /// (images go to the simulated runtime); a socket set here is used for real.
     pub socket: PathBuf,
     /// Images to have present, each `name@sha256:<digest>` (a tag may stand before the
     /// digest; it is informational).
