@@ -417,21 +417,17 @@ impl pr::pod_resources_lister_server::PodResourcesLister for StandInPodResources
         _: Request<pr::AllocatableResourcesRequest>,
     ) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
         let views = self.0.borrow();
-        let mut devices = Vec::new();
+        let mut reply = allocatable_reply("", &[]);
         for (resource, view) in views.iter() {
-            for d in view.devices.iter().filter(|d| d.health == HEALTHY) {
-                devices.push(pr::ContainerDevices {
-                    resource_name: resource.clone(),
-                    device_ids: vec![d.id.clone()],
-                    topology: None,
-                });
-            }
+            let healthy: Vec<String> = view
+                .devices
+                .iter()
+                .filter(|d| d.health == HEALTHY)
+                .map(|d| d.id.clone())
+                .collect();
+            reply.devices.extend(allocatable_reply(resource, &healthy).devices);
         }
-        Ok(Response::new(pr::AllocatableResourcesResponse {
-            devices,
-            cpu_ids: Vec::new(),
-            memory: Vec::new(),
-        }))
+        Ok(Response::new(reply))
     }
 
     async fn get(

@@ -128,9 +128,11 @@ pub struct FitEvidence {
     pub pods_counted: usize,
 }
 
+/// One GiB in milli-units (memory, storage and hugepages are shown in GiB).
+const GIB: i128 = (1 << 30) * 1000;
+
 /// A resource unit for display: label and milli-units per displayed unit.
 fn display(resource: &str) -> (String, i128) {
-    const GIB: i128 = (1 << 30) * 1000;
     match resource {
         CPU => ("CPU".into(), 1000),
         MEMORY => ("memory".into(), GIB),
@@ -159,13 +161,7 @@ impl FitEvidence {
             .iter()
             .map(|r| {
                 let (label, unit) = display(&r.resource);
-                let suffix = if matches!(r.resource.as_str(), MEMORY | EPHEMERAL_STORAGE)
-                    || r.resource.starts_with("hugepages-")
-                {
-                    "Gi"
-                } else {
-                    ""
-                };
+                let suffix = if unit == GIB { "Gi" } else { "" };
                 format!(
                     "{label} {}{suffix}/{}{suffix} = {}",
                     r.free.display_in(unit),
