@@ -181,9 +181,8 @@ up() {
     mkdir -p "$DIR"
     DIR=$(cd "$DIR" && pwd)
     STATE="$DIR/cluster.env"
-    ETCD_PORT=${ETCD_PORT:-$(free_port)}
-    ETCD_PEER_PORT=$(free_port)
-    APISERVER_PORT=${APISERVER_PORT:-$(free_port)}
+    # Ports the caller fixed stay fixed; free ones are chosen per attempt.
+    local fixed_etcd=${ETCD_PORT:-} fixed_apiserver=${APISERVER_PORT:-}
     gen_certs
     ETCD_PID="" APISERVER_PID="" WATCHDOG_PID=""
     # Record what runs as soon as it runs, so a failure below can stop exactly that.
@@ -211,40 +210,58 @@ ST
         rm -rf "$DIR"
         exit 1
     }
-    setsid "$etcd" --name local --data-dir "$DIR/etcd" \
-        --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
-        --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
-        --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
-        --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
-        --initial-cluster "local=http://127.0.0.1:$ETCD_PEER_PORT" \
-        --unsafe-no-fsync --log-level warn </dev/null >"$DIR/etcd.log" 2>&1 &
-    ETCD_PID=$!
-    save_state
-    local p="$DIR/pki"
-    # shellcheck disable=SC2086
-    setsid "$apiserver" \
-        --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
-        --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
-        --endpoint-reconciler-type none \
-        --tls-cert-file "$p/server.crt" --tls-private-key-file "$p/server.key" \
-        --client-ca-file "$p/ca.crt" \
-        --token-auth-file "$p/tokens.csv" \
-        --service-account-issuer https://kubernetes.default.svc.cluster.local \
-        --service-account-key-file "$p/sa.pub" \
-        --service-account-signing-key-file "$p/sa.key" \
-        --service-cluster-ip-range 10.96.0.0/12 \
-        --authorization-mode Node,RBAC \
-        --enable-admission-plugins NodeRestriction \
-        --disable-admission-plugins TaintNodesByCondition \
-        --watch-cache-sizes nodes#0 \
-        --etcd-compaction-interval 0 \
-        --profiling=false \
-        ${TAINTGATE_APISERVER_ARGS:-} \
-        </dev/null >"$DIR/kube-apiserver.log" 2>&1 &
-    APISERVER_PID=$!
-    save_state
-    write_kubeconfig
-    wait_ready || fail_up "kube-apiserver did not become ready (logs above; $DIR/kube-apiserver.log)"
+    # A free port found by binding port 0 can be taken by another process (a parallel test's
+    # control plane) before etcd or kube-apiserver binds it. That race is retried with fresh
+    # ports, a bounded number of times; ports the caller fixed are never retried.
+    local attempt
+    for attempt in 1 2 3 4; do
+        ETCD_PORT=${fixed_etcd:-$(free_port)}
+        ETCD_PEER_PORT=$(free_port)
+        APISERVER_PORT=${fixed_apiserver:-$(free_port)}
+        setsid "$etcd" --name local --data-dir "$DIR/etcd" \
+            --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
+            --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+            --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+            --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+            --initial-cluster "local=http://127.0.0.1:$ETCD_PEER_PORT" \
+            --unsafe-no-fsync --log-level warn </dev/null >"$DIR/etcd.log" 2>&1 &
+        ETCD_PID=$!
+        save_state
+        local p="$DIR/pki"
+        # shellcheck disable=SC2086
+        setsid "$apiserver" \
+            --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+            --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
+            --endpoint-reconciler-type none \
+            --tls-cert-file "$p/server.crt" --tls-private-key-file "$p/server.key" \
+            --client-ca-file "$p/ca.crt" \
+            --token-auth-file "$p/tokens.csv" \
+            --service-account-issuer https://kubernetes.default.svc.cluster.local \
+            --service-account-key-file "$p/sa.pub" \
+            --service-account-signing-key-file "$p/sa.key" \
+            --service-cluster-ip-range 10.96.0.0/12 \
+            --authorization-mode Node,RBAC \
+            --enable-admission-plugins NodeRestriction \
+            --disable-admission-plugins TaintNodesByCondition \
+            --watch-cache-sizes nodes#0 \
+            --etcd-compaction-interval 0 \
+            --profiling=false \
+            ${TAINTGATE_APISERVER_ARGS:-} \
+            </dev/null >"$DIR/kube-apiserver.log" 2>&1 &
+        APISERVER_PID=$!
+        save_state
+        write_kubeconfig
+        wait_ready && break
+        if [ "$attempt" -lt 4 ] && [ -z "$fixed_etcd$fixed_apiserver" ] \
+            && grep -qs "address already in use" "$DIR/etcd.log" "$DIR/kube-apiserver.log"; then
+            echo "local-cluster: a chosen port was taken before it was bound (attempt $attempt); retrying on fresh ports" >&2
+            stop_recorded
+            rm -rf "$DIR/etcd" "$DIR/etcd.log" "$DIR/kube-apiserver.log"
+            ETCD_PID="" APISERVER_PID=""
+            continue
+        fi
+        fail_up "kube-apiserver did not become ready (logs above; $DIR/kube-apiserver.log)"
+    done
     if [ -n "$WATCH_PID" ]; then
         pid_alive "$WATCH_PID" || fail_up "--watch-pid $WATCH_PID is not a running process"
         setsid bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; exec "$2" down "$3"' \
