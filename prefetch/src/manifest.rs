@@ -392,6 +392,7 @@ fn list_files(root: &Path) -> Result<Vec<(String, PathBuf)>, PrefetchError> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use taintgate_validators::reason::ReasonCode;
 
     const D: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 

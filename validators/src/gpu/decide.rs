@@ -109,6 +109,12 @@ pub struct DriverFailure {
     pub message: String,
 }
 
+impl crate::reason::ReasonCode for DriverFailure {
+    fn reason(&self) -> &'static str {
+        self.reason
+    }
+}
+
 /// Driver-stage evidence: the inventory passed, with warnings that did not hold the node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DriverEvidence {
@@ -492,6 +498,12 @@ pub struct PeerBwFailure {
     pub reason: &'static str,
     /// Names the domain, the slowest pair and the figures.
     pub message: String,
+}
+
+impl crate::reason::ReasonCode for PeerBwFailure {
+    fn reason(&self) -> &'static str {
+        self.reason
+    }
 }
 
 /// Check a domain's measured bandwidth against its threshold. Pairs are copy-engine

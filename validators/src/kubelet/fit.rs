@@ -239,9 +239,9 @@ pub enum FitFailure {
     },
 }
 
-impl FitFailure {
+impl crate::reason::ReasonCode for FitFailure {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             FitFailure::GroupFitShort { .. } => "GroupFitShort",
             FitFailure::InvalidQuantity { .. } => "InvalidInput",

@@ -45,9 +45,11 @@ impl QuantityError {
             why: why.into(),
         }
     }
+}
 
+impl crate::reason::ReasonCode for QuantityError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         "InvalidQuantity"
     }
 }

@@ -2,6 +2,13 @@
 //! once at start with errors that name the file, line and key. Environment and CLI flags
 //! override the node name, dry-run and log format.
 
+pub mod example;
+pub mod names;
+pub mod readiness;
+
+pub use names::{valid_dns_subdomain, valid_qualified_name};
+
+use crate::stage::Stage;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -38,7 +45,7 @@ pub struct Config {
     /// on a fatal XID.
     pub continuous: ContinuousConfig,
     /// After release: follow the first workload to its first ready endpoint.
-    pub readiness: crate::readiness::settings::ReadinessConfig,
+    pub readiness: crate::config::readiness::ReadinessConfig,
 }
 
 /// The startup taint (key + effect identify the one entry removed).
@@ -259,38 +266,36 @@ impl Default for StagesConfig {
 }
 
 impl StagesConfig {
-    /// Settings by stage name.
-    pub fn get(&self, stage: &str) -> Option<&StageSettings> {
-        Some(match stage {
-            "register" => &self.register,
-            "driver" => &self.driver,
-            "smoke" => &self.smoke,
-            "peer-bw" => &self.peer_bw,
-            "allocatable" => &self.allocatable,
-            "device-plugin" => &self.device_plugin,
-            "runtime" => &self.runtime,
-            "fit" => &self.fit,
-            "models" => &self.models,
-            "images" => &self.images,
-            _ => return None,
-        })
+    /// A stage's settings.
+    pub fn get(&self, stage: Stage) -> &StageSettings {
+        match stage {
+            Stage::Register => &self.register,
+            Stage::Driver => &self.driver,
+            Stage::Smoke => &self.smoke,
+            Stage::PeerBw => &self.peer_bw,
+            Stage::Allocatable => &self.allocatable,
+            Stage::DevicePlugin => &self.device_plugin,
+            Stage::Runtime => &self.runtime,
+            Stage::Fit => &self.fit,
+            Stage::Models => &self.models,
+            Stage::Images => &self.images,
+        }
     }
 
-    /// Mutable settings by stage name.
-    pub fn get_mut(&mut self, stage: &str) -> Option<&mut StageSettings> {
-        Some(match stage {
-            "register" => &mut self.register,
-            "driver" => &mut self.driver,
-            "smoke" => &mut self.smoke,
-            "peer-bw" => &mut self.peer_bw,
-            "allocatable" => &mut self.allocatable,
-            "device-plugin" => &mut self.device_plugin,
-            "runtime" => &mut self.runtime,
-            "fit" => &mut self.fit,
-            "models" => &mut self.models,
-            "images" => &mut self.images,
-            _ => return None,
-        })
+    /// A stage's settings, to change.
+    pub fn get_mut(&mut self, stage: Stage) -> &mut StageSettings {
+        match stage {
+            Stage::Register => &mut self.register,
+            Stage::Driver => &mut self.driver,
+            Stage::Smoke => &mut self.smoke,
+            Stage::PeerBw => &mut self.peer_bw,
+            Stage::Allocatable => &mut self.allocatable,
+            Stage::DevicePlugin => &mut self.device_plugin,
+            Stage::Runtime => &mut self.runtime,
+            Stage::Fit => &mut self.fit,
+            Stage::Models => &mut self.models,
+            Stage::Images => &mut self.images,
+        }
     }
 }
 
@@ -547,10 +552,8 @@ impl Config {
         if self.gpu.smoke_bytes < 4096 {
             return err("gpu.smoke_bytes", "must be at least 4096".into());
         }
-        for name in crate::graph::STAGES {
-            if let Some(s) = self.stages.get(name)
-                && s.deadline.is_zero()
-            {
+        for name in Stage::ALL {
+            if self.stages.get(name).deadline.is_zero() {
                 return err(&format!("stages.{name}.deadline"), "must be greater than zero".into());
             }
         }
@@ -596,41 +599,6 @@ impl Config {
     }
 }
 
-/// Kubernetes qualified name: optional DNS-subdomain prefix + `/` + name of at most 63
-/// characters, alphanumeric at both ends, `-_.` inside.
-pub fn valid_qualified_name(s: &str) -> bool {
-    let (prefix, name) = match s.rsplit_once('/') {
-        Some((p, n)) => (Some(p), n),
-        None => (None, s),
-    };
-    if let Some(p) = prefix
-        && !valid_dns_subdomain(p)
-    {
-        return false;
-    }
-    !name.is_empty()
-        && name.len() <= 63
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
-        && name.chars().last().is_some_and(|c| c.is_ascii_alphanumeric())
-}
-
-/// RFC 1123 DNS subdomain.
-pub fn valid_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -638,7 +606,7 @@ mod tests {
 
     #[test]
     fn example_config_parses_and_round_trips() {
-        let text = crate::example::EXAMPLE_CONFIG;
+        let text = crate::config::example::EXAMPLE_CONFIG;
         let cfg = Config::parse(Path::new("example.yaml"), text).unwrap();
         assert_eq!(cfg.taint.key, DEFAULT_TAINT_KEY);
         assert_eq!(cfg, Config::default(), "the example must document the defaults");

@@ -1,17 +1,18 @@
 //! Command-line interface: `run`, `check`, `config validate|example`. Exit codes: 0
 //! released (or would release in dry-run), 1 held with a reason, 2 bad input.
 
-use crate::bootstrap::{BootstrapResult, bootstrap, exit};
+pub mod bundle;
+pub mod demo;
+
 use crate::config::Config;
-use crate::node_api::{NodeApi, ReadOnly, SimNodeApi};
+use crate::run::bootstrap::{BootstrapResult, bootstrap, exit};
+use crate::stage::Stage;
 use crate::stages::Context;
 use crate::timeline::Clock;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use taintgate_validators::gpu::Gpu;
-use taintgate_validators::gpu::sim::SimGpu;
 use taintgate_validators::profile::NodeProfile;
 use tokio_util::sync::CancellationToken;
 
@@ -36,7 +37,7 @@ pub enum Command {
     Config(ConfigCommand),
     /// Model bundle manifests and the download engine.
     #[command(subcommand)]
-    Bundle(crate::bundle_cli::BundleCommand),
+    Bundle(crate::cli::bundle::BundleCommand),
     /// Print the reason-code catalog (Markdown table).
     Reasons,
     /// Print one node's ready chain, or fleet percentiles per interval (`--all`).
@@ -130,7 +131,7 @@ fn init_logging(format: LogFormat, default_level: &str) {
 pub async fn main_with(cli: Cli) -> i32 {
     match cli.command {
         Command::Config(ConfigCommand::Example) => {
-            print!("{}", crate::example::EXAMPLE_CONFIG);
+            print!("{}", crate::config::example::EXAMPLE_CONFIG);
             exit::RELEASED
         }
         Command::Config(ConfigCommand::Validate { file }) => match Config::load(&file) {
@@ -145,7 +146,7 @@ pub async fn main_with(cli: Cli) -> i32 {
         },
         Command::Bundle(b) => {
             init_logging(LogFormat::Text, "warn");
-            crate::bundle_cli::run(b).await
+            crate::cli::bundle::run(b).await
         }
         Command::Reasons => {
             print!("{}", crate::reasons::markdown());
@@ -212,24 +213,20 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         );
     }
     if !args.stages.is_empty() {
-        if let Some(bad) = args.stages.iter().find(|s| !crate::graph::STAGES.contains(&s.as_str())) {
-            return bad_input(format!(
-                "--stages: unknown stage {bad:?} (known: {})",
-                crate::graph::STAGES.join(", ")
-            ));
-        }
-        for name in crate::graph::STAGES {
-            if let Some(s) = config.stages.get_mut(name) {
-                s.enabled = args.stages.iter().any(|x| x == name);
-            }
+        let wanted: Vec<Stage> = match args.stages.iter().map(|s| s.parse::<Stage>()).collect() {
+            Ok(w) => w,
+            Err(e) => return bad_input(format!("--stages: {e}")),
+        };
+        for name in Stage::ALL {
+            config.stages.get_mut(name).enabled = wanted.contains(&name);
         }
     }
     // The first run (`check --simulate builtin`, no config) shows every boundary: the demo's
-    // serving group, bundle and images (see crate::demo). Kept alive until the run ends.
+    // serving group, bundle and images (see crate::cli::demo). Kept alive until the run ends.
     let demo_wanted = dry_run && args.config.is_none() && args.simulate.as_deref() == Some("builtin");
     let mut demo = None;
     if demo_wanted {
-        match crate::demo::Demo::prepare(config).await {
+        match crate::cli::demo::Demo::prepare(config).await {
             Ok((c, d)) => {
                 config = c;
                 demo = Some(d);
@@ -265,37 +262,26 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             _ => return bad_input("--node-name (or NODE_NAME) is required"),
         },
     };
-    let gpu: Arc<dyn Gpu> = match &profile {
-        Some(p) => Arc::new(SimGpu::new(p.clone())),
-        None => crate::gpu_backend::open(&config),
+    let cluster = args.kubeconfig.is_some() || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    // The composition root: every boundary chosen once, here.
+    let boundaries = match crate::boundaries::build(crate::boundaries::BuildArgs {
+        config: &config,
+        profile: profile.as_ref(),
+        node_name: &node_name,
+        cluster,
+        kubeconfig: args.kubeconfig.as_deref(),
+        dry_run,
+    })
+    .await
+    {
+        Ok(b) => Arc::new(b),
+        Err(e) => return bad_input(e),
     };
-    let cluster_wanted = args.kubeconfig.is_some() || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-    let api: Option<Arc<dyn NodeApi>> = if cluster_wanted {
-        match crate::kube_api::KubeNodeApi::connect(
-            &node_name,
-            args.kubeconfig.as_deref(),
-            &config.reporting.event_namespace,
-            config.api.request_timeout,
-        )
-        .await
-        {
-            Ok(a) => Some(Arc::new(a)),
-            Err(e) => return bad_input(format!("cannot use the Kubernetes API: {e}")),
-        }
-    } else if let Some(p) = &profile {
-        Some(SimNodeApi::new(p))
-    } else {
-        None
-    };
-    if api.is_none() && !dry_run {
+    if boundaries.api.is_none() && !dry_run {
         return bad_input(
             "`run` needs a Kubernetes API (--kubeconfig, in-cluster, or --simulate); use `check` or --dry-run otherwise",
         );
     }
-    let api: Option<Arc<dyn NodeApi>> = match api {
-        Some(a) if dry_run => Some(Arc::new(ReadOnly(a))),
-        other => other,
-    };
 
     let metrics = Arc::new(crate::telemetry::metrics::Metrics::new());
     let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -312,9 +298,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
     loop {
         let ctx = Arc::new(Context {
             config: config.clone(),
-            gpu: gpu.clone(),
-            api: api.clone(),
-            profile: profile.clone(),
+            boundaries: boundaries.clone(),
             plugin_config: plugin_config.clone(),
             inventory: OnceLock::new(),
             clock: Clock::start(),
@@ -341,7 +325,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
                     }
                 }
                 if demo.is_some() {
-                    println!("\n{}", crate::demo::Demo::note());
+                    println!("\n{}", crate::cli::demo::Demo::note());
                 }
             }
             OutputFormat::Json => match serde_json::to_string_pretty(&timeline) {
@@ -357,14 +341,14 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             // (Karpenter re-syncing startup taints) puts it back while the node is still
             // registered and the evidence still stands, and keep the GPU backend (its XID
             // subscription) open to act on XIDs (continuous mode).
-            if let Some(api) = &api {
-                let resident = crate::resident::Resident {
+            if let Some(api) = &boundaries.api {
+                let resident = crate::run::resident::Resident {
                     api: api.clone(),
-                    gpu: gpu.clone(),
+                    gpu: boundaries.gpu.clone(),
                     config: config.clone(),
                     metrics: metrics.clone(),
                 };
-                crate::resident::run(&resident, &cancel).await;
+                crate::run::resident::run(&resident, &cancel).await;
             } else {
                 cancel.cancelled().await;
             }

@@ -63,7 +63,7 @@ impl ReadinessConfig {
                 "must be a one-line label selector of at most 1024 characters".into(),
             ));
         }
-        if !self.group_label.is_empty() && !crate::config::valid_qualified_name(&self.group_label) {
+        if !self.group_label.is_empty() && !super::names::valid_qualified_name(&self.group_label) {
             return Err((
                 "readiness.group_label",
                 format!("{:?} is not a valid label key", self.group_label),
