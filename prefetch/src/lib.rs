@@ -65,7 +65,7 @@ impl ReserveRule {
 }
 
 /// How the `models` stage fetches. Embedded in the agent's config under `models:`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrefetchOptions {
     /// Cache root (blobs, partial downloads, bundle views).

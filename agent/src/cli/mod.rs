@@ -58,6 +58,21 @@ pub enum ConfigCommand {
     },
     /// Print a complete, commented example config (the defaults).
     Example,
+    /// Print the config's JSON Schema (draft-07), or its reference as Markdown.
+    Schema {
+        /// `json` (the schema) or `markdown` (the reference table of docs/configuration.md).
+        #[arg(long, value_enum, default_value = "json")]
+        format: SchemaFormat,
+    },
+}
+
+/// Output of `config schema`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SchemaFormat {
+    /// The JSON Schema.
+    Json,
+    /// The reference table.
+    Markdown,
 }
 
 /// Log output format.
@@ -131,7 +146,20 @@ fn init_logging(format: LogFormat, default_level: &str) {
 pub async fn main_with(cli: Cli) -> i32 {
     match cli.command {
         Command::Config(ConfigCommand::Example) => {
-            print!("{}", crate::config::example::EXAMPLE_CONFIG);
+            print!("{}", crate::config::example::example());
+            exit::RELEASED
+        }
+        Command::Config(ConfigCommand::Schema { format }) => {
+            match format {
+                SchemaFormat::Json => match serde_json::to_string_pretty(&crate::config::schema::config_schema()) {
+                    Ok(j) => println!("{j}"),
+                    Err(e) => {
+                        eprintln!("error: cannot encode the schema: {e}");
+                        return exit::HELD;
+                    }
+                },
+                SchemaFormat::Markdown => print!("{}", crate::config::schema::reference_markdown()),
+            }
             exit::RELEASED
         }
         Command::Config(ConfigCommand::Validate { file }) => match Config::load(&file) {

@@ -5,6 +5,7 @@
 pub mod example;
 pub mod names;
 pub mod readiness;
+pub mod schema;
 
 pub use names::{valid_dns_subdomain, valid_qualified_name};
 
@@ -16,7 +17,7 @@ use taintgate_validators::gpu::decide::DriverExpectations;
 use taintgate_validators::input::{InputError, parse_yaml, read_bounded};
 
 /// The complete configuration.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// The startup taint this agent removes.
@@ -49,7 +50,7 @@ pub struct Config {
 }
 
 /// The startup taint (key + effect identify the one entry removed).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TaintConfig {
     /// Taint key. On GKE/AKS managed autoscalers use the
@@ -72,7 +73,7 @@ impl Default for TaintConfig {
 }
 
 /// Kubernetes taint effects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum TaintEffect {
     /// `NoSchedule`
     NoSchedule,
@@ -101,7 +102,7 @@ pub const DEFAULT_UNHEALTHY_TAINT_KEY: &str = "taintgate.io/gpu-unhealthy";
 /// a fatal XID (by `gpu.expect.xid`) also puts `taint` on the node, sets the agent's
 /// condition and the hardware condition False with reason `XidFatal`, and stops the agent
 /// from removing a re-added startup taint: the evidence no longer stands.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ContinuousConfig {
     /// Taint the node on a fatal XID after release.
@@ -114,6 +115,7 @@ pub struct ContinuousConfig {
     /// NVML waits on one event set at a time (one set per GPU), so each GPU's set gets an
     /// equal share and this also bounds how late an XID is seen on a multi-GPU node.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub xid_wait: Duration,
 }
 
@@ -129,7 +131,7 @@ impl Default for ContinuousConfig {
 
 /// The taint continuous mode adds: the shape of [`TaintConfig`] with its own defaults, so
 /// a config that sets only the effect keeps the unhealthy key (not the startup one).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct UnhealthyTaintConfig {
     /// Taint key.
@@ -158,7 +160,7 @@ impl UnhealthyTaintConfig {
 }
 
 /// Reporting on the Node.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ReportingConfig {
     /// Prefix of the agent's annotations (`<prefix>/timeline`).
@@ -190,7 +192,7 @@ impl Default for ReportingConfig {
 }
 
 /// Policy for one stage.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StageSettings {
     /// Run the stage at all.
@@ -200,6 +202,7 @@ pub struct StageSettings {
     pub required: bool,
     /// Longest the stage may take, including its waits and retries.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub deadline: Duration,
     /// Attempts after the first for failures the stage calls transient.
     pub retries: u32,
@@ -223,7 +226,7 @@ impl Default for StageSettings {
 }
 
 /// Per-stage settings, by stage name.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
 pub struct StagesConfig {
     /// Karpenter registration.
@@ -300,7 +303,7 @@ impl StagesConfig {
 }
 
 /// GPU expectations and measurement settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct GpuConfig {
     /// What the driver stage expects (count, product, links, health limits, XID policy).
@@ -314,6 +317,7 @@ pub struct GpuConfig {
     /// Bound on one CUDA worker process (smoke of one GPU, or one peer domain's
     /// measurement); past it the worker is killed and the stage fails `CudaWorkerTimeout`.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub cuda_worker_timeout: Duration,
 }
 
@@ -330,7 +334,7 @@ impl Default for GpuConfig {
 }
 
 /// Peer bandwidth settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerBwConfig {
     /// Fraction of the theoretical link rate that must be reached.
@@ -363,7 +367,7 @@ impl Default for PeerBwConfig {
 }
 
 /// Model bundles: which to prefetch, and how.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelsConfig {
     /// Bundles, each pinned by its manifest's sha256.
@@ -373,7 +377,7 @@ pub struct ModelsConfig {
 }
 
 /// Kubelet-side settings (allocatable, device-plugin and runtime stages).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct KubeletConfig {
     /// The NVIDIA device plugin's config file (`version: v1`: MIG strategy, time-slicing
@@ -392,6 +396,7 @@ pub struct KubeletConfig {
     pub config_files: Vec<PathBuf>,
     /// Longest wait for the plugin's first ListAndWatch answer and the pod-resources reply.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub probe_timeout: Duration,
     /// Also compare the kubelet's own view (pod-resources `GetAllocatableResources`).
     pub check_pod_resources: bool,
@@ -436,24 +441,28 @@ impl Default for KubeletConfig {
 }
 
 /// Kubernetes API write policy.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ApiConfig {
     /// How long the taint removal keeps retrying conflicts and server errors. It never
     /// gives up earlier while evidence is complete.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub untaint_deadline: Duration,
     /// First backoff delay.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub backoff_min: Duration,
     /// Largest backoff delay.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub backoff_max: Duration,
     /// Longest wait for any bytes of an answer from the API server (the client's read
     /// timeout; the node watch is asked to close well before it). Without it a call on a
     /// connection that died half-open (an API server failover, a load balancer dropping it)
     /// waited for ever: deadlines are checked between calls, not during one.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub request_timeout: Duration,
 }
 
@@ -606,8 +615,8 @@ mod tests {
 
     #[test]
     fn example_config_parses_and_round_trips() {
-        let text = crate::config::example::EXAMPLE_CONFIG;
-        let cfg = Config::parse(Path::new("example.yaml"), text).unwrap();
+        let text = crate::config::example::example();
+        let cfg = Config::parse(Path::new("example.yaml"), &text).unwrap();
         assert_eq!(cfg.taint.key, DEFAULT_TAINT_KEY);
         assert_eq!(cfg, Config::default(), "the example must document the defaults");
     }

@@ -36,7 +36,7 @@ pub use sim::SimImageRuntime;
 use taintgate_validators::reason::ReasonCode;
 
 /// Configuration of the `images` stage (`images:` in the agent's YAML config).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ImagesConfig {
     /// The CRI runtime's unix socket (containerd's by default; CRI-O:

@@ -276,6 +276,20 @@ impl fmt::Display for Quantity {
     }
 }
 
+/// In a config, a quantity is written as Kubernetes writes it: a string (`500m`, `300Gi`)
+/// or a plain number (`40`).
+impl schemars::JsonSchema for Quantity {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Quantity".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": ["string", "number"],
+            "description": "A Kubernetes quantity such as 40, 500m or 300Gi."
+        })
+    }
+}
+
 impl Serialize for Quantity {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&self.to_string())
