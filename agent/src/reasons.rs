@@ -2,7 +2,7 @@
 //! comes from, what it means and what to do. The same code reaches the log, the Node
 //! condition, the Event, the `taintgate_failures_total{reason}` metric and the timeline;
 //! the exit code is 1 for every hold and 2 for bad input. `taintgate reasons` prints this
-//! table; tests check that the README lists every code and that every code the sources
+//! table (docs/reasons.md is generated from it); tests check that the docs list every code and that every code the sources
 //! return is catalogued.
 
 use crate::stage::Stage;
@@ -508,7 +508,7 @@ pub fn lookup(code: &str) -> Option<&'static Reason> {
     REASONS.iter().find(|r| r.code == code)
 }
 
-/// The catalog as a Markdown table (for the README).
+/// The catalog as a Markdown table (`taintgate reasons`, docs/reasons.md).
 pub fn markdown() -> String {
     let mut s = String::from("| reason | stage | meaning and what to do |\n|---|---|---|\n");
     for r in REASONS {
@@ -604,14 +604,14 @@ mod tests {
     }
 
     #[test]
-    fn readme_documents_every_code() {
-        let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md")).unwrap();
+    fn the_docs_document_every_code() {
+        let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/reasons.md")).unwrap();
         let missing: Vec<&str> = REASONS
             .iter()
             .map(|r| r.code)
             .filter(|c| !readme.contains(&format!("`{c}`")))
             .collect();
-        assert!(missing.is_empty(), "README troubleshooting lacks: {missing:?}");
+        assert!(missing.is_empty(), "docs/reasons.md lacks: {missing:?}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! released (or would release in dry-run), 1 held with a reason, 2 bad input.
 
 pub mod bundle;
+pub mod color;
 pub mod demo;
 
 use crate::config::Config;
@@ -20,6 +21,10 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Parser)]
 #[command(name = "taintgate", version, about, long_about = None)]
 pub struct Cli {
+    /// Colour the log lines on stderr: `auto` (a terminal, and `NO_COLOR` unset), `always`
+    /// or `never`. Files, pipes and CI logs get plain text under `auto`.
+    #[arg(long, global = true, value_enum, default_value = "auto")]
+    pub color: color::ColorChoice,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -130,11 +135,12 @@ pub struct RunArgs {
     pub stages: Vec<String>,
 }
 
-fn init_logging(format: LogFormat, default_level: &str) {
+fn init_logging(format: LogFormat, default_level: &str, color: color::ColorChoice) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(color::stderr_color(color))
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => b.try_init(),
@@ -144,6 +150,7 @@ fn init_logging(format: LogFormat, default_level: &str) {
 
 /// Entry point; returns the process exit code.
 pub async fn main_with(cli: Cli) -> i32 {
+    let color = cli.color;
     match cli.command {
         Command::Config(ConfigCommand::Example) => {
             print!("{}", crate::config::example::example());
@@ -173,7 +180,7 @@ pub async fn main_with(cli: Cli) -> i32 {
             }
         },
         Command::Bundle(b) => {
-            init_logging(LogFormat::Text, "warn");
+            init_logging(LogFormat::Text, "warn", color);
             crate::cli::bundle::run(b).await
         }
         Command::Reasons => {
@@ -181,11 +188,11 @@ pub async fn main_with(cli: Cli) -> i32 {
             exit::RELEASED
         }
         Command::Timeline(a) => {
-            init_logging(LogFormat::Text, "warn");
+            init_logging(LogFormat::Text, "warn", color);
             crate::fleet::run_timeline_cmd(a).await
         }
         Command::CudaWorker => {
-            init_logging(LogFormat::Text, "warn");
+            init_logging(LogFormat::Text, "warn", color);
             // Blocking CUDA calls on a thread of their own; the process exits right after.
             tokio::task::spawn_blocking(|| {
                 taintgate_validators::gpu::real::worker::worker_main(
@@ -197,11 +204,11 @@ pub async fn main_with(cli: Cli) -> i32 {
             .unwrap_or(exit::BAD_INPUT)
         }
         Command::Check(args) => {
-            init_logging(args.log_format, "warn");
+            init_logging(args.log_format, "warn", color);
             run(args, true).await
         }
         Command::Run(args) => {
-            init_logging(args.log_format, "info");
+            init_logging(args.log_format, "info", color);
             let dry = args.dry_run;
             let code = run(args, dry).await;
             // The process exits right after this returns: let the sd_notify thread hand
