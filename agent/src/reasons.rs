@@ -362,6 +362,31 @@ pub const REASONS: &[Reason] = &[
         "The kubelet's own allocatable device IDs differ from the plugin's (or, when the Node's capacity cannot be read, from the expected IDs).",
     ),
     r(
+        "DraSlicesMissing",
+        &[In(Stage::Dra)],
+        "No ResourceSlice of the DRA driver (`publication.driver`) names this node by the deadline. Check the driver's kubelet plugin on the node and its log.",
+    ),
+    r(
+        "DraPoolIncomplete",
+        &[In(Stage::Dra)],
+        "The driver's pool lacks some of the `resourceSliceCount` slices of its newest generation (or its slices disagree); the message names the pool, generation and counts.",
+    ),
+    r(
+        "DraDevicesMismatch",
+        &[In(Stage::Dra)],
+        "The published devices differ from NVML: a UUID NVML does not know, a GPU or MIG device missing or duplicated, another productName or driverVersion. The message lists each.",
+    ),
+    r(
+        "DraDriverNotRegistered",
+        &[In(Stage::Dra)],
+        "No socket under `publication.plugins_registry` answers the plugin-registration `GetInfo` with the driver's name; the message lists what answered. Check that the directory is mounted.",
+    ),
+    r(
+        "GpuPublicationMissing",
+        &[In(Stage::Allocatable)],
+        "Neither publication appeared: no GPU resource in the Node's capacity or allocatable and no DRA label on the node (`publication.mode: auto`). Deploy the device plugin, or label the node for DRA.",
+    ),
+    r(
         "RuntimeInjectionMissing",
         &[In(Stage::Runtime)],
         "A device has no CDI entry, or its device nodes are missing: containers would get no GPU. Regenerate the CDI spec (nvidia-ctk cdi generate).",

@@ -26,6 +26,8 @@ pub enum Stage {
     Allocatable,
     /// The device plugin and the kubelet agree with NVML.
     DevicePlugin,
+    /// The DRA driver's ResourceSlices equal NVML, and its kubelet plugin registers.
+    Dra,
     /// CDI specs name every device.
     Runtime,
     /// The serving group fits the allocatable.
@@ -39,13 +41,14 @@ pub enum Stage {
 impl Stage {
     /// Every stage in report order. Each stage comes after the stages it depends on (a
     /// unit test holds this), which is the order the executor builds them in.
-    pub const ALL: [Stage; 10] = [
+    pub const ALL: [Stage; 11] = [
         Stage::Register,
         Stage::Driver,
         Stage::Smoke,
         Stage::PeerBw,
         Stage::Allocatable,
         Stage::DevicePlugin,
+        Stage::Dra,
         Stage::Runtime,
         Stage::Fit,
         Stage::Models,
@@ -61,6 +64,7 @@ impl Stage {
             Stage::PeerBw => "peer-bw",
             Stage::Allocatable => "allocatable",
             Stage::DevicePlugin => "device-plugin",
+            Stage::Dra => "dra",
             Stage::Runtime => "runtime",
             Stage::Fit => "fit",
             Stage::Models => "models",
@@ -77,7 +81,7 @@ impl Stage {
     /// need the driver inventory; fit needs the allocatable the device plugin published.
     pub const fn deps(self) -> &'static [Stage] {
         match self {
-            Stage::Smoke | Stage::PeerBw | Stage::Allocatable | Stage::DevicePlugin | Stage::Runtime => {
+            Stage::Smoke | Stage::PeerBw | Stage::Allocatable | Stage::DevicePlugin | Stage::Dra | Stage::Runtime => {
                 &[Stage::Driver]
             }
             Stage::Fit => &[Stage::Allocatable],
@@ -92,7 +96,7 @@ impl Stage {
 
     /// Needs the Kubernetes API (not run in a dry-run outside a cluster).
     pub const fn needs_cluster(self) -> bool {
-        matches!(self, Stage::Register | Stage::Allocatable | Stage::Fit)
+        matches!(self, Stage::Register | Stage::Allocatable | Stage::Dra | Stage::Fit)
     }
 
     /// What the stage's interval stands for, in the fleet view's words.
@@ -104,6 +108,7 @@ impl Stage {
             Stage::PeerBw => "peer copy matrix and NCCL all-reduce bandwidth",
             Stage::Allocatable => "device plugin publishing allocatable via kubelet",
             Stage::DevicePlugin => "device plugin gRPC and kubelet PodResources",
+            Stage::Dra => "DRA driver ResourceSlices and kubelet plugin registration",
             Stage::Runtime => "CDI spec naming every device",
             Stage::Fit => "serving-group fit on allocatable",
             Stage::Models => "model bytes downloaded and sha256-verified (model cache)",
@@ -175,6 +180,7 @@ mod tests {
             (Stage::PeerBw, &[Stage::Driver][..], true, false),
             (Stage::Allocatable, &[Stage::Driver][..], false, true),
             (Stage::DevicePlugin, &[Stage::Driver][..], false, false),
+            (Stage::Dra, &[Stage::Driver][..], false, true),
             (Stage::Runtime, &[Stage::Driver][..], false, false),
             (Stage::Fit, &[Stage::Allocatable][..], false, true),
             (Stage::Models, &[][..], false, false),

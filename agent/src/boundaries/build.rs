@@ -4,6 +4,7 @@
 
 use super::cdi::{CdiDirs, CdiSide, SimulatedCdi};
 use super::device_plugin::{DevicePluginSide, KubeletView, ListAndWatch, Simulated};
+use super::dra::{DraSide, KubeDra, SimulatedDra};
 use super::{Boundaries, BoundaryKind};
 use crate::config::Config;
 use crate::node::kube::KubeNodeApi;
@@ -47,6 +48,8 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
         None => super::gpu::open(cfg),
     };
     let mut stamps: Option<Arc<dyn StampSource>> = None;
+    let mut dra: Option<Arc<dyn DraSide>> = None;
+    let pubc = &cfg.publication;
     let api: Option<Arc<dyn NodeApi>> = if a.cluster {
         let kube = KubeNodeApi::connect(
             a.node_name,
@@ -57,9 +60,21 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
         .await
         .map_err(|e| format!("cannot use the Kubernetes API: {e}"))?;
         stamps = Some(Arc::new(kube.client()));
+        dra = Some(Arc::new(KubeDra {
+            client: kube.client(),
+            node: a.node_name.to_string(),
+            plugins_registry: pubc.plugins_registry.clone(),
+            registration_timeout: pubc.registration_timeout,
+        }));
         Some(Arc::new(kube))
     } else if let Some(p) = a.profile {
-        simulated.push(BoundaryKind::NodeApi);
+        simulated.extend([BoundaryKind::NodeApi, BoundaryKind::Dra]);
+        dra = Some(Arc::new(SimulatedDra {
+            slices: p.dra_slices(),
+            registered: p.dra.registered,
+            plugins_registry: pubc.plugins_registry.clone(),
+            latency: p.latency(Stage::Dra.name()),
+        }));
         Some(SimNodeApi::new(p))
     } else {
         None
@@ -121,6 +136,7 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
         api,
         device_plugin,
         cdi,
+        dra,
         images,
         stamps,
         simulated,

@@ -10,12 +10,14 @@
 //! | Node API | [`crate::node::NodeApi`] | kube-rs | [`crate::node::SimNodeApi`] |
 //! | device plugin | [`device_plugin::DevicePluginSide`] | kubelet sockets | profile's kubelet |
 //! | CDI | [`cdi::CdiSide`] | spec directories | profile's kubelet |
+//! | DRA | [`dra::DraSide`] | field-selected ResourceSlice watch, registration socket | profile's `dra:` |
 //! | image runtime | `taintgate_prefetch::images::ImageRuntime` | CRI socket | in memory |
 //! | pre-agent stamps | [`crate::telemetry::prestamps::StampSource`] | kube-rs | none |
 
 pub mod build;
 pub mod cdi;
 pub mod device_plugin;
+pub mod dra;
 pub mod gpu;
 
 pub use build::{BuildArgs, build};
@@ -37,6 +39,8 @@ pub enum BoundaryKind {
     DevicePlugin,
     /// CDI spec directories.
     Cdi,
+    /// The DRA driver's ResourceSlices and registration socket.
+    Dra,
     /// The CRI image service.
     ImageRuntime,
 }
@@ -49,6 +53,7 @@ impl BoundaryKind {
             BoundaryKind::NodeApi => "node-api",
             BoundaryKind::DevicePlugin => "device-plugin",
             BoundaryKind::Cdi => "cdi",
+            BoundaryKind::Dra => "dra",
             BoundaryKind::ImageRuntime => "image-runtime",
         }
     }
@@ -64,6 +69,8 @@ pub struct Boundaries {
     pub device_plugin: Arc<dyn device_plugin::DevicePluginSide>,
     /// The CDI specs the container runtime injects devices from.
     pub cdi: Arc<dyn cdi::CdiSide>,
+    /// The DRA driver's slices and kubelet plugin (`None`: no API to read slices from).
+    pub dra: Option<Arc<dyn dra::DraSide>>,
     /// The container runtime's image service.
     pub images: Arc<dyn ImageRuntime>,
     /// Where pre-agent stamps (the Karpenter NodeClaim) are read, if anywhere.

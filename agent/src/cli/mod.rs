@@ -340,6 +340,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             cancel: cancel.clone(),
             node: Default::default(),
             prefetch_observer: metrics.clone(),
+            publication: Default::default(),
         });
         let BootstrapResult { timeline, exit_code } = bootstrap(ctx, dry_run, &node_name).await;
         metrics.observe_timeline(&timeline);

@@ -4,6 +4,7 @@
 
 pub mod example;
 pub mod names;
+pub mod publication;
 pub mod readiness;
 pub mod schema;
 
@@ -47,6 +48,8 @@ pub struct Config {
     pub continuous: ContinuousConfig,
     /// After release: follow the first workload to its first ready endpoint.
     pub readiness: crate::config::readiness::ReadinessConfig,
+    /// How the node publishes its GPUs: device plugin, DRA driver, or both.
+    pub publication: crate::config::publication::PublicationConfig,
 }
 
 /// The startup taint (key + effect identify the one entry removed).
@@ -241,6 +244,8 @@ pub struct StagesConfig {
     pub allocatable: StageSettings,
     /// Device plugin and kubelet agree with NVML.
     pub device_plugin: StageSettings,
+    /// The DRA driver's ResourceSlices equal NVML.
+    pub dra: StageSettings,
     /// CDI specs name every device.
     pub runtime: StageSettings,
     /// Serving groups fit.
@@ -260,6 +265,7 @@ impl Default for StagesConfig {
             peer_bw: StageSettings::with_deadline(600),
             allocatable: StageSettings::with_deadline(600),
             device_plugin: StageSettings::with_deadline(300),
+            dra: StageSettings::with_deadline(600),
             runtime: StageSettings::with_deadline(120),
             fit: StageSettings::with_deadline(120),
             models: StageSettings::with_deadline(3600),
@@ -278,6 +284,7 @@ impl StagesConfig {
             Stage::PeerBw => &self.peer_bw,
             Stage::Allocatable => &self.allocatable,
             Stage::DevicePlugin => &self.device_plugin,
+            Stage::Dra => &self.dra,
             Stage::Runtime => &self.runtime,
             Stage::Fit => &self.fit,
             Stage::Models => &self.models,
@@ -294,6 +301,7 @@ impl StagesConfig {
             Stage::PeerBw => &mut self.peer_bw,
             Stage::Allocatable => &mut self.allocatable,
             Stage::DevicePlugin => &mut self.device_plugin,
+            Stage::Dra => &mut self.dra,
             Stage::Runtime => &mut self.runtime,
             Stage::Fit => &mut self.fit,
             Stage::Models => &mut self.models,

@@ -30,7 +30,7 @@ fn watch_timeout(read_timeout: Duration) -> u32 {
     u32::try_from(secs).unwrap_or(290)
 }
 
-fn to_api_error(op: &str, e: kube::Error) -> ApiError {
+pub(crate) fn to_api_error(op: &str, e: kube::Error) -> ApiError {
     match e {
         kube::Error::Api(status) => {
             ApiError::from_code(op, status.code, format!("{} {}", status.reason, status.message))

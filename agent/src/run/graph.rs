@@ -297,6 +297,7 @@ mod tests {
             cancel: CancellationToken::new(),
             node: Default::default(),
             prefetch_observer: Arc::new(taintgate_prefetch::NoopObserver),
+            publication: Default::default(),
         })
     }
 

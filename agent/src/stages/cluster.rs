@@ -6,6 +6,7 @@ use super::context::{Context, Evidence, Progress, StageFailure};
 use super::kubelet::expected_allocatable;
 use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
+use taintgate_validators::dra::evidence::{DraFailure, PublicationMode};
 use taintgate_validators::kubelet;
 
 /// Karpenter finished registration: label `karpenter.sh/registered=true` and no
@@ -56,6 +57,9 @@ pub async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, St
 
 /// The `allocatable` stage: waits on the Node watch until allocatable equals the expectation.
 pub async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
+    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
+        return Ok(ev);
+    }
     use kubelet::allocatable::evaluate_node;
     let api = ctx.api()?;
     let inv = ctx.inventory()?;
@@ -64,11 +68,23 @@ pub async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence,
     // Wait on the Node watch until allocatable equals the expectation, or a failure that
     // waiting cannot fix (Excess). Transient states are recorded as progress so a deadline
     // reports the last one seen.
+    // Under `publication.mode: auto` a node whose GPU resources are absent altogether (not
+    // even 0) has neither publication: no device plugin registered and no DRA label.
+    let auto = ctx.config.publication.mode == PublicationMode::Auto;
     let node = api
         .wait_for(&|n: &Node| match evaluate_node(&expected, n) {
             Ok(()) => true,
             Err(f) if f.is_waitable() => {
-                progress.set(StageFailure::from(f));
+                progress.set(if auto && resources_absent(&expected, n) {
+                    StageFailure::from(DraFailure::PublicationMissing(format!(
+                        "no device plugin published {} (absent from the Node's capacity and allocatable), and the \
+                         node does not carry {}=true for a DRA driver",
+                        expected.keys().cloned().collect::<Vec<_>>().join(", "),
+                        ctx.config.publication.dra_label
+                    )))
+                } else {
+                    StageFailure::from(f)
+                });
                 false
             }
             Err(_) => true,
@@ -93,8 +109,24 @@ pub async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence,
     })
 }
 
+/// Every expected resource is absent from the Node's capacity and allocatable: nothing
+/// ever published it (a device plugin that registered would have put it there, if only
+/// as 0).
+fn resources_absent(expected: &std::collections::BTreeMap<String, u64>, node: &Node) -> bool {
+    let status = node.status.as_ref();
+    let has =
+        |m: Option<&std::collections::BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
+         k: &str| m.is_some_and(|m| m.contains_key(k));
+    expected.keys().all(|k| {
+        !has(status.and_then(|s| s.capacity.as_ref()), k) && !has(status.and_then(|s| s.allocatable.as_ref()), k)
+    })
+}
+
 /// The `fit` stage: the serving group fits the Node's allocatable minus the Pods already bound.
 pub async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
+    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
+        return Ok(ev);
+    }
     let Some(fc) = &ctx.config.fit else {
         return Ok(Evidence {
             summary: "no serving group configured".into(),

@@ -109,6 +109,8 @@ pub struct Context {
     pub node: Mutex<Option<Node>>,
     /// Receives the `models` stage's byte counts as they happen (the agent's metrics).
     pub prefetch_observer: Arc<dyn taintgate_prefetch::PrefetchObserver>,
+    /// How the node publishes its GPUs, decided once (see [`super::dra::publication`]).
+    pub publication: tokio::sync::OnceCell<taintgate_validators::dra::evidence::Publication>,
 }
 
 impl Context {

@@ -2,10 +2,12 @@
 //! stable reason code, by calling the pure decisions in `taintgate-validators` /
 //! `taintgate-prefetch` over data read through the boundaries in [`context::Context`].
 //! By family: [`cluster`] (register, allocatable, fit), [`gpu`] (driver, smoke, peer-bw),
-//! [`kubelet`] (device-plugin, runtime), [`prefetch`] (models, images).
+//! [`kubelet`] (device-plugin, runtime), [`dra`] (dra, and which publication path the
+//! node uses), [`prefetch`] (models, images).
 
 pub mod cluster;
 pub mod context;
+pub mod dra;
 pub mod gpu;
 pub mod kubelet;
 pub mod prefetch;
@@ -24,6 +26,7 @@ pub async fn run_stage_body(ctx: &Context, stage: Stage, progress: &Progress) ->
         Stage::PeerBw => gpu::peer_bw(ctx).await,
         Stage::Allocatable => cluster::allocatable(ctx, progress).await,
         Stage::DevicePlugin => kubelet::device_plugin(ctx).await,
+        Stage::Dra => dra::dra(ctx, progress).await,
         Stage::Runtime => kubelet::runtime(ctx).await,
         Stage::Fit => cluster::fit(ctx).await,
         Stage::Models => prefetch::models(ctx).await,
