@@ -21,7 +21,9 @@ const DRIVER: &str = "gpu.nvidia.com";
 /// The reference node as the API serves it on a DRA cluster: labelled for DRA, no
 /// `nvidia.com/gpu` in capacity or allocatable.
 fn dra_node() -> Value {
-    let mut n = reference_node(true).label("nvidia.com/dra-kubelet-plugin", "true").build();
+    let mut n = reference_node(true)
+        .label("nvidia.com/dra-kubelet-plugin", "true")
+        .build();
     for k in ["capacity", "allocatable"] {
         n["status"][k].as_object_mut().unwrap().remove("nvidia.com/gpu");
     }
@@ -73,8 +75,22 @@ fn two_slices(generation: i64, uuid_of: impl Fn(&str) -> String) -> [Value; 2] {
     let g = gpus();
     let devs: Vec<Value> = g.iter().map(|g| device(g, &uuid_of(&g.uuid))).collect();
     [
-        slice(&format!("{NODE}-gpu-g{generation}-0"), NODE, DRIVER, generation, 2, devs[..4].to_vec()),
-        slice(&format!("{NODE}-gpu-g{generation}-1"), NODE, DRIVER, generation, 2, devs[4..].to_vec()),
+        slice(
+            &format!("{NODE}-gpu-g{generation}-0"),
+            NODE,
+            DRIVER,
+            generation,
+            2,
+            devs[..4].to_vec(),
+        ),
+        slice(
+            &format!("{NODE}-gpu-g{generation}-1"),
+            NODE,
+            DRIVER,
+            generation,
+            2,
+            devs[4..].to_vec(),
+        ),
     ]
 }
 
@@ -90,7 +106,10 @@ struct Info(String);
 
 #[tonic::async_trait]
 impl reg::registration_server::Registration for Info {
-    async fn get_info(&self, _: tonic::Request<reg::InfoRequest>) -> Result<tonic::Response<reg::PluginInfo>, tonic::Status> {
+    async fn get_info(
+        &self,
+        _: tonic::Request<reg::InfoRequest>,
+    ) -> Result<tonic::Response<reg::PluginInfo>, tonic::Status> {
         Ok(tonic::Response::new(reg::PluginInfo {
             r#type: "DRAPlugin".into(),
             name: self.0.clone(),
@@ -111,7 +130,11 @@ impl Registration {
     fn start(name: Option<&str>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().to_path_buf();
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
         if let Some(name) = name {
             let socket = path.join(format!("{name}-reg.sock"));
             let listener = rt.block_on(async { tokio::net::UnixListener::bind(&socket) }).unwrap();
@@ -158,16 +181,19 @@ fn run(api: &ApiServer, registry: &Registration) -> std::process::Output {
 
 fn dra_stage(api: &ApiServer) -> Value {
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
-    let ann: Value =
-        serde_json::from_str(node["metadata"]["annotations"]["taintgate.io/timeline"].as_str().unwrap()).unwrap();
-    let st = ann["stages"]
+    let ann: Value = serde_json::from_str(
+        node["metadata"]["annotations"]["taintgate.io/timeline"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    ann["stages"]
         .as_array()
         .unwrap()
         .iter()
         .find(|s| s[0] == "dra")
         .cloned()
-        .unwrap_or_else(|| panic!("no dra stage in {ann}"));
-    st
+        .unwrap_or_else(|| panic!("no dra stage in {ann}"))
 }
 
 fn start() -> Option<ApiServer> {
@@ -183,13 +209,18 @@ fn a_complete_publication_equal_to_nvml_is_released() {
         api.put_object(s).unwrap();
     }
     // Slices of another node and of another driver are never delivered to this agent.
-    api.put_object(slice("other-node-gpu", "gpu-node-b", DRIVER, 1, 5, vec![])).unwrap();
-    api.put_object(slice("other-driver", NODE, "nic.example.com", 1, 5, vec![])).unwrap();
+    api.put_object(slice("other-node-gpu", "gpu-node-b", DRIVER, 1, 5, vec![]))
+        .unwrap();
+    api.put_object(slice("other-driver", NODE, "nic.example.com", 1, 5, vec![]))
+        .unwrap();
     let registry = Registration::start(Some(DRIVER));
     let o = run(&api, &registry);
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
-    assert!(!taint_keys(&node).contains(&TAINT.to_string()), "the startup taint was removed");
+    assert!(
+        !taint_keys(&node).contains(&TAINT.to_string()),
+        "the startup taint was removed"
+    );
     assert_eq!(dra_stage(&api)[3], "passed");
     // The agent listed and watched resourceslices only with the field selector.
     let slice_reads: Vec<_> = api
@@ -224,7 +255,11 @@ fn one_slice_of_a_two_slice_pool_missing_holds_with_pool_incomplete() {
     let o = run(&api, &registry);
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
     let st = dra_stage(&api);
-    assert_eq!((st[3].as_str(), st[4].as_str()), (Some("failed"), Some("DraPoolIncomplete")), "{st}");
+    assert_eq!(
+        (st[3].as_str(), st[4].as_str()),
+        (Some("failed"), Some("DraPoolIncomplete")),
+        "{st}"
+    );
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(taint_keys(&node).contains(&TAINT.to_string()), "held: the taint stays");
 }
@@ -283,8 +318,15 @@ fn a_generation_that_rises_restarts_the_count_and_the_watch_sees_its_last_slice(
     .unwrap();
     // Publish the second slice of generation 2 once the agent watches the slices.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !api.requests().iter().any(|r| r.watch && r.path.contains("/resourceslices")) {
-        assert!(std::time::Instant::now() < deadline, "the agent never watched the slices");
+    while !api
+        .requests()
+        .iter()
+        .any(|r| r.watch && r.path.contains("/resourceslices"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent never watched the slices"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     api.put_object(g2b).unwrap();
@@ -305,5 +347,8 @@ fn no_registration_socket_holds_with_driver_not_registered() {
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
     let st = dra_stage(&api);
     assert_eq!(st[4], "DraDriverNotRegistered", "{st}");
-    assert!(output_text(&o).contains("nic.example.com"), "names what answered instead");
+    assert!(
+        output_text(&o).contains("nic.example.com"),
+        "names what answered instead"
+    );
 }

@@ -1,5 +1,7 @@
 //! Table tests for the DRA decisions.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
+
 use super::*;
 
 fn gpu(i: u32) -> Device {
@@ -146,7 +148,12 @@ fn both_publications_only_dra_part_checked() {
 
 #[test]
 fn driver_versions_compare_in_semver_form() {
-    for (v, want) in [("550.90.07", "550.90.7"), ("570.1", "570.1"), ("12.04.0", "12.4.0"), ("1.2.3-rc1", "1.2.3-rc1")] {
+    for (v, want) in [
+        ("550.90.07", "550.90.7"),
+        ("570.1", "570.1"),
+        ("12.04.0", "12.4.0"),
+        ("1.2.3-rc1", "1.2.3-rc1"),
+    ] {
         assert_eq!(semver_form(v), want, "{v}");
     }
     let mut e = expected(1);
@@ -193,7 +200,10 @@ fn verdict_table() {
         ),
         (
             "complete",
-            vec![slice("a", 1, 2, all()[..2].to_vec()), slice("b", 1, 2, all()[2..].to_vec())],
+            vec![
+                slice("a", 1, 2, all()[..2].to_vec()),
+                slice("b", 1, 2, all()[2..].to_vec()),
+            ],
             Ok(4),
         ),
         (
@@ -206,7 +216,11 @@ fn verdict_table() {
             vec![slice("a", 1, 1, [all(), vec![gpu(0)]].concat())],
             Err(("DraDevicesMismatch", false)),
         ),
-        ("missing GPU", vec![slice("a", 1, 1, all()[..3].to_vec())], Err(("DraDevicesMismatch", false))),
+        (
+            "missing GPU",
+            vec![slice("a", 1, 1, all()[..3].to_vec())],
+            Err(("DraDevicesMismatch", false)),
+        ),
     ];
     for (what, slices, want) in cases {
         let got = evaluate("gpu.nvidia.com", &slices, &e)
