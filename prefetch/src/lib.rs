@@ -102,6 +102,9 @@ pub struct PrefetchOptions {
     /// `google_service_account`, `azure_storage_account_name`, `proxy_url`, ...), applied
     /// over the standard environment credential chain.
     pub source_options: BTreeMap<String, String>,
+    /// A PEM file of CA certificates trusted for HTTPS sources (and S3, GCS, Azure
+    /// endpoints) besides the system's roots: a private origin's CA.
+    pub ca_bundle: Option<PathBuf>,
 }
 
 impl Default for PrefetchOptions {
@@ -119,6 +122,7 @@ impl Default for PrefetchOptions {
             log_interval_secs: 5,
             request_timeout_secs: 30,
             source_options: BTreeMap::new(),
+            ca_bundle: None,
         }
     }
 }
@@ -378,7 +382,8 @@ async fn prefetch_here(
         Duration::from_secs(opts.request_timeout_secs),
         opts.concurrency,
         &opts.source_options,
-    );
+    )
+    .with_root_certificates(source::load_ca_bundle(opts.ca_bundle.as_deref())?);
 
     // 1. Manifests (pinned; served from the cache when already verified there).
     let mut manifests = Vec::with_capacity(bundles.len());

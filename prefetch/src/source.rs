@@ -13,7 +13,7 @@ use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::http::HttpBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as StorePath;
-use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
+use object_store::{Certificate, ClientConfigKey, ClientOptions, ObjectStore, ObjectStoreScheme, RetryConfig};
 
 use crate::error::PrefetchError;
 
@@ -31,6 +31,8 @@ pub(crate) struct SourceObject {
 /// Builds and caches stores.
 pub(crate) struct Sources {
     stores: Mutex<HashMap<String, Arc<dyn ObjectStore>>>,
+    /// Extra trusted roots (`ca_bundle`).
+    roots: Vec<Certificate>,
     /// Client settings applied to every cloud/HTTP store (then overridden by the user's
     /// `source_options`).
     options: Vec<(String, String)>,
@@ -69,7 +71,25 @@ impl Sources {
         Self {
             stores: Mutex::new(HashMap::new()),
             options,
+            roots: Vec::new(),
         }
+    }
+
+    /// Also trust `roots` (a private CA) for every source built from now on.
+    pub fn with_root_certificates(mut self, roots: Vec<Certificate>) -> Self {
+        self.roots = roots;
+        self
+    }
+
+    /// Client options carrying the extra roots (applied before the string options, which
+    /// land on top of them).
+    fn client_options(&self) -> Option<ClientOptions> {
+        (!self.roots.is_empty()).then(|| {
+            self.roots
+                .iter()
+                .cloned()
+                .fold(ClientOptions::new(), ClientOptions::with_root_certificate)
+        })
     }
 
     /// Resolve `uri` to a store and path.
@@ -124,23 +144,35 @@ impl Sources {
         Ok(match scheme {
             ObjectStoreScheme::Local => Arc::new(LocalFileSystem::new()),
             ObjectStoreScheme::AmazonS3 => {
-                let b = AmazonS3Builder::from_env().with_url(url.as_str()).with_retry(retry);
+                let mut b = AmazonS3Builder::from_env().with_url(url.as_str()).with_retry(retry);
+                if let Some(co) = self.client_options() {
+                    b = b.with_client_options(co);
+                }
                 Arc::new(with_options!(b, opts).build()?)
             }
             ObjectStoreScheme::GoogleCloudStorage => {
-                let b = GoogleCloudStorageBuilder::from_env()
+                let mut b = GoogleCloudStorageBuilder::from_env()
                     .with_url(url.as_str())
                     .with_retry(retry);
+                if let Some(co) = self.client_options() {
+                    b = b.with_client_options(co);
+                }
                 Arc::new(with_options!(b, opts).build()?)
             }
             ObjectStoreScheme::MicrosoftAzure => {
-                let b = MicrosoftAzureBuilder::from_env()
+                let mut b = MicrosoftAzureBuilder::from_env()
                     .with_url(url.as_str())
                     .with_retry(retry);
+                if let Some(co) = self.client_options() {
+                    b = b.with_client_options(co);
+                }
                 Arc::new(with_options!(b, opts).build()?)
             }
             ObjectStoreScheme::Http => {
                 let mut b = HttpBuilder::new().with_url(key).with_retry(retry);
+                if let Some(co) = self.client_options() {
+                    b = b.with_client_options(co);
+                }
                 if url.scheme() == "http" {
                     b = b.with_config(ClientConfigKey::AllowHttp, "true");
                 }
@@ -158,6 +190,25 @@ impl Sources {
             }
         })
     }
+}
+
+/// The CA certificates of a PEM bundle file (`None`: none). A file that cannot be read, or
+/// holds no certificate or a malformed one, is bad input naming the file.
+pub fn load_ca_bundle(path: Option<&std::path::Path>) -> Result<Vec<Certificate>, PrefetchError> {
+    let Some(path) = path else { return Ok(Vec::new()) };
+    let bad = |detail: String| PrefetchError::OptionsInvalid {
+        key: "ca_bundle",
+        detail: format!("{}: {detail}", path.display()),
+    };
+    let text = taintgate_validators::input::read_bounded(path).map_err(|e| bad(e.to_string()))?;
+    if !text.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(bad("no PEM certificate in it".into()));
+    }
+    let certs = Certificate::from_pem_bundle(text.as_bytes()).map_err(|e| bad(format!("not a PEM CA bundle: {e}")))?;
+    if certs.is_empty() {
+        return Err(bad("no PEM certificate in it".into()));
+    }
+    Ok(certs)
 }
 
 /// Whether some store type understands `key` (case-insensitive, as the stores parse it).
@@ -228,8 +279,19 @@ pub(crate) fn map_store_error(uri: &str, err: object_store::Error) -> PrefetchEr
             }
         }
         other => {
-            // Some stores report 403 only as text inside a generic error.
-            let text = other.to_string();
+            // Some stores report 403 only as text inside a generic error. The causes are
+            // kept: "error sending request" alone hides an untrusted certificate, a refused
+            // connection or a DNS failure.
+            let mut text = other.to_string();
+            let mut cause = std::error::Error::source(&other);
+            while let Some(c) = cause {
+                let c_text = c.to_string();
+                if !text.contains(&c_text) {
+                    text = format!("{text}: {c_text}");
+                }
+                cause = c.source();
+            }
+            let text = taintgate_validators::text_bounds::clip_message(&text).into_owned();
             if text.contains("403 Forbidden") || text.contains("401 Unauthorized") {
                 PrefetchError::SourceForbidden { uri, detail: text }
             } else {

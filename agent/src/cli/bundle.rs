@@ -57,6 +57,10 @@ pub enum BundleCommand {
         /// Re-hash every cached blob.
         #[arg(long)]
         verify_cache: bool,
+        /// A PEM file of CA certificates to trust for an HTTPS (or S3/GCS/Azure) source
+        /// besides the system's roots.
+        #[arg(long)]
+        ca_bundle: Option<PathBuf>,
     },
 }
 
@@ -107,6 +111,7 @@ pub async fn run(cmd: BundleCommand) -> i32 {
             reserve,
             opts: source_options,
             verify_cache,
+            ca_bundle,
         } => {
             let (uri, digest) = if manifest.contains("://") {
                 match sha256 {
@@ -141,6 +146,7 @@ pub async fn run(cmd: BundleCommand) -> i32 {
                 verify_cache,
                 reserve_bytes: reserve,
                 source_options: source_options.into_iter().collect(),
+                ca_bundle,
                 ..Default::default()
             };
             if let Some(c) = file_concurrency {

@@ -35,6 +35,7 @@ pub struct Nginx {
     pub port: u16,
     /// Directory served at `/` (and `/slow/`).
     pub root: PathBuf,
+    scheme: &'static str,
     access_log: PathBuf,
     error_log: PathBuf,
     _proc: ServiceProcess,
@@ -50,6 +51,16 @@ impl Nginx {
     /// Serve `root`; `/slow/` is limited to `slow_rate` bytes/s per connection (nginx
     /// `limit_rate` syntax, e.g. `"2m"`).
     pub fn start(root: &Path, slow_rate: &str) -> anyhow::Result<Self> {
+        Self::start_with(root, slow_rate, None)
+    }
+
+    /// Serve `root` over TLS with `cert` and `key` (PEM files); [`Nginx::url`] is then
+    /// `https://127.0.0.1:<port>/...`.
+    pub fn start_tls(root: &Path, cert: &Path, key: &Path) -> anyhow::Result<Self> {
+        Self::start_with(root, "1m", Some((cert, key)))
+    }
+
+    fn start_with(root: &Path, slow_rate: &str, tls: Option<(&Path, &Path)>) -> anyhow::Result<Self> {
         let bin = nginx_bin().context("nginx not installed (scripts/install-test-deps-prefetch.sh)")?;
         let dir = tempfile::Builder::new().prefix("tg-nginx").tempdir()?;
         let port = free_port()?;
@@ -57,6 +68,14 @@ impl Nginx {
         let error_log = dir.path().join("error.log");
         let d = dir.path().display();
         let root_s = root.display();
+        let listen = match tls {
+            None => format!("listen 127.0.0.1:{port};"),
+            Some((cert, key)) => format!(
+                "listen 127.0.0.1:{port} ssl;\n        ssl_certificate {};\n        ssl_certificate_key {};",
+                cert.display(),
+                key.display()
+            ),
+        };
         let conf = format!(
             r#"daemon off;
 master_process off;
@@ -78,7 +97,7 @@ http {{
     keepalive_requests 100000;
     keepalive_timeout 60s;
     server {{
-        listen 127.0.0.1:{port};
+        {listen}
         root {root_s};
         location /forbidden/ {{ return 403; }}
         location /slow/ {{
@@ -113,6 +132,7 @@ http {{
         Ok(Nginx {
             port,
             root: root.to_path_buf(),
+            scheme: if tls.is_some() { "https" } else { "http" },
             access_log,
             error_log,
             _proc: proc,
@@ -120,9 +140,9 @@ http {{
         })
     }
 
-    /// `http://127.0.0.1:<port>/<path>`.
+    /// `http://127.0.0.1:<port>/<path>` (`https` when started with TLS).
     pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}/{}", self.port, path.trim_start_matches('/'))
+        format!("{}://127.0.0.1:{}/{}", self.scheme, self.port, path.trim_start_matches('/'))
     }
 
     /// Every request logged so far.
