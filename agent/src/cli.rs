@@ -112,6 +112,9 @@ pub struct RunArgs {
     /// disabled for this run.
     #[arg(long, value_delimiter = ',')]
     pub stages: Vec<String>,
+    /// Colour the report and logs: `auto` only on a terminal without `NO_COLOR`.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub color: crate::color::ColorChoice,
 }
 
 fn init_logging(format: LogFormat, default_level: &str) {
@@ -119,7 +122,8 @@ fn init_logging(format: LogFormat, default_level: &str) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(crate::color::enabled(crate::color::Stream::Stderr));
     let _ = match format {
         LogFormat::Text => b.try_init(),
         LogFormat::Json => b.json().flatten_event(true).with_current_span(true).try_init(),
@@ -168,10 +172,12 @@ pub async fn main_with(cli: Cli) -> i32 {
             .unwrap_or(exit::BAD_INPUT)
         }
         Command::Check(args) => {
+            crate::color::set_choice(args.color);
             init_logging(args.log_format, "warn");
             run(args, true).await
         }
         Command::Run(args) => {
+            crate::color::set_choice(args.color);
             init_logging(args.log_format, "info");
             let dry = args.dry_run;
             let code = run(args, dry).await;
@@ -330,7 +336,8 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         );
         match args.output {
             OutputFormat::Table => {
-                print!("{}", timeline.render_table());
+                let painted = crate::color::enabled(crate::color::Stream::Stdout);
+                print!("{}", crate::color::paint_report(&timeline.render_table(), painted));
                 println!();
                 for s in &timeline.stages {
                     if !s.summary.is_empty() {

@@ -5,6 +5,7 @@
 pub mod bootstrap;
 pub mod bundle_cli;
 pub mod cli;
+pub mod color;
 pub mod config;
 pub mod demo;
 pub mod example;
