@@ -2,7 +2,7 @@
 //! comes from, what it means and what to do. The same code reaches the log, the Node
 //! condition, the Event, the `taintgate_failures_total{reason}` metric and the timeline;
 //! the exit code is 1 for every hold and 2 for bad input. `taintgate reasons` prints this
-//! table; tests check that the README lists every code and that every code the sources
+//! table; tests check that docs/reasons.md lists every code and that every code the sources
 //! return is catalogued.
 
 /// One reason code.
@@ -446,7 +446,7 @@ pub fn lookup(code: &str) -> Option<&'static Reason> {
     REASONS.iter().find(|r| r.code == code)
 }
 
-/// The catalog as a Markdown table (for the README).
+/// The catalog as a Markdown table (`taintgate reasons`; `scripts/gen-docs.sh` writes it into docs/reasons.md).
 pub fn markdown() -> String {
     let mut s = String::from("| reason | stage | meaning and what to do |\n|---|---|---|\n");
     for r in REASONS {
