@@ -1,5 +1,6 @@
 //! Generates the kubelet gRPC bindings used by `taintgate_validators::kubelet`: the device
-//! plugin API `v1beta1` and the pod-resources API `v1` (vendored under `proto/`).
+//! plugin API `v1beta1`, the pod-resources API `v1` and the kubelet plugin-registration
+//! API (`pluginregistration`, which DRA drivers serve) (vendored under `proto/`).
 //!
 //! `protox` (a pure-Rust protobuf compiler) parses the protos, so building needs no
 //! `protoc` on the machine; `tonic-prost-build` writes `v1beta1.rs` and `v1.rs` into
@@ -9,7 +10,11 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let fds = protox::compile(
-        ["deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto"],
+        [
+            "deviceplugin/v1beta1/api.proto",
+            "podresources/v1/api.proto",
+            "pluginregistration/v1/api.proto",
+        ],
         ["proto"],
     )?;
     tonic_prost_build::configure()

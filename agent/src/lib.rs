@@ -1,26 +1,30 @@
 //! taintgate: gathers evidence, boundary by boundary, that a new Kubernetes GPU node can
 //! serve, records a timestamped node-ready timeline, and only then removes the node's
-//! startup taint. See `DESIGN.md` for the stage graph and safety rules.
+//! startup taint. `docs/architecture.md` describes the stage graph, the boundaries and the
+//! safety rules; the folders follow it:
+//!
+//! - [`stage`]: the stages as a type (a leaf everything may use);
+//! - [`config`]: the one YAML configuration, validated at start;
+//! - [`node`]: the Kubernetes boundary (the Node API trait, its kube-rs and in-memory
+//!   implementations, taint patches, conditions and Events, the reboot re-gate);
+//! - [`boundaries`]: every other boundary (GPU, device plugin, CDI, image runtime), built
+//!   once at start-up by [`boundaries::build`];
+//! - [`stages`]: the stage bodies, by family, over those boundaries;
+//! - [`run`]: the executor, one bootstrap, and resident mode after release;
+//! - [`readiness`], [`telemetry`], [`fleet`]: the chain after the untaint, the timeline's
+//!   exports, and the fleet view;
+//! - [`cli`]: the command line.
 
-pub mod bootstrap;
-pub mod bundle_cli;
+pub mod boundaries;
 pub mod cli;
-pub mod color;
 pub mod config;
-pub mod demo;
-pub mod example;
 pub mod fleet;
-pub mod gpu_backend;
-pub mod graph;
-pub mod kube_api;
-pub mod node_api;
+pub mod node;
 pub mod readiness;
 pub mod reasons;
-pub mod regate;
-pub mod report;
-pub mod resident;
+pub mod run;
+pub mod stage;
 pub mod stages;
 pub mod systemd;
 pub mod telemetry;
 pub mod timeline;
-pub mod untaint;

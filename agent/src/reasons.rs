@@ -2,8 +2,53 @@
 //! comes from, what it means and what to do. The same code reaches the log, the Node
 //! condition, the Event, the `taintgate_failures_total{reason}` metric and the timeline;
 //! the exit code is 1 for every hold and 2 for bad input. `taintgate reasons` prints this
-//! table; tests check that docs/reasons.md lists every code and that every code the sources
+//! table (docs/reasons.md is generated from it); tests check that the docs list every code and that every code the sources
 //! return is catalogued.
+
+use crate::stage::Stage;
+
+/// Where a reason code comes from: a stage of the graph, or a part of the agent around it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// A stage.
+    In(Stage),
+    /// Any stage (the executor's own outcomes).
+    Any,
+    /// The verdict of a bootstrap.
+    Verdict,
+    /// Reading the configuration and other input.
+    Config,
+    /// The Kubernetes API, from any stage or write.
+    Api,
+    /// The XID gate after the graph.
+    XidWatch,
+    /// The startup-taint removal.
+    Untaint,
+    /// The reboot re-gate.
+    Regate,
+    /// Resident mode after release.
+    Resident,
+    /// The readiness chain after release.
+    Readiness,
+}
+
+impl Source {
+    /// Its name in the catalogue.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Source::In(s) => s.name(),
+            Source::Any => "any",
+            Source::Verdict => "verdict",
+            Source::Config => "config",
+            Source::Api => "API",
+            Source::XidWatch => crate::stage::XID_WATCH,
+            Source::Untaint => "untaint",
+            Source::Regate => "regate",
+            Source::Resident => "resident",
+            Source::Readiness => "readiness",
+        }
+    }
+}
 
 /// One reason code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -11,432 +56,474 @@ pub struct Reason {
     /// The code.
     pub code: &'static str,
     /// Where it comes from.
-    pub stage: &'static str,
+    pub from: &'static [Source],
     /// What it means and what to do.
     pub help: &'static str,
 }
 
-const fn r(code: &'static str, stage: &'static str, help: &'static str) -> Reason {
-    Reason { code, stage, help }
+impl Reason {
+    /// Where it comes from, as the catalogue prints it (`driver/xid-watch`).
+    pub fn stage(&self) -> String {
+        self.from.iter().map(|s| s.name()).collect::<Vec<_>>().join("/")
+    }
 }
+
+const fn r(code: &'static str, from: &'static [Source], help: &'static str) -> Reason {
+    Reason { code, from, help }
+}
+
+use Source::{Any, Api, Config, In, Readiness, Regate, Resident, Untaint, Verdict, XidWatch};
 
 /// Every reason code.
 pub const REASONS: &[Reason] = &[
     r(
         "Released",
-        "verdict",
+        &[Verdict],
         "Every required stage had evidence and the startup taint was removed (condition True).",
     ),
     r(
         "WouldRelease",
-        "verdict",
+        &[Verdict],
         "Dry-run: every required stage had evidence; nothing was changed.",
     ),
     r(
         "DependencyFailed",
-        "any",
+        &[Any],
         "Not run because a stage it needs failed; fix that stage's reason first.",
     ),
     r(
         "DeadlineExceeded",
-        "any",
+        &[Any],
         "The stage produced no evidence within `stages.<name>.deadline` and reported no intermediate state. Check what it waits on; raise the deadline only if the dependency is known to be slow.",
     ),
     r(
         "Cancelled",
-        "any",
+        &[Any],
         "SIGTERM/SIGINT arrived during the stage; nothing was half-applied. The next start re-runs it.",
     ),
     r(
         "InternalError",
-        "any",
+        &[Any],
         "A bug in taintgate (a worker thread died). Report it with the log.",
     ),
     r(
         "InvalidInput",
-        "config",
+        &[Config],
         "A config, profile, plugin config, CDI spec or manifest was rejected; the message names file, line and key (exit 2).",
     ),
     r(
         "NoCluster",
-        "register/allocatable/fit",
+        &[In(Stage::Register), In(Stage::Allocatable), In(Stage::Fit)],
         "No Kubernetes API (dry-run outside a cluster): the cluster stages were not run. In `run` mode this holds the node.",
     ),
     r(
         "NodeNotRegistered",
-        "register",
+        &[In(Stage::Register)],
         "Karpenter never finished registering the node within the deadline (no `karpenter.sh/registered=true`, or `karpenter.sh/unregistered` still present). Removing the taint earlier would make Karpenter put it back (karpenter #1772). Check the NodeClaim and Karpenter's logs.",
     ),
     r(
         "NodeNotFound",
-        "register",
+        &[In(Stage::Register)],
         "The Node object does not exist (yet): the agent keeps watching until the deadline; check NODE_NAME matches the node's name. A Node deleted while the agent waits for it ends the wait at once with this reason.",
     ),
     r(
         "ApiUnavailable",
-        "API",
+        &[Api],
         "The API server answered 5xx/429 or could not be reached; retried with backoff until the deadline.",
     ),
     r(
         "ApiForbidden",
-        "API",
+        &[Api],
         "The agent's credential may not do this (RBAC or the admission policy). Check the ClusterRole/Role and ValidatingAdmissionPolicy from daemonset/.",
     ),
     r(
         "ApiConflict",
-        "API",
+        &[Api],
         "409 on every retry until the deadline: another writer keeps changing the Node.",
     ),
     r(
         "ApiInvalid",
-        "API",
+        &[Api],
         "422 on every retry until the deadline: the taint entry keeps moving under a concurrent writer.",
     ),
     r(
         "ApiError",
-        "API",
+        &[Api],
         "An unexpected API answer; the message has the status.",
     ),
     r(
         "DryRun",
-        "API",
+        &[Api],
         "A write was refused because the agent runs in dry-run (never reported as a hold).",
     ),
     r(
         "UntaintFailed",
-        "untaint",
+        &[Untaint],
         "All evidence is in but the taint could not be removed before `api.untaint_deadline`; the message has the last API error. The agent retries on its next pass.",
     ),
     r(
         "RegateFailed",
-        "regate",
+        &[Regate],
         "After a reboot the startup taint could not be put back; the node may take work before it is re-validated. Check the systemd identity's RBAC.",
     ),
     r(
         "DriverNotLoaded",
-        "driver",
+        &[In(Stage::Driver)],
         "NVML (libnvidia-ml.so.1) or CUDA could not be loaded: no driver, or the container lacks the driver libraries (runtime class / CDI).",
     ),
     r(
         "NvmlError",
-        "driver",
+        &[In(Stage::Driver)],
         "An NVML call failed; the message names the call and GPU. On the `xid-watch` record: the XID events of the validation could not be read, so the node is held (a fatal XID may have gone unseen).",
     ),
     r(
         "GpuLost",
-        "driver/smoke",
+        &[In(Stage::Driver), In(Stage::Smoke)],
         "A GPU fell off the bus (NVML_ERROR_GPU_IS_LOST). Replace the node.",
     ),
     r(
         "GpuCountMismatch",
-        "driver",
+        &[In(Stage::Driver)],
         "NVML sees fewer (or more) GPUs than `gpu.expect.gpu_count` or the product's count; the message lists the PCI ids present.",
     ),
     r(
         "GpuProductMismatch",
-        "driver",
+        &[In(Stage::Driver)],
         "A GPU is not the configured `gpu.expect.product`.",
     ),
     r(
         "EccUncorrectable",
-        "driver",
+        &[In(Stage::Driver)],
         "Volatile uncorrectable ECC errors on a GPU. Replace the node.",
     ),
     r(
         "RowRemapPending",
-        "driver",
+        &[In(Stage::Driver)],
         "A row remap is pending: the GPU needs a reset before it is safe. Reset the GPU or replace the node.",
     ),
     r(
         "RowRemapFailed",
-        "driver",
+        &[In(Stage::Driver)],
         "A row remap failed, or uncorrectable remaps reached `remap_uncorrectable_limit`. Replace the node.",
     ),
     r(
         "PagesRetired",
-        "driver",
+        &[In(Stage::Driver)],
         "Retired pages reached `retired_pages_limit` or retirement is pending (pre-Ampere).",
     ),
     r(
         "XidFatal",
-        "driver/xid-watch",
+        &[In(Stage::Driver), XidWatch],
         "A fatal XID (default 48, 64, 74, 79, 95, 119, 120) since boot or during validation: the node stays held. After release: a Warning Event, and with `continuous.enabled` the `continuous.taint` is added and both conditions go False. Replace the node.",
     ),
     r(
         "XidWarning",
-        "resident",
+        &[Resident],
         "A warning-class XID (neither `gpu.expect.xid.fatal` nor `ignore`) arrived after release: logged, counted in `taintgate_xids_total` and reported as an Event; the node keeps serving. Watch for repeats.",
     ),
     r(
         "FabricNotReady",
-        "driver",
+        &[In(Stage::Driver)],
         "NVSwitch fabric registration did not complete (fabric manager / NVLink5). Check nvidia-fabricmanager.",
     ),
     r(
         "NvlinkInactive",
-        "driver",
+        &[In(Stage::Driver)],
         "Fewer NVLink links active than expected; the message lists the inactive links.",
     ),
     r(
         "PcieDegraded",
-        "driver",
+        &[In(Stage::Driver)],
         "PCIe link below max generation/width (fatal only with `pcie_degraded_fatal`).",
     ),
     r(
         "PersistenceModeOff",
-        "driver",
+        &[In(Stage::Driver)],
         "Persistence mode is off (fatal only with `persistence_required`).",
     ),
     r(
         "SmokeFailed",
-        "smoke",
+        &[In(Stage::Smoke)],
         "The CUDA kernel failed or its result did not verify on the named GPU (by UUID).",
     ),
     r(
         "PeerBandwidthLow",
-        "peer-bw",
+        &[In(Stage::PeerBw)],
         "A peer domain is below its threshold; the message names the slowest pair and the figures.",
     ),
     r(
         "PeerBandwidthUnknown",
-        "peer-bw",
+        &[In(Stage::PeerBw)],
         "No link rate is known for the interconnect; set `gpu.peer_bw.busbw_gbps`.",
     ),
     r(
         "PeerBandwidthFailed",
-        "peer-bw",
+        &[In(Stage::PeerBw)],
         "The NCCL all-reduce failed or its result did not verify.",
     ),
     r(
         "NcclMissing",
-        "peer-bw",
+        &[In(Stage::PeerBw)],
         "libnccl could not be loaded and `require_nccl` is set.",
     ),
     r(
         "GpuCountUnconfigured",
-        "driver",
+        &[In(Stage::Driver)],
         "The product is not in the table of fixed-count HGX/SXM boards (exact NVML names), so the expected GPU count is unknown; set `gpu.expect.gpu_count`.",
     ),
     r(
         "CudaWorkerCrashed",
-        "smoke",
+        &[In(Stage::Smoke)],
         "The CUDA worker process (smoke or peer-bw) died without a reply: a signal (e.g. SIGSEGV in the driver) or an exit; the message names it. Check dmesg for XIDs and the driver version.",
     ),
     r(
         "CudaWorkerTimeout",
-        "smoke",
+        &[In(Stage::Smoke)],
         "The CUDA worker process did not finish within `gpu.cuda_worker_timeout` and was killed: a hung kernel or driver call. Check dmesg for XIDs; raise the timeout only for very large `peer_bw.bytes`.",
     ),
     r(
         "PeerCopyMismatch",
-        "peer-bw",
+        &[In(Stage::PeerBw)],
         "A GPU-to-GPU copy delivered wrong data (checked on the destination GPU); the message names the pair. Suspect the NVLink/PCIe path between them.",
     ),
     r(
         "XidWatchError",
-        "resident",
+        &[Resident],
         "Waiting on NVML's XID events after release failed; the wait is retried with backoff and counted in `taintgate_xid_watch_errors_total`. Persistent errors mean XIDs are not being seen.",
     ),
     r(
         "AllocatableZero",
-        "allocatable",
+        &[In(Stage::Allocatable)],
         "The Node publishes no GPUs: the device plugin never registered. Check the plugin pod on the node and its socket.",
     ),
     r(
         "AllocatableShort",
-        "allocatable",
+        &[In(Stage::Allocatable)],
         "Fewer devices published than expected (capacity > allocatable: unhealthy devices). Compare `kubectl describe node` with NVML.",
     ),
     r(
         "AllocatableExcess",
-        "allocatable",
+        &[In(Stage::Allocatable)],
         "More devices published than the plugin config and inventory predict: a sharing config that differs from `kubelet.plugin_config`.",
     ),
     r(
         "LabelMismatch",
-        "allocatable",
+        &[In(Stage::Allocatable)],
         "GPU Feature Discovery labels disagree with NVML (product, count or memory).",
     ),
     r(
         "PluginConfigMismatch",
-        "allocatable/device-plugin",
+        &[In(Stage::Allocatable), In(Stage::DevicePlugin)],
         "The plugin config cannot produce this layout (e.g. MIG single with mixed profiles); the real plugin would refuse it too.",
     ),
     r(
         "PluginSocketMissing",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "No device plugin socket under the kubelet device-plugin dir. Is the plugin DaemonSet scheduled on the node?",
     ),
     r(
         "PluginUnreachable",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "The socket exists but nobody answers (a stale socket from a dead plugin).",
     ),
     r(
         "PluginTimeout",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "The plugin did not send its first ListAndWatch answer within `kubelet.probe_timeout`.",
     ),
     r(
         "PluginRpcFailed",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "A device plugin gRPC call failed; the message has the status.",
     ),
     r(
         "PluginReplyInvalid",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "The plugin's reply was malformed (empty or duplicate IDs, unknown health).",
     ),
     r(
         "PluginDevicesMismatch",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "The plugin's device IDs differ from NVML's UUIDs (or MIG/replica IDs); the message names missing and extra IDs.",
     ),
     r(
         "PluginDeviceUnhealthy",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "The plugin reports a device Unhealthy (it saw an XID or health event); by default read from the kubelet: the Node's capacity counts the device but pod-resources does not offer it. The message names it.",
     ),
     r(
         "PodResourcesUnavailable",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "The kubelet pod-resources socket did not answer GetAllocatableResources.",
     ),
     r(
         "KubeletDevicesMismatch",
-        "device-plugin",
+        &[In(Stage::DevicePlugin)],
         "The kubelet's own allocatable device IDs differ from the plugin's (or, when the Node's capacity cannot be read, from the expected IDs).",
     ),
     r(
+        "DraSlicesMissing",
+        &[In(Stage::Dra)],
+        "No ResourceSlice of the DRA driver (`publication.driver`) names this node by the deadline. Check the driver's kubelet plugin on the node and its log.",
+    ),
+    r(
+        "DraPoolIncomplete",
+        &[In(Stage::Dra)],
+        "The driver's pool lacks some of the `resourceSliceCount` slices of its newest generation (or its slices disagree); the message names the pool, generation and counts.",
+    ),
+    r(
+        "DraDevicesMismatch",
+        &[In(Stage::Dra)],
+        "The published devices differ from NVML: a UUID NVML does not know, a GPU or MIG device missing or duplicated, another productName or driverVersion. The message lists each.",
+    ),
+    r(
+        "DraDriverNotRegistered",
+        &[In(Stage::Dra)],
+        "No socket under `publication.plugins_registry` answers the plugin-registration `GetInfo` with the driver's name; the message lists what answered. Check that the directory is mounted.",
+    ),
+    r(
+        "GpuPublicationMissing",
+        &[In(Stage::Allocatable)],
+        "Neither publication appeared: no GPU resource in the Node's capacity or allocatable and no DRA label on the node (`publication.mode: auto`). Deploy the device plugin, or label the node for DRA.",
+    ),
+    r(
         "RuntimeInjectionMissing",
-        "runtime",
+        &[In(Stage::Runtime)],
         "A device has no CDI entry, or its device nodes are missing: containers would get no GPU. Regenerate the CDI spec (nvidia-ctk cdi generate).",
     ),
     r(
         "GroupFitShort",
-        "fit",
+        &[In(Stage::Fit)],
         "Fewer complete serving groups fit than promised; the message names the binding resource and prints the bound table.",
     ),
     r(
         "ManifestInvalid",
-        "models",
+        &[In(Stage::Models)],
         "A bundle manifest is malformed or unsafe (absolute path, `..`, duplicate path, symlink escape).",
     ),
     r(
         "ManifestDigestMismatch",
-        "models",
+        &[In(Stage::Models)],
         "The manifest's sha256 differs from the pinned one in the config.",
     ),
     r(
         "DigestMismatch",
-        "models",
+        &[In(Stage::Models)],
         "A downloaded file's sha256 differs from the manifest after the retry budget; nothing unverified is left visible.",
     ),
     r(
         "SizeMismatch",
-        "models",
+        &[In(Stage::Models)],
         "A source object's size differs from the manifest.",
     ),
     r(
         "SourceNotFound",
-        "models",
+        &[In(Stage::Models)],
         "The object does not exist at the source (404).",
     ),
     r(
         "SourceForbidden",
-        "models",
+        &[In(Stage::Models)],
         "The source refused access (401/403): check credentials.",
     ),
     r(
         "SourceChanged",
-        "models",
+        &[In(Stage::Models)],
         "The object changed during the download (ETag/If-Match); it was not stitched. Pin a new manifest.",
     ),
     r(
         "SourceUnavailable",
-        "models",
+        &[In(Stage::Models)],
         "The source failed transiently on every retry (resets, 5xx, timeouts).",
     ),
-    r("SourceUnsupported", "models", "The URI scheme is not supported."),
+    r(
+        "SourceUnsupported",
+        &[In(Stage::Models)],
+        "The URI scheme is not supported.",
+    ),
     r(
         "DiskInsufficient",
-        "models",
+        &[In(Stage::Models)],
         "Free space is below the bytes still needed plus the reserve; checked before the first byte.",
     ),
     r(
         "CacheIoError",
-        "models",
+        &[In(Stage::Models)],
         "Reading or writing the cache failed (read-only or full disk, or one of the cache's own directories is a symlink, which is refused so nothing is written outside it); the message names the path.",
     ),
     r(
         "OptionsInvalid",
-        "models",
+        &[In(Stage::Models)],
         "Prefetch options are invalid (concurrency, chunk size).",
     ),
     r(
         "ImageNotPinned",
-        "images",
+        &[In(Stage::Images)],
         "An image reference has no @sha256 digest and `allow_unpinned` is off.",
     ),
     r(
         "ImageReferenceInvalid",
-        "images",
+        &[In(Stage::Images)],
         "An image reference cannot be parsed.",
     ),
-    r("ImagesConfigInvalid", "images", "An `images:` setting is invalid."),
+    r(
+        "ImagesConfigInvalid",
+        &[In(Stage::Images)],
+        "An `images:` setting is invalid.",
+    ),
     r(
         "ImageAuthConfigInvalid",
-        "images",
+        &[In(Stage::Images)],
         "The dockerconfigjson auth file cannot be read or parsed.",
     ),
     r(
         "ImageAuthFailed",
-        "images",
+        &[In(Stage::Images)],
         "The registry refused the credentials (or none were given).",
     ),
     r(
         "ImagePullFailed",
-        "images",
+        &[In(Stage::Images)],
         "The runtime could not pull the image; the message has the runtime's error (not found, connection refused).",
     ),
     r(
         "ImagePullTimeout",
-        "images",
+        &[In(Stage::Images)],
         "An image was not present within `image_deadline_secs`.",
     ),
     r(
         "ImageDigestMismatch",
-        "images",
+        &[In(Stage::Images)],
         "After the pull the runtime does not report the pinned digest.",
     ),
     r(
         "RuntimeUnavailable",
-        "images",
+        &[In(Stage::Images)],
         "The CRI socket is absent or does not answer.",
     ),
     r(
         "ImageRuntimeError",
-        "images",
+        &[In(Stage::Images)],
         "Another CRI error; the message has the status.",
     ),
     r(
         "WorkloadReady",
-        "readiness",
+        &[Readiness],
         "After release, the first workload Pod (or serving group) was Ready and an EndpointSlice listed it ready; the chain to the first ready endpoint is in the timeline annotation. Not a failure.",
     ),
     r(
         "NoEndpointYet",
-        "readiness",
+        &[Readiness],
         "The workload was Ready but no EndpointSlice listed it ready within `readiness.endpoint_wait` (no Service selects it, or the endpoint controller lags); the chain ends at `pod-ready`. Not a failure of the node.",
     ),
     r(
         "NoWorkloadYet",
-        "readiness",
+        &[Readiness],
         "No workload Pod was Ready on the node by `readiness.deadline` after release: nothing was scheduled yet, or it is still starting. Recorded once; the agent stops watching. Not a failure of the node.",
     ),
     r(
         "ReadinessWatchFailed",
-        "readiness",
+        &[Readiness],
         "The Pod watch on the node never listed by `readiness.deadline` (RBAC lacks `list`/`watch` on pods, or the API is unreachable); the message in the log has the error. The node is unaffected.",
     ),
 ];
@@ -446,11 +533,11 @@ pub fn lookup(code: &str) -> Option<&'static Reason> {
     REASONS.iter().find(|r| r.code == code)
 }
 
-/// The catalog as a Markdown table (`taintgate reasons`; `scripts/gen-docs.sh` writes it into docs/reasons.md).
+/// The catalog as a Markdown table (`taintgate reasons`, docs/reasons.md).
 pub fn markdown() -> String {
     let mut s = String::from("| reason | stage | meaning and what to do |\n|---|---|---|\n");
     for r in REASONS {
-        s.push_str(&format!("| `{}` | {} | {} |\n", r.code, r.stage, r.help));
+        s.push_str(&format!("| `{}` | {} | {} |\n", r.code, r.stage(), r.help));
     }
     s
 }
@@ -542,17 +629,14 @@ mod tests {
     }
 
     #[test]
-    fn readme_documents_every_code() {
+    fn the_docs_document_every_code() {
         let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/reasons.md")).unwrap();
         let missing: Vec<&str> = REASONS
             .iter()
             .map(|r| r.code)
             .filter(|c| !readme.contains(&format!("`{c}`")))
             .collect();
-        assert!(
-            missing.is_empty(),
-            "docs/reasons.md lacks (run scripts/gen-docs.sh): {missing:?}"
-        );
+        assert!(missing.is_empty(), "docs/reasons.md lacks: {missing:?}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The node-ready timeline: one record per stage with wall-clock and monotonic times,
 //! outcome, reason and evidence. Records are produced by the same code path that opens
-//! the stage's tracing span (see [`crate::graph`]), so spans and timeline never disagree.
+//! the stage's tracing span (see [`crate::run::graph`]), so spans and timeline never disagree.
 //! Renders as a table for people and as JSON for the Node annotation and tools.
 
 use jiff::Timestamp;

@@ -800,3 +800,21 @@ fn a_single_gpu_domain_is_a_named_peer_bw_outcome() {
     assert!(!t.contains("inf GB/s"), "{t}");
     assert!(!t.contains("PeerBandwidth"), "{t}");
 }
+
+/// Output through a pipe (a file, a CI log) carries no escape sequence unless asked for.
+#[test]
+fn no_escape_sequences_through_a_pipe_unless_color_always() {
+    let esc = |args: &[&str]| -> bool {
+        let o = bin().args(args).output().unwrap();
+        o.stdout.contains(&0x1b) || o.stderr.contains(&0x1b)
+    };
+    let run = ["run", "--simulate", "builtin", "--dry-run", "--once"];
+    assert!(!esc(&run), "default (auto) through a pipe");
+    assert!(!esc(&[&["--color", "auto"][..], &run].concat()));
+    assert!(!esc(&["check", "--simulate", "builtin"]));
+    assert!(!esc(&[&["--color", "never"][..], &run].concat()));
+    assert!(
+        esc(&[&["--color", "always"][..], &run].concat()),
+        "--color always colours the log lines (so the checks above can fail)"
+    );
+}

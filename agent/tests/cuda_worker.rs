@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use taintgate_validators::gpu::Gpu;
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
+use taintgate_validators::reason::ReasonCode;
 
 include!("../../tests/fake-nvml/compile.rs");
 

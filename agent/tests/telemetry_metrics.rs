@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use taintgate::telemetry::metrics::{Metrics, serve};
 use taintgate::timeline::{Outcome, StageRecord, Timeline, Verdict};
+use taintgate_validators::reason::ReasonCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String, String) {

@@ -603,6 +603,7 @@ pub(crate) mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::manifest::sha256_hex;
+    use taintgate_validators::reason::ReasonCode;
 
     /// Commit `content` as a verified blob; returns its digest.
     pub(crate) fn committed(c: &Cache, content: &[u8]) -> String {

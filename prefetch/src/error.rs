@@ -135,8 +135,24 @@ pub enum PrefetchError {
 }
 
 impl PrefetchError {
+    /// Whether another attempt could succeed (network trouble), as opposed to a verdict.
+    pub(crate) fn is_transient(&self) -> bool {
+        matches!(self, Self::SourceUnavailable { .. })
+    }
+
+    /// Helper to wrap an I/O error with the operation and path.
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+impl taintgate_validators::reason::ReasonCode for PrefetchError {
     /// Stable CamelCase reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             Self::DigestMismatch { .. } => "DigestMismatch",
             Self::SizeMismatch { .. } => "SizeMismatch",
@@ -153,25 +169,12 @@ impl PrefetchError {
             Self::Cancelled => "Cancelled",
         }
     }
-
-    /// Whether another attempt could succeed (network trouble), as opposed to a verdict.
-    pub(crate) fn is_transient(&self) -> bool {
-        matches!(self, Self::SourceUnavailable { .. })
-    }
-
-    /// Helper to wrap an I/O error with the operation and path.
-    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io {
-            op,
-            path: path.into(),
-            source,
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use taintgate_validators::reason::ReasonCode;
 
     #[test]
     fn reasons_are_stable_codes() {

@@ -38,6 +38,7 @@ use crate::error::PrefetchError;
 use crate::progress::Progress;
 use crate::slots::{Slot, Slots};
 use crate::source::{SourceObject, Sources, map_store_error};
+use taintgate_validators::reason::ReasonCode;
 
 /// One unique blob to fetch (shared by every file with that digest).
 #[derive(Debug, Clone)]

@@ -65,7 +65,7 @@ impl ReserveRule {
 }
 
 /// How the `models` stage fetches. Embedded in the agent's config under `models:`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrefetchOptions {
     /// Cache root (blobs, partial downloads, bundle views).
@@ -356,7 +356,7 @@ impl Drop for DataPlane {
     }
 }
 
-/// [`prefetch_bundles_observed`] on the current runtime.
+/// [`prefetch_bundles_observed`] on the current runtime: its phases in order.
 async fn prefetch_here(
     bundles: &[BundleRef],
     opts: &PrefetchOptions,
@@ -365,31 +365,8 @@ async fn prefetch_here(
     held: &HeldLock,
 ) -> Result<PrefetchReport, PrefetchError> {
     let start = Instant::now();
-    opts.validate()?;
-    let mut names = std::collections::HashSet::new();
-    for b in bundles {
-        b.validate()?;
-        if !names.insert(b.name.as_str()) {
-            return Err(PrefetchError::ManifestInvalid {
-                manifest: format!("bundle {:?}", b.name),
-                detail: "two bundles have this name".into(),
-            });
-        }
-    }
-    let root = opts.cache_dir.clone();
-    let cache = blocking(move || Cache::open(&root)).await?;
-    let lock = lock_cache(&cache, &cancel).await?;
-    if let Ok(mut h) = held.lock() {
-        *h = Some(lock);
-    }
-    {
-        let c = cache.clone();
-        blocking(move || {
-            c.sweep_tmp();
-            Ok(())
-        })
-        .await?;
-    }
+    validate_request(bundles, opts)?;
+    let cache = open_cache(opts, &cancel, held).await?;
     if let Some(w) = opts.chunk_timeout_warning() {
         tracing::warn!(
             chunk_size = opts.chunk_size,
@@ -411,11 +388,91 @@ async fn prefetch_here(
         }
         manifests.push(load_manifest(&cache, &sources, b).await?);
     }
-
     // 2. Unique blobs across bundles: a file shared by two bundles is fetched once.
+    let jobs = unique_blobs(bundles, &manifests)?;
+    // 3. What is cached already.
+    let planned = plan_blobs(&cache, jobs, opts.verify_cache).await?;
+    let file_window = opts.file_concurrency.min(opts.concurrency);
+    let engine = Arc::new(Engine {
+        cache: cache.clone(),
+        sources,
+        chunk_size: opts.chunk_size,
+        file_window,
+        retries: opts.retries,
+        slots: Arc::new(slots::Slots::new(opts.concurrency, file_window)),
+        progress: Arc::new(Progress::new(
+            bundles
+                .iter()
+                .zip(&manifests)
+                .map(|(b, m)| (b.name.clone(), m.total_size()))
+                .collect(),
+            opts.progress,
+            observer.clone(),
+        )),
+    });
+    // 4. Disk preflight, before the first byte is fetched.
+    let to_fetch = preflight(&engine, &planned, opts)?;
+    // 5. Fetch, largest first.
+    let outcomes = fetch_blobs(&engine, to_fetch, opts, &cancel, start).await?;
+    // 6. Bundle views and the report.
+    let mut reports = Vec::with_capacity(bundles.len());
+    let mut counted = std::collections::HashSet::new();
+    let plan_by_digest: HashMap<&str, &PlannedBlob> = planned.iter().map(|p| (p.job.digest.as_str(), p)).collect();
+    for (b, m) in bundles.iter().zip(&manifests) {
+        reports.push(bundle_view(&engine, b, m, &plan_by_digest, &outcomes, &mut counted).await?);
+    }
+    Ok(PrefetchReport {
+        bytes_fetched: reports.iter().map(|r| r.bytes_fetched).sum(),
+        bytes_from_cache: reports.iter().map(|r| r.bytes_from_cache).sum(),
+        bundles: reports,
+        duration_ms: start.elapsed().as_millis() as u64,
+    })
+}
+
+/// The options are in range and no two bundles share a name.
+fn validate_request(bundles: &[BundleRef], opts: &PrefetchOptions) -> Result<(), PrefetchError> {
+    opts.validate()?;
+    let mut names = std::collections::HashSet::new();
+    for b in bundles {
+        b.validate()?;
+        if !names.insert(b.name.as_str()) {
+            return Err(PrefetchError::ManifestInvalid {
+                manifest: format!("bundle {:?}", b.name),
+                detail: "two bundles have this name".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Open the cache, take its lock (left in `held` for the [`DataPlane`] to release after its
+/// runtime stopped) and sweep what an interrupted run left in its temporary directory.
+async fn open_cache(
+    opts: &PrefetchOptions,
+    cancel: &CancellationToken,
+    held: &HeldLock,
+) -> Result<Cache, PrefetchError> {
+    let root = opts.cache_dir.clone();
+    let cache = blocking(move || Cache::open(&root)).await?;
+    let lock = lock_cache(&cache, cancel).await?;
+    if let Ok(mut h) = held.lock() {
+        *h = Some(lock);
+    }
+    let c = cache.clone();
+    blocking(move || {
+        c.sweep_tmp();
+        Ok(())
+    })
+    .await?;
+    Ok(cache)
+}
+
+/// Every distinct blob the manifests list, in manifest order, with the bundles that use
+/// it. One digest with two sizes is a manifest error.
+fn unique_blobs(bundles: &[BundleRef], manifests: &[Manifest]) -> Result<Vec<BlobJob>, PrefetchError> {
     let mut by_digest: HashMap<String, BlobJob> = HashMap::new();
     let mut order: Vec<String> = Vec::new();
-    for (bi, (b, m)) in bundles.iter().zip(&manifests).enumerate() {
+    for (bi, (b, m)) in bundles.iter().zip(manifests).enumerate() {
         for f in &m.files {
             let digest = f.sha256.to_ascii_lowercase();
             let uri = m.source_uri(f, &b.manifest_uri)?;
@@ -450,14 +507,15 @@ async fn prefetch_here(
             }
         }
     }
+    Ok(order.iter().filter_map(|d| by_digest.remove(d)).collect())
+}
 
-    // 3. What is cached already (re-hash in parallel across cores when needed).
+/// What the cache holds of each blob (re-hashed in parallel across cores when needed).
+async fn plan_blobs(cache: &Cache, jobs: Vec<BlobJob>, verify: bool) -> Result<Vec<PlannedBlob>, PrefetchError> {
     let hash_par = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
-    let verify = opts.verify_cache;
     // Owned items (not an iterator of borrows): a future that holds a borrowing closure
     // across an await is not `Send` for every lifetime, and callers spawn this future.
-    let jobs: Vec<BlobJob> = order.iter().map(|d| by_digest[d].clone()).collect();
-    let planned: Vec<PlannedBlob> = futures::stream::iter(jobs)
+    futures::stream::iter(jobs)
         .map(|job| {
             let cache = cache.clone();
             async move {
@@ -474,29 +532,17 @@ async fn prefetch_here(
         .collect::<Vec<_>>()
         .await
         .into_iter()
-        .collect::<Result<_, _>>()?;
+        .collect()
+}
 
-    let file_window = opts.file_concurrency.min(opts.concurrency);
-    let engine = Arc::new(Engine {
-        cache: cache.clone(),
-        sources,
-        chunk_size: opts.chunk_size,
-        file_window,
-        retries: opts.retries,
-        slots: Arc::new(slots::Slots::new(opts.concurrency, file_window)),
-        progress: Arc::new(Progress::new(
-            bundles
-                .iter()
-                .zip(&manifests)
-                .map(|(b, m)| (b.name.clone(), m.total_size()))
-                .collect(),
-            opts.progress,
-            observer.clone(),
-        )),
-    });
-
-    // 4. Disk preflight, before the first byte is fetched.
-    let mut to_fetch: Vec<&PlannedBlob> = planned
+/// The blobs to fetch, after checking the disk has room for what is still missing of
+/// them; the others count as cached in the progress.
+fn preflight<'p>(
+    engine: &Engine,
+    planned: &'p [PlannedBlob],
+    opts: &PrefetchOptions,
+) -> Result<Vec<&'p PlannedBlob>, PrefetchError> {
+    let to_fetch: Vec<&PlannedBlob> = planned
         .iter()
         .filter(|p| matches!(p.state, BlobState::Missing | BlobState::Corrupt))
         .collect();
@@ -509,15 +555,29 @@ async fn prefetch_here(
         )
     });
     if needed > 0 {
-        preflight_disk(cache.root(), needed, opts)?;
+        preflight_disk(engine.cache.root(), needed, opts)?;
     }
-    for p in &planned {
+    for p in planned {
         if !to_fetch.iter().any(|t| t.job.digest == p.job.digest) {
             engine.progress.cached(&p.job.bundles, p.job.size);
         }
     }
+    Ok(to_fetch)
+}
 
-    // 5. Fetch, largest first: the biggest file's hash is the critical path.
+/// What fetching a blob gave, and when (since the run started) it was done.
+type Fetched = HashMap<String, (fetch::BlobOutcome, Duration)>;
+
+/// Fetch the blobs, largest first (the biggest file's hash is the critical path), at most
+/// `opts.concurrency` at once; the first failure stops the others (their partials stay
+/// for resume).
+async fn fetch_blobs(
+    engine: &Arc<Engine>,
+    mut to_fetch: Vec<&PlannedBlob>,
+    opts: &PrefetchOptions,
+    cancel: &CancellationToken,
+    start: Instant,
+) -> Result<Fetched, PrefetchError> {
     to_fetch.sort_by_key(|p| std::cmp::Reverse(p.job.size));
     let stop_log = CancellationToken::new();
     let log_task = (!engine.progress.has_bars() && !to_fetch.is_empty()).then(|| {
@@ -531,7 +591,7 @@ async fn prefetch_here(
     let fetch_cancel = cancel.child_token();
     // Stop sibling downloads as soon as one fails (partials are kept for resume).
     let _stop_fetches = fetch_cancel.clone().drop_guard();
-    let mut outcomes: HashMap<String, (fetch::BlobOutcome, Duration)> = HashMap::new();
+    let mut outcomes = Fetched::new();
     let fetch_jobs: Vec<BlobJob> = to_fetch.iter().map(|p| p.job.clone()).collect();
     let (run_engine, run_cancel) = (engine.clone(), fetch_cancel.clone());
     // Ranked in this (largest-first) order: chunk slots go to the largest file first.
@@ -556,7 +616,11 @@ async fn prefetch_here(
                 break;
             }
             Err(join) => {
-                first_err = Some(PrefetchError::io("download", cache.root(), std::io::Error::other(join)));
+                first_err = Some(PrefetchError::io(
+                    "download",
+                    engine.cache.root(),
+                    std::io::Error::other(join),
+                ));
                 break;
             }
         }
@@ -567,103 +631,98 @@ async fn prefetch_here(
         let _ = t.await;
     }
     engine.progress.finish();
-    if let Some(e) = first_err {
-        return Err(if cancel.is_cancelled() {
-            PrefetchError::Cancelled
-        } else {
-            e
-        });
+    match first_err {
+        Some(_) if cancel.is_cancelled() => Err(PrefetchError::Cancelled),
+        Some(e) => Err(e),
+        None => Ok(outcomes),
     }
+}
 
-    // 6. Bundle views and the report.
-    let plan_by_digest: HashMap<&str, &PlannedBlob> = planned.iter().map(|p| (p.job.digest.as_str(), p)).collect();
-    let mut reports = Vec::with_capacity(bundles.len());
-    let mut counted = std::collections::HashSet::new();
-    let mut total_fetched = 0;
-    let mut total_cached = 0;
-    for (b, m) in bundles.iter().zip(&manifests) {
-        let mut files = Vec::with_capacity(m.files.len());
-        let mut bytes_fetched = 0;
-        let mut bytes_from_cache = 0;
-        let mut cache_hits = 0;
-        let mut duration = Duration::ZERO;
-        // The view holds exactly this manifest's files: a file an earlier manifest listed
-        // (an old shard a loader's glob would pick up) or anything else found there goes,
-        // first, so a leftover file cannot stand where this manifest needs a directory.
-        let (c2, name) = (cache.clone(), b.name.clone());
-        let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
-        let pruned =
-            match blocking(move || c2.prune_view(&name, &paths.iter().map(String::as_str).collect::<Vec<_>>())).await {
-                // A read-only cache cannot be pruned, and need not be: nothing there changed
-                // since it was built. Its view is served as it is.
-                Err(PrefetchError::Io { source, .. })
-                    if source.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) =>
-                {
-                    tracing::debug!(bundle = %b.name, "read-only cache: the bundle view is not pruned");
-                    Vec::new()
-                }
-                other => other?,
-            };
-        for p in &pruned {
-            tracing::info!(bundle = %b.name, path = %p.display(), "removed an entry the manifest does not list from the bundle view");
-        }
-        for f in &m.files {
-            let digest = f.sha256.to_ascii_lowercase();
-            let plan = plan_by_digest.get(digest.as_str()).copied();
-            let (c2, name, rel, d2) = (cache.clone(), b.name.clone(), f.path.clone(), digest.clone());
-            let local_path = blocking(move || c2.link_view(&name, &rel, &d2)).await?;
-            let outcome = outcomes.get(&digest);
-            let first_use = counted.insert(digest.clone());
-            let (fetched, resumed, attempts, at) = match outcome {
-                Some((o, at)) if first_use => (o.bytes_fetched, o.bytes_resumed, o.attempts, *at),
-                Some((o, at)) => (0, 0, o.attempts, *at),
-                None => (0, 0, 0, Duration::ZERO),
-            };
-            let cache_hit = outcome.is_none();
-            if cache_hit {
-                cache_hits += 1;
-                bytes_from_cache += f.size;
+/// Build one bundle's view (links to its verified blobs, nothing else) and its report.
+/// `counted` holds the digests already reported as fetched, so a blob two bundles share
+/// counts its bytes once.
+async fn bundle_view(
+    engine: &Engine,
+    b: &BundleRef,
+    m: &Manifest,
+    planned: &HashMap<&str, &PlannedBlob>,
+    outcomes: &Fetched,
+    counted: &mut std::collections::HashSet<String>,
+) -> Result<BundleReport, PrefetchError> {
+    let cache = &engine.cache;
+    let mut files = Vec::with_capacity(m.files.len());
+    let mut bytes_fetched = 0;
+    let mut bytes_from_cache = 0;
+    let mut cache_hits = 0;
+    let mut duration = Duration::ZERO;
+    // The view holds exactly this manifest's files: a file an earlier manifest listed
+    // (an old shard a loader's glob would pick up) or anything else found there goes,
+    // first, so a leftover file cannot stand where this manifest needs a directory.
+    let (c2, name) = (cache.clone(), b.name.clone());
+    let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
+    let pruned =
+        match blocking(move || c2.prune_view(&name, &paths.iter().map(String::as_str).collect::<Vec<_>>())).await {
+            // A read-only cache cannot be pruned, and need not be: nothing there changed
+            // since it was built. Its view is served as it is.
+            Err(PrefetchError::Io { source, .. })
+                if source.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) =>
+            {
+                tracing::debug!(bundle = %b.name, "read-only cache: the bundle view is not pruned");
+                Vec::new()
             }
-            bytes_fetched += fetched;
-            duration = duration.max(at);
-            engine.progress.observer.file_done(&b.name, &f.path, f.size);
-            files.push(FileReport {
-                path: f.path.clone(),
-                sha256: digest.clone(),
-                size: f.size,
-                local_path,
-                source: m.source_uri(f, &b.manifest_uri)?,
-                bytes_fetched: fetched,
-                bytes_resumed: resumed,
-                cache_hit,
-                rehashed: plan.is_some_and(|p| p.rehashed && p.state != BlobState::Missing),
-                repaired: plan.is_some_and(|p| p.state == BlobState::Corrupt),
-                attempts,
-                duration_ms: at.as_millis() as u64,
-            });
+            other => other?,
+        };
+    for p in &pruned {
+        tracing::info!(bundle = %b.name, path = %p.display(), "removed an entry the manifest does not list from the bundle view");
+    }
+    for f in &m.files {
+        let digest = f.sha256.to_ascii_lowercase();
+        let plan = planned.get(digest.as_str()).copied();
+        let (c2, name, rel, d2) = (cache.clone(), b.name.clone(), f.path.clone(), digest.clone());
+        let local_path = blocking(move || c2.link_view(&name, &rel, &d2)).await?;
+        let outcome = outcomes.get(&digest);
+        let first_use = counted.insert(digest.clone());
+        let (fetched, resumed, attempts, at) = match outcome {
+            Some((o, at)) if first_use => (o.bytes_fetched, o.bytes_resumed, o.attempts, *at),
+            Some((o, at)) => (0, 0, o.attempts, *at),
+            None => (0, 0, 0, Duration::ZERO),
+        };
+        let cache_hit = outcome.is_none();
+        if cache_hit {
+            cache_hits += 1;
+            bytes_from_cache += f.size;
         }
-        total_fetched += bytes_fetched;
-        total_cached += bytes_from_cache;
-        let bytes_total = m.total_size();
-        tracing::info!(bundle = %b.name, files = files.len(), bytes_total, bytes_fetched, bytes_from_cache, cache_hits, "bundle verified");
-        reports.push(BundleReport {
-            name: b.name.clone(),
-            manifest_uri: b.manifest_uri.clone(),
-            manifest_sha256: b.manifest_sha256.clone(),
-            path: cache.bundles_dir().join(&b.name),
-            files,
-            bytes_total,
-            bytes_fetched,
-            bytes_from_cache,
-            cache_hits,
-            duration_ms: duration.as_millis() as u64,
+        bytes_fetched += fetched;
+        duration = duration.max(at);
+        engine.progress.observer.file_done(&b.name, &f.path, f.size);
+        files.push(FileReport {
+            path: f.path.clone(),
+            sha256: digest.clone(),
+            size: f.size,
+            local_path,
+            source: m.source_uri(f, &b.manifest_uri)?,
+            bytes_fetched: fetched,
+            bytes_resumed: resumed,
+            cache_hit,
+            rehashed: plan.is_some_and(|p| p.rehashed && p.state != BlobState::Missing),
+            repaired: plan.is_some_and(|p| p.state == BlobState::Corrupt),
+            attempts,
+            duration_ms: at.as_millis() as u64,
         });
     }
-    Ok(PrefetchReport {
-        bundles: reports,
-        bytes_fetched: total_fetched,
-        bytes_from_cache: total_cached,
-        duration_ms: start.elapsed().as_millis() as u64,
+    let bytes_total = m.total_size();
+    tracing::info!(bundle = %b.name, files = files.len(), bytes_total, bytes_fetched, bytes_from_cache, cache_hits, "bundle verified");
+    Ok(BundleReport {
+        name: b.name.clone(),
+        manifest_uri: b.manifest_uri.clone(),
+        manifest_sha256: b.manifest_sha256.clone(),
+        path: cache.bundles_dir().join(&b.name),
+        files,
+        bytes_total,
+        bytes_fetched,
+        bytes_from_cache,
+        cache_hits,
+        duration_ms: duration.as_millis() as u64,
     })
 }
 
@@ -815,6 +874,7 @@ fn reserve_for(opts: &PrefetchOptions, total: u64) -> (u64, String) {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use taintgate_validators::reason::ReasonCode;
 
     #[test]
     fn the_reserve_is_the_setting_else_the_largest_rule_else_ten_percent() {

@@ -23,7 +23,7 @@ pub const MAX_PATH_BYTES: usize = 2048;
 
 /// A model bundle as the configuration names it: where its manifest lives and the sha256
 /// the manifest's bytes must have, so the manifest is pinned as tightly as the files.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BundleRef {
     /// Bundle name: the directory under `<cache>/bundles/` where the files appear.
@@ -392,6 +392,7 @@ fn list_files(root: &Path) -> Result<Vec<(String, PathBuf)>, PrefetchError> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use taintgate_validators::reason::ReasonCode;
 
     const D: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 

@@ -243,6 +243,7 @@ pub(crate) fn map_store_error(uri: &str, err: object_store::Error) -> PrefetchEr
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use taintgate_validators::reason::ReasonCode;
 
     #[test]
     fn resolves_schemes_and_shares_stores() {

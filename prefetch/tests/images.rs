@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use taintgate_prefetch::images::{Auth, ImageError, ImageInfo, ImageRef, ImageRuntime, ImagesConfig, prepull};
+use taintgate_validators::reason::ReasonCode;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 

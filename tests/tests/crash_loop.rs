@@ -172,7 +172,15 @@ fn kill_9_at_random_points_then_converge() {
     let t0 = Instant::now();
     let spawned = SystemTime::now();
     // Until calibrated, demand every stage of the graph.
-    let cal = run_once(&emu, taintgate::graph::STAGES.len(), &args, None, &before, &mut tally).unwrap();
+    let cal = run_once(
+        &emu,
+        taintgate::stage::Stage::ALL.len(),
+        &args,
+        None,
+        &before,
+        &mut tally,
+    )
+    .unwrap();
     assert_eq!(cal.code, Some(0), "{}", cal.text());
     // Stages that log `stage passed` in a release (all graph stages enabled by the config).
     let stages = cal
@@ -180,7 +188,7 @@ fn kill_9_at_random_points_then_converge() {
         .expect("calibration timeline")
         .stages
         .iter()
-        .filter(|s| taintgate::graph::STAGES.contains(&s.stage.as_str()) && s.outcome == Outcome::Passed)
+        .filter(|s| taintgate::stage::Stage::from_name(&s.stage).is_some() && s.outcome == Outcome::Passed)
         .count();
     assert_eq!(stages, log_count(&cal.stderr, "stage passed"), "{}", cal.text());
     let whole = t0.elapsed();

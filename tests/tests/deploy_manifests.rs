@@ -116,7 +116,8 @@ const SHIPPED_CONFIGS: [(&str, &[(&str, &str)]); 2] = [
     ("daemonset/config.yaml", &[("event_namespace", "taintgate-system")]),
     (
         "systemd/config.yaml",
-        &[("event_namespace", "taintgate-system"), ("regate_on_boot", "true")],
+        // In the example's (alphabetical) key order.
+        &[("regate_on_boot", "true"), ("event_namespace", "taintgate-system")],
     ),
 ];
 

@@ -138,7 +138,7 @@ fn merge_patched(doc: &Value, patch: Value) -> Value {
     out
 }
 
-/// The agent's taint removal (agent/src/untaint.rs): test key and effect at the index,
+/// The agent's taint removal (agent/src/node/untaint.rs): test key and effect at the index,
 /// then remove that entry.
 fn remove_taint_at(old: &Value, i: usize) -> Value {
     json_patched(
@@ -202,7 +202,7 @@ fn agent_sets_its_conditions_on_the_status_subresource() {
     let old = node(NODE);
     let verified = json!({"type": "TaintgateVerified", "status": "True", "reason": "Released", "message": "all stages passed",
         "lastHeartbeatTime": "2026-01-01T00:05:00Z", "lastTransitionTime": "2026-01-01T00:05:00Z"});
-    // Replace our entry, tested at its index (agent/src/report.rs condition_patch).
+    // Replace our entry, tested at its index (agent/src/node/report.rs condition_patch).
     let new = json_patched(
         &old,
         json!([
@@ -231,7 +231,7 @@ fn agent_sets_its_conditions_on_the_status_subresource() {
 
 #[test]
 fn systemd_agent_regates_its_own_node_after_reboot() {
-    // The agent's re-gate patch (agent/src/regate.rs add_taint_patch): test the
+    // The agent's re-gate patch (agent/src/node/regate.rs add_taint_patch): test the
     // resourceVersion it read, then append the taint. The released boot ID annotation it
     // wrote at release is under our prefix.
     let mut released = remove_taint_at(&node(NODE), 1);
@@ -287,7 +287,7 @@ fn other_identities_and_operations_are_not_this_policys_business() {
 
 #[test]
 fn continuous_mode_adds_its_gpu_unhealthy_taint_once_and_never_removes_it() {
-    // The agent's add patch (agent/src/untaint.rs add_patch): test the list it read, then
+    // The agent's add patch (agent/src/node/untaint.rs add_patch): test the list it read, then
     // append the configured continuous.taint.
     let released = remove_taint_at(&node(NODE), 1);
     let add = |old: &Value| {

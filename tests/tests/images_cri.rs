@@ -16,6 +16,7 @@ use taintgate_prefetch::images::{
 use taintgate_tests::require_service;
 use taintgate_tests::services::containerd::Containerd;
 use taintgate_tests::services::registry::{OciImage, Registry};
+use taintgate_validators::reason::ReasonCode;
 use tokio_util::sync::CancellationToken;
 
 /// The real CRI runtime, counting pulls and how many were in flight at once.

@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use taintgate::kube_api::KubeNodeApi;
-use taintgate::node_api::NodeApi;
+use taintgate::node::NodeApi;
+use taintgate::node::kube::KubeNodeApi;
 use taintgate_tests::cluster::{ApiServer, NodeBuilder};
 use taintgate_tests::require_service;
 

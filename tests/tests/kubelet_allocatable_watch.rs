@@ -15,6 +15,7 @@ use serde_json::json;
 use taintgate_tests::cluster::{ApiServer, NodeBuilder};
 use taintgate_tests::require_service;
 use taintgate_validators::kubelet::allocatable::wait_for_allocatable;
+use taintgate_validators::reason::ReasonCode;
 
 const NODE: &str = "gpu-node-a";
 

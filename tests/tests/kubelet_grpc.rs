@@ -17,6 +17,7 @@ use taintgate_validators::kubelet::device_plugin::{
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_device_ids};
 use taintgate_validators::kubelet::proto::podresources_v1 as pr;
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::ReasonCode;
 
 const GPU: &str = "nvidia.com/gpu";
 

@@ -28,6 +28,7 @@ use taintgate_validators::kubelet::device_plugin::{GrpcDevicePluginProbe, Kubele
 use taintgate_validators::kubelet::kubelet_view::check_kubelet_view;
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_device_ids, nvidia_socket_name};
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::ReasonCode;
 
 const GPU: &str = "nvidia.com/gpu";
 /// Bound on waits for something that must happen (a failure only when it never does).

@@ -13,6 +13,7 @@ use taintgate_tests::bundles::{files_under, publish_manifest, sha256_file, test_
 use taintgate_tests::mounts::Mount;
 use taintgate_tests::require_service;
 use taintgate_tests::services::nginx::{AccessEntry, Nginx};
+use taintgate_validators::reason::ReasonCode;
 
 const MIB: u64 = 1 << 20;
 

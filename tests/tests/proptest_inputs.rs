@@ -22,10 +22,10 @@ use serde_json::{Value, json};
 use std::path::{Component, Path};
 use std::sync::OnceLock;
 use taintgate::config::{Config, ReportingConfig, TaintConfig, TaintEffect};
-use taintgate::regate::{add_taint_patch, needs_regate};
-use taintgate::report::{ConditionValue, compact_timeline, condition_patch, truncate};
+use taintgate::node::regate::{add_taint_patch, needs_regate};
+use taintgate::node::report::{ConditionValue, compact_timeline, condition_patch, truncate};
+use taintgate::node::untaint::{removal_patch, taint_index};
 use taintgate::stages::is_registered;
-use taintgate::untaint::{removal_patch, taint_index};
 use taintgate_prefetch::manifest::{BundleRef, Manifest};
 use taintgate_validators::input::{InputError, parse_yaml};
 use taintgate_validators::kubelet::cdi::parse_spec;
@@ -33,6 +33,7 @@ use taintgate_validators::kubelet::eviction::{Threshold, disk_thresholds, kubele
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_allocatable};
 use taintgate_validators::kubelet::process;
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::ReasonCode;
 
 fn cases() -> u32 {
     std::env::var("PROPTEST_CASES")

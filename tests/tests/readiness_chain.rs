@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use taintgate::config::Config;
 use taintgate::fleet::{TimelineArgs, timeline_output};
-use taintgate::kube_api::KubeNodeApi;
+use taintgate::node::kube::KubeNodeApi;
 use taintgate::readiness;
 use taintgate::telemetry::annotation::decode;
 use taintgate_tests::cluster::{ApiServer, NodeBuilder, now_rfc3339};

@@ -12,6 +12,7 @@ use std::path::Path;
 use taintgate::fleet::{TimelineArgs, timeline_output};
 use taintgate_tests::cluster::{ApiServer, NodeBuilder};
 use taintgate_tests::require_service;
+use taintgate_validators::reason::ReasonCode;
 
 const POOL: &str = "karpenter.sh/nodepool";
 const NODES: usize = 200;

@@ -25,6 +25,7 @@ use taintgate_tests::agent::{NODE, agent_cmd, output_text, profile, reference_no
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::otlp::{OtlpReceiver, ReceivedSpan};
 use taintgate_tests::require_service;
+use taintgate_validators::reason::ReasonCode;
 
 fn ns(t: Timestamp) -> u64 {
     t.as_nanosecond() as u64

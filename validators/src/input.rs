@@ -51,9 +51,11 @@ impl InputError {
             message: clip_message(&message.into()).into_owned(),
         }
     }
+}
 
+impl crate::reason::ReasonCode for InputError {
     /// Stable reason code for bad input.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         "InvalidInput"
     }
 }

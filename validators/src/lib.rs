@@ -6,5 +6,6 @@ pub mod gpu;
 pub mod input;
 pub mod kubelet;
 pub mod profile;
+pub mod reason;
 pub mod retry;
 pub mod text_bounds;

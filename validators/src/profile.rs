@@ -40,6 +40,40 @@ pub struct NodeProfile {
     /// Simulated time each stage's work takes, in milliseconds, by stage name.
     #[serde(default)]
     pub latencies_ms: BTreeMap<String, u64>,
+    /// GPUs published by a DRA driver (ResourceSlices) instead of, or besides, the
+    /// device plugin.
+    #[serde(default)]
+    pub dra: SimDra,
+}
+
+/// The simulated node's DRA driver: the ResourceSlices it publishes (generated from the
+/// GPUs, NVIDIA's schema) and its kubelet plugin registration, with faults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimDra {
+    /// The driver publishes slices for this node.
+    pub enabled: bool,
+    /// Slices the pool is split into (`resourceSliceCount`).
+    pub slices: u32,
+    /// Slices of the pool never published (`DraPoolIncomplete`).
+    pub missing_slices: u32,
+    /// Extra whole-GPU devices with these UUIDs, which NVML does not know
+    /// (`DraDevicesMismatch`).
+    pub unknown_uuids: Vec<String>,
+    /// The driver's kubelet plugin answers registration (`DraDriverNotRegistered` if not).
+    pub registered: bool,
+}
+
+impl Default for SimDra {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            slices: 1,
+            missing_slices: 0,
+            unknown_uuids: Vec::new(),
+            registered: true,
+        }
+    }
 }
 
 /// The simulated Node object.
@@ -306,6 +340,67 @@ impl NodeProfile {
             return Err(InputError::new(file, Some("node.name"), "must not be empty"));
         }
         Ok(())
+    }
+
+    /// The ResourceSlices the simulated DRA driver publishes (none unless `dra.enabled`),
+    /// in NVIDIA's naming (`gpu-<index>`), with the profile's faults applied.
+    pub fn dra_slices(&self) -> Vec<crate::dra::Slice> {
+        use crate::dra::{Device, Slice};
+        let d = &self.dra;
+        if !d.enabled {
+            return Vec::new();
+        }
+        let driver_version = self.gpus.first().map(|g| g.driver_version.clone());
+        let mut devices: Vec<Device> = Vec::new();
+        for g in &self.gpus {
+            if g.mig_enabled {
+                for (i, m) in g.mig_devices.iter().enumerate() {
+                    devices.push(Device {
+                        name: format!("gpu-{}-mig-{i}", g.index),
+                        kind: Some("mig".into()),
+                        uuid: Some(m.uuid.clone()),
+                        parent_uuid: Some(g.uuid.clone()),
+                        profile: Some(m.profile.clone()),
+                        ..Device::default()
+                    });
+                }
+            } else {
+                devices.push(Device {
+                    name: format!("gpu-{}", g.index),
+                    kind: Some("gpu".into()),
+                    uuid: Some(g.uuid.clone()),
+                    product_name: Some(g.product.clone()),
+                    driver_version: driver_version.clone(),
+                    ..Device::default()
+                });
+            }
+        }
+        for (i, u) in d.unknown_uuids.iter().enumerate() {
+            devices.push(Device {
+                name: format!("gpu-extra-{i}"),
+                kind: Some("gpu".into()),
+                uuid: Some(u.clone()),
+                product_name: self.gpus.first().map(|g| g.product.clone()),
+                driver_version: driver_version.clone(),
+                ..Device::default()
+            });
+        }
+        let n = d.slices.max(1) as usize;
+        let per = devices.len().div_ceil(n).max(1);
+        let mut chunks: Vec<Vec<Device>> = devices.chunks(per).map(<[Device]>::to_vec).collect();
+        chunks.resize(n, Vec::new());
+        chunks
+            .into_iter()
+            .enumerate()
+            .skip(d.missing_slices as usize)
+            .map(|(i, devices)| Slice {
+                name: format!("{}-gpu.nvidia.com-{i}", self.node.name),
+                pool: self.node.name.clone(),
+                generation: 1,
+                slice_count: n as i64,
+                devices,
+            })
+            .collect()
     }
 
     /// Simulated latency of a stage.

@@ -13,6 +13,7 @@ use taintgate_validators::kubelet::allocatable::{
 };
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_allocatable};
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::ReasonCode;
 
 fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()

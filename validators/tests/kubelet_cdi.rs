@@ -7,6 +7,7 @@ use taintgate_validators::gpu::Inventory;
 use taintgate_validators::kubelet::cdi::{DEFAULT_KIND, check_cdi_dirs, check_cdi_simulated, load_specs, parse_spec};
 use taintgate_validators::kubelet::plugin_config::{ExpectedDevice, PluginConfig, expected_devices};
 use taintgate_validators::profile::{NodeProfile, SimKubelet};
+use taintgate_validators::reason::ReasonCode;
 
 struct Node {
     _dir: tempfile::TempDir,

@@ -10,6 +10,7 @@ use taintgate_validators::input::parse_yaml;
 use taintgate_validators::kubelet::fit::{FitConfig, FitFailure, ServingGroup, fit, fit_simulated, pod_requests};
 use taintgate_validators::kubelet::quantity::Quantity;
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::ReasonCode;
 
 fn q(pairs: &[(&str, &str)]) -> BTreeMap<String, K8sQuantity> {
     pairs

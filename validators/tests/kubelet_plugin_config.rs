@@ -9,6 +9,7 @@ use taintgate_validators::kubelet::plugin_config::{
     MigStrategy, PluginConfig, expected_allocatable, expected_device_ids, expected_devices,
 };
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::ReasonCode;
 
 fn inventory() -> Inventory {
     let p = NodeProfile::load("builtin").unwrap();

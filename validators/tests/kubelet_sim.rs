@@ -9,6 +9,7 @@ use taintgate_validators::kubelet::allocatable::{check_gfd_labels, evaluate_allo
 use taintgate_validators::kubelet::device_plugin::{SimDevicePluginProbe, check_device_plugin};
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_allocatable, expected_device_ids};
 use taintgate_validators::profile::{NodeProfile, SimKubelet};
+use taintgate_validators::reason::ReasonCode;
 
 fn profile(name: &str) -> NodeProfile {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))

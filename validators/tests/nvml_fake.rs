@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 use taintgate_validators::gpu::decide::{DriverExpectations, evaluate_driver, startup_record};
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::gpu::{Gpu, GpuError, Interconnect, Inventory};
+use taintgate_validators::reason::ReasonCode;
 
 /// Compile the fake once per test process.
 fn fake_library() -> &'static Path {

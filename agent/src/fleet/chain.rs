@@ -2,6 +2,8 @@
 //! end, and the verdict, sorted by time; the interval between adjacent stamps is named
 //! after the later stamp, which is what that interval waited on.
 
+use crate::readiness::outcome;
+use crate::stage::{Stage, XID_WATCH};
 use crate::telemetry::annotation::AnnotationDoc;
 use crate::telemetry::otlp::AGENT_START;
 use crate::telemetry::prestamps::names;
@@ -290,9 +292,11 @@ impl Chain {
                 .map(|t| format!("{t:.3}"))
                 .unwrap_or_else(|_| at.to_string());
             let what = match outcome.as_str() {
-                "WorkloadReady" => "first workload Ready and its endpoint ready".to_string(),
-                "NoEndpointYet" => "workload Ready; no EndpointSlice listed it ready in time".to_string(),
-                "NoWorkloadYet" => "no workload yet at the readiness deadline; the agent stopped watching".to_string(),
+                outcome::WORKLOAD_READY => "first workload Ready and its endpoint ready".to_string(),
+                outcome::NO_ENDPOINT_YET => "workload Ready; no EndpointSlice listed it ready in time".to_string(),
+                outcome::NO_WORKLOAD_YET => {
+                    "no workload yet at the readiness deadline; the agent stopped watching".to_string()
+                }
                 other => other.to_string(),
             };
             let pods = if pods.is_empty() {
@@ -322,20 +326,11 @@ pub fn intervals(stamps: &[ChainStamp]) -> Vec<Interval> {
 /// that owns it), for people.
 pub fn waited_on_name(name: &str) -> String {
     let stage = |s: &str| -> &'static str {
-        match s {
-            "register" => "Karpenter registration sync (registered label, no unregistered taint)",
-            "driver" => "GPU driver: NVML init, inventory and health",
-            "smoke" => "CUDA smoke kernel on every GPU",
-            "peer-bw" => "peer copy matrix and NCCL all-reduce bandwidth",
-            "allocatable" => "device plugin publishing allocatable via kubelet",
-            "device-plugin" => "device plugin gRPC and kubelet PodResources",
-            "runtime" => "CDI spec naming every device",
-            "fit" => "serving-group fit on allocatable",
-            "models" => "model bytes downloaded and sha256-verified (model cache)",
-            "images" => "images pulled into containerd (image cache)",
-            "untaint" => "startup-taint removal (API patch)",
-            "xid-watch" => "XID check over the validation window",
-            _ => "stage evidence",
+        match (Stage::from_name(s), s) {
+            (Some(st), _) => st.meaning(),
+            (None, "untaint") => "startup-taint removal (API patch)",
+            (None, XID_WATCH) => "XID check over the validation window",
+            (None, _) => "stage evidence",
         }
     };
     match name {

@@ -26,6 +26,7 @@ use serde_json::Value;
 use stats::FleetReport;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use taintgate_validators::reason::ReasonCode;
 
 /// Flags of `taintgate timeline`.
 #[derive(Debug, Clone, clap::Args)]
@@ -104,8 +105,18 @@ pub enum FleetError {
 }
 
 impl FleetError {
+    /// Process exit code for this failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            FleetError::NoTimeline { .. } | FleetError::NoNodes { .. } => 1,
+            _ => 2,
+        }
+    }
+}
+
+impl taintgate_validators::reason::ReasonCode for FleetError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             FleetError::Client(_) => "KubeconfigInvalid",
             FleetError::Api { .. } => "ApiError",
@@ -113,14 +124,6 @@ impl FleetError {
             FleetError::Annotation { .. } => "AnnotationInvalid",
             FleetError::NoNodes { .. } => "NoNodes",
             FleetError::Svg { .. } => "SvgWriteFailed",
-        }
-    }
-
-    /// Process exit code for this failure.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            FleetError::NoTimeline { .. } | FleetError::NoNodes { .. } => 1,
-            _ => 2,
         }
     }
 }

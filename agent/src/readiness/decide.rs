@@ -233,7 +233,7 @@ pub fn decide<'a>(
 /// newest `managedFields[].time`, else the slice's creation). `None` when it does not.
 pub fn slice_ready_for(slice: &EndpointSlice, pod: &PodRef) -> Option<Timestamp> {
     let slice_ns = slice.metadata.namespace.as_deref().unwrap_or_default();
-    let lists_ready = slice.endpoints.iter().any(|e| {
+    let lists_ready = slice.endpoints.iter().flatten().any(|e| {
         let ready = e.conditions.as_ref().and_then(|c| c.ready) == Some(true);
         let names_pod = e.target_ref.as_ref().is_some_and(|t| {
             t.kind.as_deref() == Some("Pod")

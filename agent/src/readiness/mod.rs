@@ -13,21 +13,20 @@
 
 pub mod decide;
 pub mod record;
-pub mod settings;
 pub mod trace;
 
 use crate::config::Config;
-use crate::node_api::NodeApi;
+use crate::node::NodeApi;
+use crate::node::workload::{Seen, WorkloadSource};
 use crate::telemetry::annotation::WorkloadEntry;
 use crate::telemetry::prestamps::Stamp;
 use decide::{PodRef, names};
 use futures::StreamExt;
-use futures::stream::BoxStream;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use record::Record;
 use std::collections::{BTreeMap, BTreeSet};
+use taintgate_validators::reason::ReasonCode;
 use tokio_util::sync::CancellationToken;
 
 /// Outcome codes (also reason codes in the catalogue).
@@ -42,33 +41,9 @@ pub mod outcome {
     pub const WATCH_FAILED: &str = "ReadinessWatchFailed";
 }
 
-/// One event of a watch as the readiness chain needs it.
-#[derive(Debug, Clone)]
-pub enum Seen<K> {
-    /// The watch (re)starts with a full list: forget what was seen.
-    Reset,
-    /// An object was listed, added or modified.
-    Applied(K),
-    /// An object was deleted.
-    Deleted(K),
-    /// The list that followed a `Reset` is complete.
-    Listed,
-    /// The watch failed; it is retried with backoff by the source.
-    Error(String),
-}
-
-/// Where the workload's objects are watched. Dropping a stream closes its watch.
-pub trait WorkloadSource: Send + Sync {
-    /// Pods bound to `node` (field selector `spec.nodeName=<node>`), narrowed by the
-    /// label `selector` when given.
-    fn pods_on_node(&self, node: &str, selector: Option<&str>) -> BoxStream<'static, Seen<Pod>>;
-    /// EndpointSlices of one namespace.
-    fn endpoint_slices(&self, namespace: &str) -> BoxStream<'static, Seen<EndpointSlice>>;
-}
-
 /// Follow the workload on `node` until it is Ready and has a ready endpoint, or a bound
 /// ends the wait. Every watch is closed when this returns.
-pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &settings::ReadinessConfig) -> Record {
+pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::readiness::ReadinessConfig) -> Record {
     let deadline = tokio::time::Instant::now() + cfg.deadline;
     let selector = cfg.label_selector();
     let chosen = {
@@ -212,7 +187,7 @@ pub async fn run(api: &dyn NodeApi, config: &Config, cancel: &CancellationToken)
         Ok(node) => {
             if config.reporting.events {
                 // A Normal Event: `kubectl get events` shows how the chain ended.
-                let ev = crate::report::node_event(
+                let ev = crate::node::report::node_event(
                     &node,
                     &config.reporting,
                     false,

@@ -5,7 +5,7 @@
 //! the verdict message, passed stages, then every stage (a `truncated` marker says so);
 //! the `pre` and `post` stamps stay longest.
 
-use crate::node_api::{ApiError, NodeApi};
+use crate::node::{ApiError, NodeApi};
 use crate::telemetry::annotation::WorkloadEntry;
 use crate::telemetry::prestamps::Stamp;
 use jiff::Timestamp;
@@ -93,7 +93,7 @@ pub async fn write(
     fallback_start: Timestamp,
 ) -> Result<Node, ApiError> {
     let key = format!("{}/timeline", reporting.annotation_prefix);
-    let mut retry = crate::untaint::Retry::for_api(settings, WRITE_RETRY, "the annotation write's deadline");
+    let mut retry = crate::node::untaint::Retry::for_api(settings, WRITE_RETRY, "the annotation write's deadline");
     loop {
         let node = match api.get().await {
             Ok(n) => n,

@@ -15,6 +15,7 @@ use opentelemetry::{InstrumentationScope, KeyValue};
 use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanLinks};
 use std::borrow::Cow;
 use std::time::SystemTime;
+use taintgate_validators::reason::ReasonCode;
 
 /// Name of the root span.
 pub const ROOT_SPAN: &str = "readiness";

@@ -42,9 +42,11 @@ impl AnnotationError {
             message: message.into(),
         }
     }
+}
 
+impl taintgate_validators::reason::ReasonCode for AnnotationError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         "AnnotationInvalid"
     }
 }
@@ -309,6 +311,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::timeline::{StageRecord, Verdict};
+    use taintgate_validators::reason::ReasonCode;
 
     fn timeline(n: usize) -> Timeline {
         let start: Timestamp = "2026-01-01T00:02:05.120Z".parse().unwrap();

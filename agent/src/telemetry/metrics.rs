@@ -130,9 +130,9 @@ pub enum MetricsError {
     Encode(String),
 }
 
-impl MetricsError {
+impl taintgate_validators::reason::ReasonCode for MetricsError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             MetricsError::Bind { .. } => "MetricsBindFailed",
             MetricsError::Encode(_) => "MetricsEncodeFailed",

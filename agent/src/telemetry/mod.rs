@@ -10,6 +10,7 @@ pub mod prestamps;
 pub use prestamps::Stamp;
 
 use crate::timeline::Timeline;
+use taintgate_validators::reason::ReasonCode;
 
 /// Export the bootstrap's trace when `OTEL_EXPORTER_OTLP_*` configures an endpoint.
 /// Never fails the caller: telemetry problems are logged (with their reason code) and the

@@ -76,9 +76,9 @@ pub enum OtlpError {
     },
 }
 
-impl OtlpError {
+impl taintgate_validators::reason::ReasonCode for OtlpError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             OtlpError::Config { .. } => "OtlpConfigInvalid",
             OtlpError::Export { .. } => "OtlpExportFailed",
@@ -387,6 +387,7 @@ mod tests {
     use super::*;
     use crate::timeline::Verdict;
     use serde_json::json;
+    use taintgate_validators::reason::ReasonCode;
 
     fn ts(s: &str) -> Timestamp {
         s.parse().unwrap()

@@ -17,6 +17,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Node;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use taintgate_validators::reason::ReasonCode;
 
 /// Label Karpenter puts on a Node naming its NodeClaim.
 pub const NODECLAIM_LABEL: &str = "karpenter.sh/nodeclaim";
@@ -85,9 +86,9 @@ pub enum StampError {
     },
 }
 
-impl StampError {
+impl taintgate_validators::reason::ReasonCode for StampError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             StampError::NodeRead { .. } => "NodeReadFailed",
             StampError::NodeClaimRead { .. } => "NodeClaimReadFailed",

@@ -209,6 +209,7 @@ fn normalize_registry_key(key: &str) -> Key {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use taintgate_validators::reason::ReasonCode;
 
     #[test]
     fn a_huge_auth_file_is_refused_by_its_size() {

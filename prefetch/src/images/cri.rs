@@ -278,6 +278,7 @@ pub fn classify_pull_status(image: &ImageRef, code: Code, message: &str) -> Imag
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use taintgate_validators::reason::ReasonCode;
 
     fn img() -> ImageRef {
         ImageRef::parse("127.0.0.1:5000/app@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")

@@ -33,9 +33,10 @@ pub use auth::{Auth, AuthFile};
 pub use cri::CriImageRuntime;
 pub use reference::ImageRef;
 pub use sim::SimImageRuntime;
+use taintgate_validators::reason::ReasonCode;
 
 /// Configuration of the `images` stage (`images:` in the agent's YAML config).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ImagesConfig {
     /// The CRI runtime's unix socket (containerd's by default; CRI-O:
@@ -236,8 +237,18 @@ pub enum ImageError {
 }
 
 impl ImageError {
+    /// Whether a retry may succeed (network trouble, a registry 5xx, a runtime starting).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::PullFailed { transient, .. } | Self::RuntimeUnavailable { transient, .. } => *transient,
+            _ => false,
+        }
+    }
+}
+
+impl taintgate_validators::reason::ReasonCode for ImageError {
     /// Stable CamelCase reason code for conditions, events, metrics and exit codes.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             Self::NotPinned { .. } => "ImageNotPinned",
             Self::InvalidReference { .. } => "ImageReferenceInvalid",
@@ -250,14 +261,6 @@ impl ImageError {
             Self::Runtime { .. } => "ImageRuntimeError",
             Self::Deadline { .. } => "ImagePullTimeout",
             Self::Cancelled => "Cancelled",
-        }
-    }
-
-    /// Whether a retry may succeed (network trouble, a registry 5xx, a runtime starting).
-    pub fn is_transient(&self) -> bool {
-        match self {
-            Self::PullFailed { transient, .. } | Self::RuntimeUnavailable { transient, .. } => *transient,
-            _ => false,
         }
     }
 }

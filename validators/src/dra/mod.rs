@@ -7,6 +7,8 @@
 //! ([`compare_devices`]). The boundary (a field-selected watch, the plugin socket) is
 //! kept out so the rules can be table-tested.
 
+pub mod evidence;
+
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One ResourceSlice reduced to what the decisions need.

@@ -24,7 +24,7 @@ pub enum XidClass {
 /// treated as fatal); ignored 13, 31, 43, 45, 63, 68, 109 (the device plugin's
 /// application-level list plus 63, a successful row remap record); everything else warns
 /// (92 included).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct XidPolicy {
     /// XIDs that hold the node.
@@ -56,7 +56,7 @@ impl XidPolicy {
 }
 
 /// What the driver stage expects of the node.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DriverExpectations {
     /// Exact GPU count. `None`: derive from the product table (8 for SXM HGX parts), else
@@ -107,6 +107,12 @@ pub struct DriverFailure {
     pub reason: &'static str,
     /// Human message naming the GPU(s) involved.
     pub message: String,
+}
+
+impl crate::reason::ReasonCode for DriverFailure {
+    fn reason(&self) -> &'static str {
+        self.reason
+    }
 }
 
 /// Driver-stage evidence: the inventory passed, with warnings that did not hold the node.
@@ -492,6 +498,12 @@ pub struct PeerBwFailure {
     pub reason: &'static str,
     /// Names the domain, the slowest pair and the figures.
     pub message: String,
+}
+
+impl crate::reason::ReasonCode for PeerBwFailure {
+    fn reason(&self) -> &'static str {
+        self.reason
+    }
 }
 
 /// Check a domain's measured bandwidth against its threshold. Pairs are copy-engine

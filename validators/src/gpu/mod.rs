@@ -354,9 +354,9 @@ pub enum GpuError {
     },
 }
 
-impl GpuError {
+impl crate::reason::ReasonCode for GpuError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             GpuError::DriverNotLoaded(_) => "DriverNotLoaded",
             GpuError::GpuLost { .. } => "GpuLost",

@@ -106,8 +106,22 @@ fn describe(kind: &AllocatableKind, mismatches: &[ResourceMismatch]) -> String {
 }
 
 impl AllocatableFailure {
+    /// True when waiting may fix it (plugin still registering, publishing in steps, a
+    /// device recovering); false when more time will not help.
+    pub fn is_waitable(&self) -> bool {
+        matches!(
+            self,
+            AllocatableFailure::Mismatch {
+                kind: AllocatableKind::Zero | AllocatableKind::Short,
+                ..
+            } | AllocatableFailure::NoNodeObserved { .. }
+        )
+    }
+}
+
+impl crate::reason::ReasonCode for AllocatableFailure {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             AllocatableFailure::Mismatch {
                 kind: AllocatableKind::Zero,
@@ -126,16 +140,8 @@ impl AllocatableFailure {
         }
     }
 
-    /// True when waiting may fix it (plugin still registering, publishing in steps, a
-    /// device recovering); false when more time will not help.
-    pub fn is_waitable(&self) -> bool {
-        matches!(
-            self,
-            AllocatableFailure::Mismatch {
-                kind: AllocatableKind::Zero | AllocatableKind::Short,
-                ..
-            } | AllocatableFailure::NoNodeObserved { .. }
-        )
+    fn is_transient(&self) -> bool {
+        self.is_waitable()
     }
 }
 
@@ -309,9 +315,9 @@ pub struct LabelMismatch {
     pub nvml: String,
 }
 
-impl LabelMismatch {
+impl crate::reason::ReasonCode for LabelMismatch {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         "LabelMismatch"
     }
 }

@@ -216,9 +216,9 @@ fn invalid_note(invalid: &[InputError]) -> String {
     )
 }
 
-impl CdiFailure {
+impl crate::reason::ReasonCode for CdiFailure {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         "RuntimeInjectionMissing"
     }
 }

@@ -31,7 +31,7 @@ pub const HEALTHY: &str = "Healthy";
 pub const UNHEALTHY: &str = "Unhealthy";
 
 /// Where the kubelet-side sockets are.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct KubeletPaths {
     /// Directory holding device plugin sockets.
@@ -167,8 +167,15 @@ pub enum ProbeError {
 }
 
 impl ProbeError {
+    /// True when retrying later may succeed (plugin or kubelet still starting).
+    pub fn is_transient(&self) -> bool {
+        !matches!(self, ProbeError::MalformedReply { .. })
+    }
+}
+
+impl crate::reason::ReasonCode for ProbeError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             ProbeError::SocketMissing { .. } => "PluginSocketMissing",
             ProbeError::Unreachable { .. } => "PluginUnreachable",
@@ -179,9 +186,8 @@ impl ProbeError {
         }
     }
 
-    /// True when retrying later may succeed (plugin or kubelet still starting).
-    pub fn is_transient(&self) -> bool {
-        !matches!(self, ProbeError::MalformedReply { .. })
+    fn is_transient(&self) -> bool {
+        ProbeError::is_transient(self)
     }
 }
 
@@ -471,16 +477,6 @@ fn mismatch_text(missing: &[String], extra: &[String]) -> String {
 }
 
 impl DevicePluginFailure {
-    /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            DevicePluginFailure::Probe(p) => p.reason(),
-            DevicePluginFailure::PluginDevicesMismatch { .. } => "PluginDevicesMismatch",
-            DevicePluginFailure::PluginDeviceUnhealthy { .. } => "PluginDeviceUnhealthy",
-            DevicePluginFailure::KubeletDevicesMismatch { .. } => "KubeletDevicesMismatch",
-        }
-    }
-
     /// True when retrying later may succeed (sockets not up yet, a device recovering,
     /// the kubelet not yet caught up with the plugin).
     pub fn is_transient(&self) -> bool {
@@ -491,6 +487,22 @@ impl DevicePluginFailure {
             }
             DevicePluginFailure::PluginDevicesMismatch { .. } => false,
         }
+    }
+}
+
+impl crate::reason::ReasonCode for DevicePluginFailure {
+    /// Stable reason code.
+    fn reason(&self) -> &'static str {
+        match self {
+            DevicePluginFailure::Probe(p) => p.reason(),
+            DevicePluginFailure::PluginDevicesMismatch { .. } => "PluginDevicesMismatch",
+            DevicePluginFailure::PluginDeviceUnhealthy { .. } => "PluginDeviceUnhealthy",
+            DevicePluginFailure::KubeletDevicesMismatch { .. } => "KubeletDevicesMismatch",
+        }
+    }
+
+    fn is_transient(&self) -> bool {
+        DevicePluginFailure::is_transient(self)
     }
 }
 

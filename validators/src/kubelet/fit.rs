@@ -36,7 +36,7 @@ fn one() -> u64 {
 }
 
 /// The shape of one serving group (e.g. a TP4 group: 4 GPUs, 40 CPU, 300Gi).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ServingGroup {
     /// Name used in the report (`TP4`).
@@ -63,7 +63,7 @@ pub struct ServingGroup {
 }
 
 /// The fit stage's configuration: the group shape and how many the NodePool promises.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FitConfig {
     /// The group shape.
@@ -239,9 +239,9 @@ pub enum FitFailure {
     },
 }
 
-impl FitFailure {
+impl crate::reason::ReasonCode for FitFailure {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             FitFailure::GroupFitShort { .. } => "GroupFitShort",
             FitFailure::InvalidQuantity { .. } => "InvalidInput",

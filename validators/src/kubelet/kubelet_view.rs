@@ -137,6 +137,7 @@ pub async fn check_kubelet_view(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::reason::ReasonCode;
 
     fn set(ids: &[&str]) -> BTreeSet<String> {
         ids.iter().map(|s| s.to_string()).collect()

@@ -152,9 +152,9 @@ pub enum PluginConfigError {
     },
 }
 
-impl PluginConfigError {
+impl crate::reason::ReasonCode for PluginConfigError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         match self {
             PluginConfigError::Invalid(_) => "InvalidInput",
             PluginConfigError::MigLayout { .. } => "PluginConfigMismatch",

@@ -14,3 +14,11 @@ pub mod deviceplugin_v1beta1 {
 pub mod podresources_v1 {
     tonic::include_proto!("v1");
 }
+
+/// Kubelet plugin registration (`k8s.io/kubelet/pkg/apis/pluginregistration/v1`): the
+/// `Registration` service a DRA (or CSI) kubelet plugin serves on its socket under the
+/// kubelet's `plugins_registry` directory.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}

@@ -45,9 +45,11 @@ impl QuantityError {
             why: why.into(),
         }
     }
+}
 
+impl crate::reason::ReasonCode for QuantityError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         "InvalidQuantity"
     }
 }
@@ -271,6 +273,20 @@ impl fmt::Display for Quantity {
         } else {
             write!(f, "{}m", self.milli)
         }
+    }
+}
+
+/// In a config, a quantity is written as Kubernetes writes it: a string (`500m`, `300Gi`)
+/// or a plain number (`40`).
+impl schemars::JsonSchema for Quantity {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Quantity".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": ["string", "number"],
+            "description": "A Kubernetes quantity such as 40, 500m or 300Gi."
+        })
     }
 }
 

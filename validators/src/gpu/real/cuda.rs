@@ -884,6 +884,7 @@ fn enable_peer_access(a: &Loaded, b: &Loaded, id: &str) -> Result<bool, GpuError
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::reason::ReasonCode;
 
     #[test]
     fn expected_values_follow_the_kernel() {

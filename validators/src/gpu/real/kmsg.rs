@@ -32,9 +32,9 @@ pub struct KmsgError {
     pub source: std::io::Error,
 }
 
-impl KmsgError {
+impl crate::reason::ReasonCode for KmsgError {
     /// Stable reason code.
-    pub fn reason(&self) -> &'static str {
+    fn reason(&self) -> &'static str {
         "KernelLogUnreadable"
     }
 }

@@ -691,6 +691,7 @@ fn peer_domains(_nvml: &Nvml, gpus: &[GpuInfo], devices: &[Option<Device<'_>>]) 
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::reason::ReasonCode;
 
     #[test]
     fn mig_profile_from_device_name() {

@@ -233,6 +233,7 @@ fn describe_exit(status: &std::process::ExitStatus) -> String {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::reason::ReasonCode;
 
     fn script(dir: &Path, body: &str) -> PathBuf {
         use std::os::unix::fs::PermissionsExt;

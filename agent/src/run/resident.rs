@@ -15,11 +15,11 @@
 //!   endpoint and records the stamps ([`crate::readiness`]), then stops watching.
 
 use crate::config::Config;
-use crate::node_api::NodeApi;
-use crate::report::{ConditionValue, node_event, set_condition};
+use crate::node::NodeApi;
+use crate::node::report::{ConditionValue, node_event, set_condition};
+use crate::node::untaint::{add_taint, remove_startup_taint, taint_index};
 use crate::stages::is_registered;
 use crate::telemetry::metrics::Metrics;
-use crate::untaint::{add_taint, remove_startup_taint, taint_index};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Node;
 use std::sync::Arc;
@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use taintgate_validators::gpu::Gpu;
 use taintgate_validators::gpu::decide::XidClass;
+use taintgate_validators::reason::ReasonCode;
 use taintgate_validators::retry::RetryPolicy;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -355,7 +356,7 @@ async fn emit_event(r: &Resident, node: Option<Node>, reason: &str, message: &st
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use crate::node_api::SimNodeApi;
+    use crate::node::SimNodeApi;
     use taintgate_validators::profile::NodeProfile;
 
     fn resident(continuous: bool) -> (Resident, Arc<SimNodeApi>) {

@@ -8,6 +8,7 @@ use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::gpu::{
     DomainBandwidth, Gpu, GpuError, GpuInfo, Inventory, PeerBwOptions, PeerDomain, SmokeResult,
 };
+use taintgate_validators::reason::ReasonCode;
 
 /// Open the real backend for this machine.
 pub fn open(config: &Config) -> Arc<dyn Gpu> {

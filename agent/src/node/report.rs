@@ -4,7 +4,7 @@
 //! other controllers' conditions are never clobbered.
 
 use crate::config::ReportingConfig;
-use crate::node_api::NodeApi;
+use crate::node::NodeApi;
 use crate::timeline::Timeline;
 use jiff::Timestamp;
 use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOperation};
@@ -149,7 +149,7 @@ pub async fn set_condition(
     api: &dyn NodeApi,
     c: &ConditionValue,
     known: Option<Node>,
-) -> Result<Node, crate::node_api::ApiError> {
+) -> Result<Node, crate::node::ApiError> {
     let mut known = known;
     let mut last = None;
     for attempt in 0..6u32 {
@@ -177,7 +177,7 @@ pub async fn set_condition(
             Err(e) => return Err(e),
         }
     }
-    Err(last.unwrap_or_else(|| crate::node_api::ApiError::from_code("set condition", 0, "no attempt made")))
+    Err(last.unwrap_or_else(|| crate::node::ApiError::from_code("set condition", 0, "no attempt made")))
 }
 
 /// The longest the annotation write retries an API that fails.
@@ -197,7 +197,7 @@ pub async fn write_annotation(
     pre: &[crate::telemetry::prestamps::Stamp],
     released_boot_id: Option<&str>,
     settings: &crate::config::ApiConfig,
-) -> Result<Node, crate::node_api::ApiError> {
+) -> Result<Node, crate::node::ApiError> {
     let key = format!("{}/timeline", cfg.annotation_prefix);
     let mut annotations = serde_json::Map::new();
     annotations.insert(
@@ -205,10 +205,10 @@ pub async fn write_annotation(
         json!(crate::telemetry::annotation::encode(t, pre, cfg.annotation_max_bytes)),
     );
     if let Some(b) = released_boot_id {
-        annotations.insert(crate::regate::boot_annotation(cfg), json!(b));
+        annotations.insert(crate::node::regate::boot_annotation(cfg), json!(b));
     }
     let patch = json!({"metadata": {"annotations": annotations}});
-    let mut retry = crate::untaint::Retry::for_api(settings, ANNOTATION_RETRY, "the annotation write's deadline");
+    let mut retry = crate::node::untaint::Retry::for_api(settings, ANNOTATION_RETRY, "the annotation write's deadline");
     loop {
         match api.merge_patch(&patch).await {
             Ok(n) => return Ok(n),
@@ -228,9 +228,9 @@ mod tests {
     /// retried through a brief outage; a refusal is not.
     #[tokio::test]
     async fn the_release_annotation_survives_a_brief_outage() {
-        use crate::node_api::testing::Flaky;
+        use crate::node::testing::Flaky;
         let profile = taintgate_validators::profile::NodeProfile::load("builtin").unwrap();
-        let flaky = |code, merges| Flaky::new(crate::node_api::SimNodeApi::new(&profile), code, [0, 0, merges]);
+        let flaky = |code, merges| Flaky::new(crate::node::SimNodeApi::new(&profile), code, [0, 0, merges]);
         let cfg = ReportingConfig::default();
         let settings = crate::config::ApiConfig::default();
         let t = Timeline {
@@ -246,7 +246,7 @@ mod tests {
             .unwrap();
         let a = n.metadata.annotations.unwrap();
         assert_eq!(
-            a.get(&crate::regate::boot_annotation(&cfg)).map(String::as_str),
+            a.get(&crate::node::regate::boot_annotation(&cfg)).map(String::as_str),
             Some("boot-7")
         );
         let api = flaky(403, 1);

@@ -11,7 +11,7 @@
 //! entry, a `test` of the list it was built from, re-read and retry on conflict.
 
 use crate::config::TaintConfig;
-use crate::node_api::{ApiError, ApiErrorKind, NodeApi};
+use crate::node::{ApiError, ApiErrorKind, NodeApi};
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, TestOperation};
 use k8s_openapi::api::core::v1::Node;
 use std::time::{Duration, Instant};

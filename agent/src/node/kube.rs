@@ -2,7 +2,7 @@
 //! only (field selector `metadata.name`), resumed from the last resourceVersion when the
 //! server closes it, re-listed after `410 Gone`, and backed off on transport errors.
 
-use crate::node_api::{ApiError, NodeApi, NodePredicate};
+use crate::node::{ApiError, NodeApi, NodePredicate};
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
@@ -30,7 +30,7 @@ fn watch_timeout(read_timeout: Duration) -> u32 {
     u32::try_from(secs).unwrap_or(290)
 }
 
-fn to_api_error(op: &str, e: kube::Error) -> ApiError {
+pub(crate) fn to_api_error(op: &str, e: kube::Error) -> ApiError {
     match e {
         kube::Error::Api(status) => {
             ApiError::from_code(op, status.code, format!("{} {}", status.reason, status.message))
@@ -51,6 +51,12 @@ fn to_api_error(op: &str, e: kube::Error) -> ApiError {
 }
 
 impl KubeNodeApi {
+    /// The client this API talks through (the composition root hands it on as the
+    /// pre-agent stamp source: the NodeClaim is read with the same credentials).
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
     /// Connect with an explicit kubeconfig, or the standard inference (in-cluster service
     /// account, then `$KUBECONFIG` / `~/.kube/config`).
     /// `request_timeout` bounds the wait for any bytes of an answer (see
@@ -121,7 +127,7 @@ impl NodeApi for KubeNodeApi {
             // while no watch was open.
             let node = match self.get().await {
                 Ok(n) => n,
-                Err(e) if e.retryable() || e.kind == crate::node_api::ApiErrorKind::NotFound => {
+                Err(e) if e.retryable() || e.kind == crate::node::ApiErrorKind::NotFound => {
                     tracing::warn!(error = %e, "reading node before watch failed; backing off");
                     tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
                     continue 'relist;
@@ -214,11 +220,7 @@ impl NodeApi for KubeNodeApi {
             .map_err(|e| to_api_error(&format!("create event in {}", self.event_namespace), e))
     }
 
-    fn stamp_source(&self) -> Option<&dyn crate::telemetry::prestamps::StampSource> {
-        Some(&self.client)
-    }
-
-    fn workload_source(&self) -> Option<&dyn crate::readiness::WorkloadSource> {
+    fn workload_source(&self) -> Option<&dyn crate::node::workload::WorkloadSource> {
         Some(self)
     }
 
@@ -237,12 +239,12 @@ impl NodeApi for KubeNodeApi {
 /// `spec.nodeName`), never a cluster-wide list. EndpointSlices: one namespace at a time
 /// (they carry no node field to select on). Each watch asks the server to end it before
 /// the client's read timeout, like the node watch.
-impl crate::readiness::WorkloadSource for KubeNodeApi {
+impl crate::node::workload::WorkloadSource for KubeNodeApi {
     fn pods_on_node(
         &self,
         node: &str,
         selector: Option<&str>,
-    ) -> futures::stream::BoxStream<'static, crate::readiness::Seen<Pod>> {
+    ) -> futures::stream::BoxStream<'static, crate::node::workload::Seen<Pod>> {
         let mut cfg = kube::runtime::watcher::Config::default()
             .fields(&format!("spec.nodeName={node}"))
             .timeout(self.watch_timeout_secs);
@@ -255,7 +257,7 @@ impl crate::readiness::WorkloadSource for KubeNodeApi {
     fn endpoint_slices(
         &self,
         namespace: &str,
-    ) -> futures::stream::BoxStream<'static, crate::readiness::Seen<k8s_openapi::api::discovery::v1::EndpointSlice>>
+    ) -> futures::stream::BoxStream<'static, crate::node::workload::Seen<k8s_openapi::api::discovery::v1::EndpointSlice>>
     {
         let api: Api<k8s_openapi::api::discovery::v1::EndpointSlice> = Api::namespaced(self.client.clone(), namespace);
         let cfg = kube::runtime::watcher::Config::default().timeout(self.watch_timeout_secs);
@@ -265,8 +267,8 @@ impl crate::readiness::WorkloadSource for KubeNodeApi {
 
 fn seen<K: Send + 'static>(
     s: impl futures::Stream<Item = Result<kube::runtime::watcher::Event<K>, kube::runtime::watcher::Error>> + Send + 'static,
-) -> futures::stream::BoxStream<'static, crate::readiness::Seen<K>> {
-    use crate::readiness::Seen;
+) -> futures::stream::BoxStream<'static, crate::node::workload::Seen<K>> {
+    use crate::node::workload::Seen;
     use kube::runtime::WatchStreamExt;
     use kube::runtime::watcher::Event;
     s.default_backoff()

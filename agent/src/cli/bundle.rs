@@ -1,12 +1,13 @@
 //! `taintgate bundle create|fetch`: write a pinned manifest for a model directory, and run
 //! the models stage's download engine on its own (warm a cache, benchmark, debug a source).
 
-use crate::bootstrap::exit;
+use crate::run::bootstrap::exit;
 use clap::Subcommand;
 use std::path::PathBuf;
 use taintgate_prefetch::{
     BundleRef, CancellationToken, MAX_MANIFEST_BYTES, PrefetchOptions, create_manifest, prefetch_bundles, sha256_hex,
 };
+use taintgate_validators::reason::ReasonCode;
 
 /// `bundle` subcommands.
 #[derive(Debug, Subcommand)]
@@ -168,7 +169,7 @@ pub async fn run(cmd: BundleCommand) -> i32 {
                     eprintln!("error ({}): {e}", e.reason());
                     // Options the user typed are bad input (2), like a bad config; anything
                     // the sources, the manifest or the disk did is a failed fetch (1).
-                    if e.reason() == "OptionsInvalid" {
+                    if matches!(e, taintgate_prefetch::PrefetchError::OptionsInvalid { .. }) {
                         exit::BAD_INPUT
                     } else {
                         exit::HELD

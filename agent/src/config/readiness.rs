@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// `readiness:` — the chain after the untaint (see `docs/readiness-chain.md`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ReadinessConfig {
     /// Watch the node's Pods after release and record the workload's stamps.
@@ -13,10 +13,12 @@ pub struct ReadinessConfig {
     /// Longest wait, from release, for the workload to become Ready. At the deadline the
     /// agent records `NoWorkloadYet` (not a failure of the node) and stops watching.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub deadline: Duration,
     /// Longest wait, once the workload is Ready, for an EndpointSlice to list it ready.
     /// A workload behind no Service never gets one; the chain then ends at `pod-ready`.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub endpoint_wait: Duration,
     /// Label selector (the API's syntax, e.g. `app=llm,tier in (serve)`) choosing the
     /// workload Pods. Empty: any Pod not owned by a DaemonSet (nor a static Pod).
@@ -63,7 +65,7 @@ impl ReadinessConfig {
                 "must be a one-line label selector of at most 1024 characters".into(),
             ));
         }
-        if !self.group_label.is_empty() && !crate::config::valid_qualified_name(&self.group_label) {
+        if !self.group_label.is_empty() && !super::names::valid_qualified_name(&self.group_label) {
             return Err((
                 "readiness.group_label",
                 format!("{:?} is not a valid label key", self.group_label),

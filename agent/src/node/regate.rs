@@ -6,8 +6,8 @@
 //! any stage, then removes it again when the evidence is in.
 
 use crate::config::{ApiConfig, ReportingConfig, TaintConfig};
-use crate::node_api::{ApiError, NodeApi};
-use crate::untaint::{Retry, taint_index};
+use crate::node::untaint::{Retry, taint_index};
+use crate::node::{ApiError, NodeApi};
 use json_patch::{AddOperation, Patch, PatchOperation, TestOperation};
 use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
@@ -92,7 +92,7 @@ pub async fn regate(
         // re-gate (the kubelet registers it with its taints).
         let node = match api.get().await {
             Ok(n) => n,
-            Err(e) if e.kind == crate::node_api::ApiErrorKind::NotFound => return Ok(false),
+            Err(e) if e.kind == crate::node::ApiErrorKind::NotFound => return Ok(false),
             Err(e) => {
                 retry.after(e, "re-gate").await?;
                 continue;
@@ -127,8 +127,8 @@ mod tests {
         serde_json::from_value(n).unwrap()
     }
 
-    use crate::node_api::SimNodeApi;
-    use crate::node_api::testing::Flaky;
+    use crate::node::SimNodeApi;
+    use crate::node::testing::Flaky;
     use std::sync::atomic::Ordering;
 
     /// A node released under an earlier boot, untainted, behind an API that fails.

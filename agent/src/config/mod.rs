@@ -2,6 +2,15 @@
 //! once at start with errors that name the file, line and key. Environment and CLI flags
 //! override the node name, dry-run and log format.
 
+pub mod example;
+pub mod names;
+pub mod publication;
+pub mod readiness;
+pub mod schema;
+
+pub use names::{valid_dns_subdomain, valid_qualified_name};
+
+use crate::stage::Stage;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -9,7 +18,7 @@ use taintgate_validators::gpu::decide::DriverExpectations;
 use taintgate_validators::input::{InputError, parse_yaml, read_bounded};
 
 /// The complete configuration.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// The startup taint this agent removes.
@@ -38,11 +47,13 @@ pub struct Config {
     /// on a fatal XID.
     pub continuous: ContinuousConfig,
     /// After release: follow the first workload to its first ready endpoint.
-    pub readiness: crate::readiness::settings::ReadinessConfig,
+    pub readiness: crate::config::readiness::ReadinessConfig,
+    /// How the node publishes its GPUs: device plugin, DRA driver, or both.
+    pub publication: crate::config::publication::PublicationConfig,
 }
 
 /// The startup taint (key + effect identify the one entry removed).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TaintConfig {
     /// Taint key. On GKE/AKS managed autoscalers use the
@@ -65,7 +76,7 @@ impl Default for TaintConfig {
 }
 
 /// Kubernetes taint effects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum TaintEffect {
     /// `NoSchedule`
     NoSchedule,
@@ -94,7 +105,7 @@ pub const DEFAULT_UNHEALTHY_TAINT_KEY: &str = "taintgate.io/gpu-unhealthy";
 /// a fatal XID (by `gpu.expect.xid`) also puts `taint` on the node, sets the agent's
 /// condition and the hardware condition False with reason `XidFatal`, and stops the agent
 /// from removing a re-added startup taint: the evidence no longer stands.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ContinuousConfig {
     /// Taint the node on a fatal XID after release.
@@ -107,6 +118,7 @@ pub struct ContinuousConfig {
     /// NVML waits on one event set at a time (one set per GPU), so each GPU's set gets an
     /// equal share and this also bounds how late an XID is seen on a multi-GPU node.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub xid_wait: Duration,
 }
 
@@ -122,7 +134,7 @@ impl Default for ContinuousConfig {
 
 /// The taint continuous mode adds: the shape of [`TaintConfig`] with its own defaults, so
 /// a config that sets only the effect keeps the unhealthy key (not the startup one).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct UnhealthyTaintConfig {
     /// Taint key.
@@ -151,7 +163,7 @@ impl UnhealthyTaintConfig {
 }
 
 /// Reporting on the Node.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ReportingConfig {
     /// Prefix of the agent's annotations (`<prefix>/timeline`).
@@ -183,7 +195,7 @@ impl Default for ReportingConfig {
 }
 
 /// Policy for one stage.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StageSettings {
     /// Run the stage at all.
@@ -193,6 +205,7 @@ pub struct StageSettings {
     pub required: bool,
     /// Longest the stage may take, including its waits and retries.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub deadline: Duration,
     /// Attempts after the first for failures the stage calls transient.
     pub retries: u32,
@@ -216,7 +229,7 @@ impl Default for StageSettings {
 }
 
 /// Per-stage settings, by stage name.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
 pub struct StagesConfig {
     /// Karpenter registration.
@@ -231,6 +244,8 @@ pub struct StagesConfig {
     pub allocatable: StageSettings,
     /// Device plugin and kubelet agree with NVML.
     pub device_plugin: StageSettings,
+    /// The DRA driver's ResourceSlices equal NVML.
+    pub dra: StageSettings,
     /// CDI specs name every device.
     pub runtime: StageSettings,
     /// Serving groups fit.
@@ -250,6 +265,7 @@ impl Default for StagesConfig {
             peer_bw: StageSettings::with_deadline(600),
             allocatable: StageSettings::with_deadline(600),
             device_plugin: StageSettings::with_deadline(300),
+            dra: StageSettings::with_deadline(600),
             runtime: StageSettings::with_deadline(120),
             fit: StageSettings::with_deadline(120),
             models: StageSettings::with_deadline(3600),
@@ -259,43 +275,43 @@ impl Default for StagesConfig {
 }
 
 impl StagesConfig {
-    /// Settings by stage name.
-    pub fn get(&self, stage: &str) -> Option<&StageSettings> {
-        Some(match stage {
-            "register" => &self.register,
-            "driver" => &self.driver,
-            "smoke" => &self.smoke,
-            "peer-bw" => &self.peer_bw,
-            "allocatable" => &self.allocatable,
-            "device-plugin" => &self.device_plugin,
-            "runtime" => &self.runtime,
-            "fit" => &self.fit,
-            "models" => &self.models,
-            "images" => &self.images,
-            _ => return None,
-        })
+    /// A stage's settings.
+    pub fn get(&self, stage: Stage) -> &StageSettings {
+        match stage {
+            Stage::Register => &self.register,
+            Stage::Driver => &self.driver,
+            Stage::Smoke => &self.smoke,
+            Stage::PeerBw => &self.peer_bw,
+            Stage::Allocatable => &self.allocatable,
+            Stage::DevicePlugin => &self.device_plugin,
+            Stage::Dra => &self.dra,
+            Stage::Runtime => &self.runtime,
+            Stage::Fit => &self.fit,
+            Stage::Models => &self.models,
+            Stage::Images => &self.images,
+        }
     }
 
-    /// Mutable settings by stage name.
-    pub fn get_mut(&mut self, stage: &str) -> Option<&mut StageSettings> {
-        Some(match stage {
-            "register" => &mut self.register,
-            "driver" => &mut self.driver,
-            "smoke" => &mut self.smoke,
-            "peer-bw" => &mut self.peer_bw,
-            "allocatable" => &mut self.allocatable,
-            "device-plugin" => &mut self.device_plugin,
-            "runtime" => &mut self.runtime,
-            "fit" => &mut self.fit,
-            "models" => &mut self.models,
-            "images" => &mut self.images,
-            _ => return None,
-        })
+    /// A stage's settings, to change.
+    pub fn get_mut(&mut self, stage: Stage) -> &mut StageSettings {
+        match stage {
+            Stage::Register => &mut self.register,
+            Stage::Driver => &mut self.driver,
+            Stage::Smoke => &mut self.smoke,
+            Stage::PeerBw => &mut self.peer_bw,
+            Stage::Allocatable => &mut self.allocatable,
+            Stage::DevicePlugin => &mut self.device_plugin,
+            Stage::Dra => &mut self.dra,
+            Stage::Runtime => &mut self.runtime,
+            Stage::Fit => &mut self.fit,
+            Stage::Models => &mut self.models,
+            Stage::Images => &mut self.images,
+        }
     }
 }
 
 /// GPU expectations and measurement settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct GpuConfig {
     /// What the driver stage expects (count, product, links, health limits, XID policy).
@@ -309,6 +325,7 @@ pub struct GpuConfig {
     /// Bound on one CUDA worker process (smoke of one GPU, or one peer domain's
     /// measurement); past it the worker is killed and the stage fails `CudaWorkerTimeout`.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub cuda_worker_timeout: Duration,
 }
 
@@ -325,7 +342,7 @@ impl Default for GpuConfig {
 }
 
 /// Peer bandwidth settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerBwConfig {
     /// Fraction of the theoretical link rate that must be reached.
@@ -358,7 +375,7 @@ impl Default for PeerBwConfig {
 }
 
 /// Model bundles: which to prefetch, and how.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelsConfig {
     /// Bundles, each pinned by its manifest's sha256.
@@ -368,7 +385,7 @@ pub struct ModelsConfig {
 }
 
 /// Kubelet-side settings (allocatable, device-plugin and runtime stages).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct KubeletConfig {
     /// The NVIDIA device plugin's config file (`version: v1`: MIG strategy, time-slicing
@@ -387,6 +404,7 @@ pub struct KubeletConfig {
     pub config_files: Vec<PathBuf>,
     /// Longest wait for the plugin's first ListAndWatch answer and the pod-resources reply.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub probe_timeout: Duration,
     /// Also compare the kubelet's own view (pod-resources `GetAllocatableResources`).
     pub check_pod_resources: bool,
@@ -431,24 +449,28 @@ impl Default for KubeletConfig {
 }
 
 /// Kubernetes API write policy.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ApiConfig {
     /// How long the taint removal keeps retrying conflicts and server errors. It never
     /// gives up earlier while evidence is complete.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub untaint_deadline: Duration,
     /// First backoff delay.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub backoff_min: Duration,
     /// Largest backoff delay.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub backoff_max: Duration,
     /// Longest wait for any bytes of an answer from the API server (the client's read
     /// timeout; the node watch is asked to close well before it). Without it a call on a
     /// connection that died half-open (an API server failover, a load balancer dropping it)
     /// waited for ever: deadlines are checked between calls, not during one.
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub request_timeout: Duration,
 }
 
@@ -547,10 +569,8 @@ impl Config {
         if self.gpu.smoke_bytes < 4096 {
             return err("gpu.smoke_bytes", "must be at least 4096".into());
         }
-        for name in crate::graph::STAGES {
-            if let Some(s) = self.stages.get(name)
-                && s.deadline.is_zero()
-            {
+        for name in Stage::ALL {
+            if self.stages.get(name).deadline.is_zero() {
                 return err(&format!("stages.{name}.deadline"), "must be greater than zero".into());
             }
         }
@@ -596,41 +616,6 @@ impl Config {
     }
 }
 
-/// Kubernetes qualified name: optional DNS-subdomain prefix + `/` + name of at most 63
-/// characters, alphanumeric at both ends, `-_.` inside.
-pub fn valid_qualified_name(s: &str) -> bool {
-    let (prefix, name) = match s.rsplit_once('/') {
-        Some((p, n)) => (Some(p), n),
-        None => (None, s),
-    };
-    if let Some(p) = prefix
-        && !valid_dns_subdomain(p)
-    {
-        return false;
-    }
-    !name.is_empty()
-        && name.len() <= 63
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
-        && name.chars().last().is_some_and(|c| c.is_ascii_alphanumeric())
-}
-
-/// RFC 1123 DNS subdomain.
-pub fn valid_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -638,8 +623,8 @@ mod tests {
 
     #[test]
     fn example_config_parses_and_round_trips() {
-        let text = crate::example::EXAMPLE_CONFIG;
-        let cfg = Config::parse(Path::new("example.yaml"), text).unwrap();
+        let text = crate::config::example::example();
+        let cfg = Config::parse(Path::new("example.yaml"), &text).unwrap();
         assert_eq!(cfg.taint.key, DEFAULT_TAINT_KEY);
         assert_eq!(cfg, Config::default(), "the example must document the defaults");
     }

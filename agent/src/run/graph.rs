@@ -5,73 +5,24 @@
 //! cancellation (SIGTERM/SIGINT) stops every stage.
 
 use crate::config::StageSettings;
-use crate::stages::{Context, Evidence, StageFailure, run_stage_body};
+use crate::stage::Stage;
+use crate::stages::{Context, Evidence, Progress, StageFailure, run_stage_body};
 use crate::timeline::{Clock, Outcome, StageRecord};
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use taintgate_validators::retry::RetryPolicy;
 use tracing::Instrument;
-
-/// Every stage, in report order.
-pub const STAGES: [&str; 10] = [
-    "register",
-    "driver",
-    "smoke",
-    "peer-bw",
-    "allocatable",
-    "device-plugin",
-    "runtime",
-    "fit",
-    "models",
-    "images",
-];
-
-/// Stages that prove hardware health (their failure sets the hardware condition False).
-pub const HARDWARE_STAGES: [&str; 3] = ["driver", "smoke", "peer-bw"];
-
-/// Stages that need the Kubernetes API.
-pub const CLUSTER_STAGES: [&str; 3] = ["register", "allocatable", "fit"];
-
-/// Dependency edges (DESIGN.md): GPU-derived stages need the driver inventory; fit needs
-/// the allocatable the device plugin published.
-pub fn deps(stage: &str) -> &'static [&'static str] {
-    match stage {
-        "smoke" | "peer-bw" | "allocatable" | "device-plugin" | "runtime" => &["driver"],
-        "fit" => &["allocatable"],
-        _ => &[],
-    }
-}
-
-/// The latest transient state a stage reported while waiting or retrying, used as the
-/// failure when its deadline passes ("AllocatableShort after 10m" beats "timed out").
-#[derive(Debug, Default)]
-pub struct Progress(Mutex<Option<StageFailure>>);
-
-impl Progress {
-    /// Record the current (transient) state.
-    pub fn set(&self, f: StageFailure) {
-        if let Ok(mut g) = self.0.lock() {
-            *g = Some(f);
-        }
-    }
-    fn take(&self) -> Option<StageFailure> {
-        self.0.lock().ok().and_then(|mut g| g.take())
-    }
-}
 
 type StageFuture = Shared<BoxFuture<'static, StageRecord>>;
 
 /// What one attempt of a stage does: the production bodies ([`run_stage_body`]), or a
 /// scripted one in the executor's own tests. The executor owns order, deadlines, retries,
 /// cancellation and dependency failure; the body owns the evidence.
-pub type StageBody = Arc<
-    dyn Fn(Arc<Context>, &'static str, Arc<Progress>) -> BoxFuture<'static, Result<Evidence, StageFailure>>
-        + Send
-        + Sync,
->;
+pub type StageBody =
+    Arc<dyn Fn(Arc<Context>, Stage, Arc<Progress>) -> BoxFuture<'static, Result<Evidence, StageFailure>> + Send + Sync>;
 
 /// Run every stage of the graph; returns records in report order.
 pub async fn run_graph(ctx: Arc<Context>) -> Vec<StageRecord> {
@@ -82,33 +33,50 @@ pub async fn run_graph(ctx: Arc<Context>) -> Vec<StageRecord> {
 
 /// [`run_graph`] with the stage bodies given.
 pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageRecord> {
-    let mut futs: BTreeMap<&'static str, StageFuture> = BTreeMap::new();
-    // STAGES lists every dependency before its dependents.
-    for name in STAGES {
-        let dep_futs: Vec<(&'static str, StageFuture)> = deps(name).iter().map(|d| (*d, futs[d].clone())).collect();
-        let ctx2 = ctx.clone();
-        let body2 = body.clone();
-        let fut = async move {
-            let mut blocked = None;
-            for (d, f) in dep_futs {
-                let rec = f.await;
-                if rec.outcome != Outcome::Passed && blocked.is_none() {
-                    blocked = Some((d, rec.outcome));
-                }
-            }
-            run_one(ctx2, name, blocked, body2).await
+    let mut futs: BTreeMap<Stage, StageFuture> = BTreeMap::new();
+    // Each stage's future is built once the futures of its dependencies exist; the edges
+    // have no cycle (a unit test of `stage` holds this), so every pass builds at least one.
+    let mut pending: Vec<Stage> = Stage::ALL.to_vec();
+    while !pending.is_empty() {
+        let ready: Vec<Stage> = pending
+            .iter()
+            .copied()
+            .filter(|s| s.deps().iter().all(|d| futs.contains_key(d)))
+            .collect();
+        if ready.is_empty() {
+            break;
         }
-        .boxed()
-        .shared();
-        futs.insert(name, fut);
+        pending.retain(|s| !ready.contains(s));
+        for name in ready {
+            let dep_futs: Vec<(Stage, StageFuture)> = name
+                .deps()
+                .iter()
+                .filter_map(|d| Some((*d, futs.get(d)?.clone())))
+                .collect();
+            let ctx2 = ctx.clone();
+            let body2 = body.clone();
+            let fut = async move {
+                let mut blocked = None;
+                for (d, f) in dep_futs {
+                    let rec = f.await;
+                    if rec.outcome != Outcome::Passed && blocked.is_none() {
+                        blocked = Some((d, rec.outcome));
+                    }
+                }
+                run_one(ctx2, name, blocked, body2).await
+            }
+            .boxed()
+            .shared();
+            futs.insert(name, fut);
+        }
     }
-    let handles: Vec<_> = STAGES.iter().map(|n| tokio::spawn(futs[n].clone())).collect();
+    let handles: Vec<_> = futs.values().map(|f| tokio::spawn(f.clone())).collect();
     let mut out = Vec::new();
-    for (name, h) in STAGES.iter().zip(handles) {
+    for (name, h) in futs.keys().zip(handles) {
         match h.await {
             Ok(r) => out.push(r),
             Err(e) => out.push(StageRecord {
-                stage: (*name).to_string(),
+                stage: name.name().to_string(),
                 start: ctx.clock.origin(),
                 start_ms: 0,
                 duration_ms: 0,
@@ -127,14 +95,14 @@ pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageReco
 
 async fn run_one(
     ctx: Arc<Context>,
-    name: &'static str,
-    blocked: Option<(&'static str, Outcome)>,
+    name: Stage,
+    blocked: Option<(Stage, Outcome)>,
     stage_body: StageBody,
 ) -> StageRecord {
     let settings = ctx.settings(name);
     let span = tracing::info_span!(
         "stage",
-        stage = name,
+        stage = name.name(),
         outcome = tracing::field::Empty,
         reason = tracing::field::Empty
     );
@@ -152,7 +120,7 @@ async fn run_one(
             span.record("reason", r.as_str());
         }
         StageRecord {
-            stage: name.to_string(),
+            stage: name.name().to_string(),
             start: clock.wall(start),
             start_ms: clock.offset(start).as_millis() as u64,
             duration_ms: end.saturating_duration_since(start).as_millis() as u64,
@@ -175,7 +143,7 @@ async fn run_one(
             Instant::now(),
         );
     }
-    if ctx.api.is_none() && crate::graph::CLUSTER_STAGES.contains(&name) {
+    if ctx.boundaries.api.is_none() && name.needs_cluster() {
         return mk(
             Outcome::Disabled,
             0,
@@ -256,7 +224,7 @@ async fn run_one(
 
 async fn retry_loop(
     ctx: Arc<Context>,
-    name: &'static str,
+    name: Stage,
     settings: &StageSettings,
     progress: Arc<Progress>,
     attempts: &std::sync::atomic::AtomicU32,
@@ -288,9 +256,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::config::Config;
-    use crate::node_api::SimNodeApi;
-    use std::sync::OnceLock;
-    use taintgate_validators::gpu::sim::SimGpu;
+    use std::sync::{Mutex, OnceLock};
     use taintgate_validators::profile::NodeProfile;
     use tokio_util::sync::CancellationToken;
 
@@ -303,26 +269,35 @@ mod tests {
         Hang,
     }
 
-    fn context(tweak: impl FnOnce(&mut Config)) -> Arc<Context> {
+    async fn context(tweak: impl FnOnce(&mut Config)) -> Arc<Context> {
         let profile = NodeProfile::load("builtin").unwrap();
         let mut config = Config::default();
-        for name in STAGES {
-            let s = config.stages.get_mut(name).unwrap();
+        for name in Stage::ALL {
+            let s = config.stages.get_mut(name);
             s.deadline = Duration::from_secs(30);
             s.retries = 3;
         }
         tweak(&mut config);
+        let boundaries = crate::boundaries::build(crate::boundaries::BuildArgs {
+            config: &config,
+            profile: Some(&profile),
+            node_name: &profile.node.name,
+            cluster: false,
+            kubeconfig: None,
+            dry_run: true,
+        })
+        .await
+        .unwrap();
         Arc::new(Context {
             config,
-            gpu: Arc::new(SimGpu::new(profile.clone())),
-            api: Some(SimNodeApi::new(&profile)),
-            profile: Some(profile),
+            boundaries: Arc::new(boundaries),
             plugin_config: Default::default(),
             inventory: OnceLock::new(),
             clock: Clock::start(),
             cancel: CancellationToken::new(),
             node: Default::default(),
             prefetch_observer: Arc::new(taintgate_prefetch::NoopObserver),
+            publication: Default::default(),
         })
     }
 
@@ -332,12 +307,12 @@ mod tests {
         let script: BTreeMap<&'static str, Vec<Step>> = script.into_iter().collect();
         let calls: Arc<Mutex<BTreeMap<&'static str, usize>>> = Arc::default();
         Arc::new(move |_ctx, name, _progress| {
-            let steps = script.get(name).cloned().unwrap_or_else(|| vec![Step::Pass]);
+            let steps = script.get(name.name()).cloned().unwrap_or_else(|| vec![Step::Pass]);
             let (log, calls) = (log.clone(), calls.clone());
             async move {
                 let n = {
                     let mut c = calls.lock().unwrap();
-                    let e = c.entry(name).or_default();
+                    let e = c.entry(name.name()).or_default();
                     *e += 1;
                     *e - 1
                 };
@@ -367,9 +342,9 @@ mod tests {
     #[tokio::test]
     async fn every_stage_starts_after_its_dependencies_end_and_records_come_in_report_order() {
         let log = Arc::new(Mutex::new(Vec::new()));
-        let records = run_graph_with(context(|_| {}), scripted(vec![], log.clone())).await;
+        let records = run_graph_with(context(|_| {}).await, scripted(vec![], log.clone())).await;
         let order: Vec<&str> = records.iter().map(|r| r.stage.as_str()).collect();
-        assert_eq!(order, STAGES.to_vec());
+        assert_eq!(order, Stage::ALL.map(Stage::name).to_vec());
         assert!(records.iter().all(|r| r.outcome == Outcome::Passed), "{records:?}");
         let log = log.lock().unwrap().clone();
         let pos = |s: &str| {
@@ -377,8 +352,8 @@ mod tests {
                 .position(|l| l == s)
                 .unwrap_or_else(|| panic!("{s} not in {log:?}"))
         };
-        for name in STAGES {
-            for d in deps(name) {
+        for name in Stage::ALL {
+            for d in name.deps() {
                 assert!(
                     pos(&format!("{d}.end")) < pos(&format!("{name}.start")),
                     "{name} before {d}: {log:?}"
@@ -421,7 +396,7 @@ mod tests {
             ),
         ];
         for (what, script, want) in cases {
-            let records = run_graph_with(context(|_| {}), scripted(script, Arc::default())).await;
+            let records = run_graph_with(context(|_| {}).await, scripted(script, Arc::default())).await;
             let got = by_stage(&records);
             for (stage, outcome, reason) in want {
                 assert_eq!(got[stage].outcome, outcome, "{what}: {stage}");
@@ -439,7 +414,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_disabled_dependency_skips_its_dependents() {
-        let ctx = context(|c| c.stages.get_mut("driver").unwrap().enabled = false);
+        let ctx = context(|c| c.stages.get_mut(Stage::Driver).enabled = false).await;
         let records = run_graph_with(ctx, scripted(vec![], Arc::default())).await;
         let got = by_stage(&records);
         assert_eq!(got["driver"].outcome, Outcome::Disabled);
@@ -461,7 +436,7 @@ mod tests {
             ("images", vec![Step::Transient("ImagePullFailed")]),
             ("models", vec![Step::Fail("DigestMismatch")]),
         ];
-        let ctx = context(|c| c.stages.get_mut("images").unwrap().retries = 1);
+        let ctx = context(|c| c.stages.get_mut(Stage::Images).retries = 1).await;
         let records = run_graph_with(ctx, scripted(script, Arc::default())).await;
         let got = by_stage(&records);
         assert_eq!((got["smoke"].outcome, got["smoke"].attempts), (Outcome::Passed, 3));
@@ -477,12 +452,13 @@ mod tests {
             ("models", vec![Step::Hang]),
         ];
         let ctx = context(|c| {
-            for s in ["images", "models"] {
-                let st = c.stages.get_mut(s).unwrap();
+            for s in [Stage::Images, Stage::Models] {
+                let st = c.stages.get_mut(s);
                 st.deadline = Duration::from_millis(300);
                 st.retries = u32::MAX;
             }
-        });
+        })
+        .await;
         let records = run_graph_with(ctx, scripted(script, Arc::default())).await;
         let got = by_stage(&records);
         assert_eq!(got["images"].outcome, Outcome::Failed);
@@ -498,7 +474,7 @@ mod tests {
 
     #[tokio::test]
     async fn cancellation_stops_every_running_stage() {
-        let ctx = context(|_| {});
+        let ctx = context(|_| {}).await;
         let cancel = ctx.cancel.clone();
         let script = vec![("driver", vec![Step::Hang]), ("models", vec![Step::Hang])];
         let run = tokio::spawn(run_graph_with(ctx, scripted(script, Arc::default())));

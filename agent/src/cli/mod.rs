@@ -1,17 +1,19 @@
 //! Command-line interface: `run`, `check`, `config validate|example`. Exit codes: 0
 //! released (or would release in dry-run), 1 held with a reason, 2 bad input.
 
-use crate::bootstrap::{BootstrapResult, bootstrap, exit};
+pub mod bundle;
+pub mod color;
+pub mod demo;
+
 use crate::config::Config;
-use crate::node_api::{NodeApi, ReadOnly, SimNodeApi};
+use crate::run::bootstrap::{BootstrapResult, bootstrap, exit};
+use crate::stage::Stage;
 use crate::stages::Context;
 use crate::timeline::Clock;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use taintgate_validators::gpu::Gpu;
-use taintgate_validators::gpu::sim::SimGpu;
 use taintgate_validators::profile::NodeProfile;
 use tokio_util::sync::CancellationToken;
 
@@ -19,6 +21,10 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Parser)]
 #[command(name = "taintgate", version, about, long_about = None)]
 pub struct Cli {
+    /// Colour the log lines on stderr: `auto` (a terminal, and `NO_COLOR` unset), `always`
+    /// or `never`. Files, pipes and CI logs get plain text under `auto`.
+    #[arg(long, global = true, value_enum, default_value = "auto")]
+    pub color: color::ColorChoice,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -36,7 +42,7 @@ pub enum Command {
     Config(ConfigCommand),
     /// Model bundle manifests and the download engine.
     #[command(subcommand)]
-    Bundle(crate::bundle_cli::BundleCommand),
+    Bundle(crate::cli::bundle::BundleCommand),
     /// Print the reason-code catalog (Markdown table).
     Reasons,
     /// Print one node's ready chain, or fleet percentiles per interval (`--all`).
@@ -57,6 +63,21 @@ pub enum ConfigCommand {
     },
     /// Print a complete, commented example config (the defaults).
     Example,
+    /// Print the config's JSON Schema (draft-07), or its reference as Markdown.
+    Schema {
+        /// `json` (the schema) or `markdown` (the reference table of docs/configuration.md).
+        #[arg(long, value_enum, default_value = "json")]
+        format: SchemaFormat,
+    },
+}
+
+/// Output of `config schema`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SchemaFormat {
+    /// The JSON Schema.
+    Json,
+    /// The reference table.
+    Markdown,
 }
 
 /// Log output format.
@@ -112,18 +133,15 @@ pub struct RunArgs {
     /// disabled for this run.
     #[arg(long, value_delimiter = ',')]
     pub stages: Vec<String>,
-    /// Colour the report and logs: `auto` only on a terminal without `NO_COLOR`.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub color: crate::color::ColorChoice,
 }
 
-fn init_logging(format: LogFormat, default_level: &str) {
+fn init_logging(format: LogFormat, default_level: &str, color: color::ColorChoice) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(crate::color::enabled(crate::color::Stream::Stderr));
+        .with_ansi(color::stderr_color(color))
+        .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => b.try_init(),
         LogFormat::Json => b.json().flatten_event(true).with_current_span(true).try_init(),
@@ -132,9 +150,23 @@ fn init_logging(format: LogFormat, default_level: &str) {
 
 /// Entry point; returns the process exit code.
 pub async fn main_with(cli: Cli) -> i32 {
+    let color = cli.color;
     match cli.command {
         Command::Config(ConfigCommand::Example) => {
-            print!("{}", crate::example::EXAMPLE_CONFIG);
+            print!("{}", crate::config::example::example());
+            exit::RELEASED
+        }
+        Command::Config(ConfigCommand::Schema { format }) => {
+            match format {
+                SchemaFormat::Json => match serde_json::to_string_pretty(&crate::config::schema::config_schema()) {
+                    Ok(j) => println!("{j}"),
+                    Err(e) => {
+                        eprintln!("error: cannot encode the schema: {e}");
+                        return exit::HELD;
+                    }
+                },
+                SchemaFormat::Markdown => print!("{}", crate::config::schema::reference_markdown()),
+            }
             exit::RELEASED
         }
         Command::Config(ConfigCommand::Validate { file }) => match Config::load(&file) {
@@ -148,19 +180,19 @@ pub async fn main_with(cli: Cli) -> i32 {
             }
         },
         Command::Bundle(b) => {
-            init_logging(LogFormat::Text, "warn");
-            crate::bundle_cli::run(b).await
+            init_logging(LogFormat::Text, "warn", color);
+            crate::cli::bundle::run(b).await
         }
         Command::Reasons => {
             print!("{}", crate::reasons::markdown());
             exit::RELEASED
         }
         Command::Timeline(a) => {
-            init_logging(LogFormat::Text, "warn");
+            init_logging(LogFormat::Text, "warn", color);
             crate::fleet::run_timeline_cmd(a).await
         }
         Command::CudaWorker => {
-            init_logging(LogFormat::Text, "warn");
+            init_logging(LogFormat::Text, "warn", color);
             // Blocking CUDA calls on a thread of their own; the process exits right after.
             tokio::task::spawn_blocking(|| {
                 taintgate_validators::gpu::real::worker::worker_main(
@@ -172,13 +204,11 @@ pub async fn main_with(cli: Cli) -> i32 {
             .unwrap_or(exit::BAD_INPUT)
         }
         Command::Check(args) => {
-            crate::color::set_choice(args.color);
-            init_logging(args.log_format, "warn");
+            init_logging(args.log_format, "warn", color);
             run(args, true).await
         }
         Command::Run(args) => {
-            crate::color::set_choice(args.color);
-            init_logging(args.log_format, "info");
+            init_logging(args.log_format, "info", color);
             let dry = args.dry_run;
             let code = run(args, dry).await;
             // The process exits right after this returns: let the sd_notify thread hand
@@ -218,24 +248,20 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         );
     }
     if !args.stages.is_empty() {
-        if let Some(bad) = args.stages.iter().find(|s| !crate::graph::STAGES.contains(&s.as_str())) {
-            return bad_input(format!(
-                "--stages: unknown stage {bad:?} (known: {})",
-                crate::graph::STAGES.join(", ")
-            ));
-        }
-        for name in crate::graph::STAGES {
-            if let Some(s) = config.stages.get_mut(name) {
-                s.enabled = args.stages.iter().any(|x| x == name);
-            }
+        let wanted: Vec<Stage> = match args.stages.iter().map(|s| s.parse::<Stage>()).collect() {
+            Ok(w) => w,
+            Err(e) => return bad_input(format!("--stages: {e}")),
+        };
+        for name in Stage::ALL {
+            config.stages.get_mut(name).enabled = wanted.contains(&name);
         }
     }
     // The first run (`check --simulate builtin`, no config) shows every boundary: the demo's
-    // serving group, bundle and images (see crate::demo). Kept alive until the run ends.
+    // serving group, bundle and images (see crate::cli::demo). Kept alive until the run ends.
     let demo_wanted = dry_run && args.config.is_none() && args.simulate.as_deref() == Some("builtin");
     let mut demo = None;
     if demo_wanted {
-        match crate::demo::Demo::prepare(config).await {
+        match crate::cli::demo::Demo::prepare(config).await {
             Ok((c, d)) => {
                 config = c;
                 demo = Some(d);
@@ -271,37 +297,26 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             _ => return bad_input("--node-name (or NODE_NAME) is required"),
         },
     };
-    let gpu: Arc<dyn Gpu> = match &profile {
-        Some(p) => Arc::new(SimGpu::new(p.clone())),
-        None => crate::gpu_backend::open(&config),
+    let cluster = args.kubeconfig.is_some() || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    // The composition root: every boundary chosen once, here.
+    let boundaries = match crate::boundaries::build(crate::boundaries::BuildArgs {
+        config: &config,
+        profile: profile.as_ref(),
+        node_name: &node_name,
+        cluster,
+        kubeconfig: args.kubeconfig.as_deref(),
+        dry_run,
+    })
+    .await
+    {
+        Ok(b) => Arc::new(b),
+        Err(e) => return bad_input(e),
     };
-    let cluster_wanted = args.kubeconfig.is_some() || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-    let api: Option<Arc<dyn NodeApi>> = if cluster_wanted {
-        match crate::kube_api::KubeNodeApi::connect(
-            &node_name,
-            args.kubeconfig.as_deref(),
-            &config.reporting.event_namespace,
-            config.api.request_timeout,
-        )
-        .await
-        {
-            Ok(a) => Some(Arc::new(a)),
-            Err(e) => return bad_input(format!("cannot use the Kubernetes API: {e}")),
-        }
-    } else if let Some(p) = &profile {
-        Some(SimNodeApi::new(p))
-    } else {
-        None
-    };
-    if api.is_none() && !dry_run {
+    if boundaries.api.is_none() && !dry_run {
         return bad_input(
             "`run` needs a Kubernetes API (--kubeconfig, in-cluster, or --simulate); use `check` or --dry-run otherwise",
         );
     }
-    let api: Option<Arc<dyn NodeApi>> = match api {
-        Some(a) if dry_run => Some(Arc::new(ReadOnly(a))),
-        other => other,
-    };
 
     let metrics = Arc::new(crate::telemetry::metrics::Metrics::new());
     let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -318,15 +333,14 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
     loop {
         let ctx = Arc::new(Context {
             config: config.clone(),
-            gpu: gpu.clone(),
-            api: api.clone(),
-            profile: profile.clone(),
+            boundaries: boundaries.clone(),
             plugin_config: plugin_config.clone(),
             inventory: OnceLock::new(),
             clock: Clock::start(),
             cancel: cancel.clone(),
             node: Default::default(),
             prefetch_observer: metrics.clone(),
+            publication: Default::default(),
         });
         let BootstrapResult { timeline, exit_code } = bootstrap(ctx, dry_run, &node_name).await;
         metrics.observe_timeline(&timeline);
@@ -336,8 +350,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         );
         match args.output {
             OutputFormat::Table => {
-                let painted = crate::color::enabled(crate::color::Stream::Stdout);
-                print!("{}", crate::color::paint_report(&timeline.render_table(), painted));
+                print!("{}", timeline.render_table());
                 println!();
                 for s in &timeline.stages {
                     if !s.summary.is_empty() {
@@ -348,7 +361,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
                     }
                 }
                 if demo.is_some() {
-                    println!("\n{}", crate::demo::Demo::note());
+                    println!("\n{}", crate::cli::demo::Demo::note());
                 }
             }
             OutputFormat::Json => match serde_json::to_string_pretty(&timeline) {
@@ -364,14 +377,14 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             // (Karpenter re-syncing startup taints) puts it back while the node is still
             // registered and the evidence still stands, and keep the GPU backend (its XID
             // subscription) open to act on XIDs (continuous mode).
-            if let Some(api) = &api {
-                let resident = crate::resident::Resident {
+            if let Some(api) = &boundaries.api {
+                let resident = crate::run::resident::Resident {
                     api: api.clone(),
-                    gpu: gpu.clone(),
+                    gpu: boundaries.gpu.clone(),
                     config: config.clone(),
                     metrics: metrics.clone(),
                 };
-                crate::resident::run(&resident, &cancel).await;
+                crate::run::resident::run(&resident, &cancel).await;
             } else {
                 cancel.cancelled().await;
             }

@@ -2,16 +2,18 @@
 //! The decision is a pure function of the records ([`decide`]); the taint is never removed
 //! while any required, enabled stage lacks evidence, and never in dry-run.
 
-use crate::graph::{HARDWARE_STAGES, run_graph};
-use crate::node_api::NodeApi;
-use crate::report::{ConditionValue, node_event, set_condition, write_annotation};
+use crate::node::NodeApi;
+use crate::node::report::{ConditionValue, node_event, set_condition, write_annotation};
+use crate::node::untaint::remove_startup_taint;
+use crate::run::graph::run_graph;
+use crate::stage::{Stage, XID_WATCH};
 use crate::stages::Context;
 use crate::timeline::{Outcome, StageRecord, Timeline, Verdict};
-use crate::untaint::remove_startup_taint;
 use jiff::Timestamp;
 use std::sync::Arc;
 use std::time::Instant;
 use taintgate_validators::gpu::decide::XidClass;
+use taintgate_validators::reason::ReasonCode;
 
 /// Process exit codes.
 pub mod exit {
@@ -24,13 +26,15 @@ pub mod exit {
 }
 
 /// The first blocking failure among the records, if any: a required, enabled stage that
-/// did not pass. Disabled-for-no-cluster stages block only outside dry-run.
+/// did not pass. A stage the environment disabled (the executor gives such a record a
+/// reason: `NoCluster`) blocks outside dry-run; one the config disabled (no reason) never
+/// does.
 pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(String, String, String)> {
     let blocking = |r: &&StageRecord| {
         r.required
             && match r.outcome {
                 Outcome::Passed => false,
-                Outcome::Disabled => r.reason.as_deref() == Some("NoCluster") && !dry_run,
+                Outcome::Disabled => r.reason.is_some() && !dry_run,
                 _ => true,
             }
     };
@@ -62,12 +66,12 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
     let mut pre = Vec::new();
     if ctx.config.regate_on_boot
         && !dry_run
-        && let Some(api) = &ctx.api
+        && let Some(api) = &ctx.boundaries.api
     {
         {
             let t0 = Instant::now();
             let cfg = &ctx.config;
-            let r = crate::regate::regate(api.as_ref(), &cfg.taint, &cfg.reporting, &cfg.api).await;
+            let r = crate::node::regate::regate(api.as_ref(), &cfg.taint, &cfg.reporting, &cfg.api).await;
             crate::systemd::ready(&format!(
                 "gate in place: {}",
                 match &r {
@@ -121,7 +125,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
     let mut timeline = Timeline {
         node: node_name.to_string(),
         agent_start: clock.origin(),
-        gpu_backend: ctx.gpu.backend().into(),
+        gpu_backend: ctx.boundaries.gpu.backend().into(),
         stages: records,
         verdict: None,
     };
@@ -138,7 +142,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
             "WouldRelease".to_string(),
             "every required stage has evidence; dry-run: taint left in place".to_string(),
         ),
-        (None, false) => match &ctx.api {
+        (None, false) => match &ctx.boundaries.api {
             None => (
                 false,
                 "NoCluster".into(),
@@ -216,7 +220,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
 
     // Pre-agent stamps (NodeClaim, Node creation, kubelet Ready) start the chain. They
     // are fixed once written, so any copy of the Node this pass holds will do.
-    let pre = match &ctx.api {
+    let pre = match &ctx.boundaries.api {
         Some(api) => {
             let held = latest.clone().or_else(|| ctx.take_node());
             let node = match held {
@@ -224,7 +228,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
                 None => api.get().await,
             };
             match node {
-                Ok(n) => crate::telemetry::prestamps::collect_for_node(api.stamp_source(), &n).await,
+                Ok(n) => crate::telemetry::prestamps::collect_for_node(ctx.boundaries.stamps.as_deref(), &n).await,
                 Err(e) => {
                     tracing::debug!(error = %e, "pre-agent stamps unavailable");
                     Vec::new()
@@ -233,7 +237,7 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
         }
         None => Vec::new(),
     };
-    if !dry_run && let Some(api) = &ctx.api {
+    if !dry_run && let Some(api) = &ctx.boundaries.api {
         report(
             api.as_ref(),
             &ctx,
@@ -251,7 +255,12 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
 
 fn xid_gate(ctx: &Context) -> Option<StageRecord> {
     let t0 = Instant::now();
-    xid_record(&ctx.config.gpu.expect.xid, ctx.clock, t0, ctx.gpu.drain_xids())
+    xid_record(
+        &ctx.config.gpu.expect.xid,
+        ctx.clock,
+        t0,
+        ctx.boundaries.gpu.drain_xids(),
+    )
 }
 
 /// The XID gate's record for what draining the validation's XID events gave: none when
@@ -269,7 +278,7 @@ fn xid_record(
         Err(e) => {
             tracing::warn!(error = %e, "could not read the XID events of the validation; holding the node");
             return Some(StageRecord {
-                stage: "xid-watch".into(),
+                stage: XID_WATCH.into(),
                 start: clock.wall(t0),
                 start_ms: clock.offset(t0).as_millis() as u64,
                 duration_ms: 0,
@@ -291,7 +300,7 @@ fn xid_record(
         .map(|(g, x)| format!("GPU {g}: XID {x}"))
         .collect();
     (!xids.is_empty()).then(|| StageRecord {
-        stage: "xid-watch".into(),
+        stage: XID_WATCH.into(),
         start: clock.wall(t0),
         start_ms: clock.offset(t0).as_millis() as u64,
         duration_ms: 0,
@@ -331,7 +340,7 @@ async fn report(
             Some(n) => Some(n.clone()),
             None => api.get().await.ok(),
         };
-        node.as_ref().and_then(crate::regate::current_boot_id)
+        node.as_ref().and_then(crate::node::regate::current_boot_id)
     } else {
         None
     };
@@ -350,9 +359,10 @@ async fn report(
         Err(e) => tracing::warn!(error = %e, "writing the node condition failed"),
     }
     if !cfg.hardware_condition_type.is_empty() {
-        let hw_failed = failed_stage.is_some_and(|s| HARDWARE_STAGES.contains(&s) || s == "xid-watch");
-        let hw_passed = HARDWARE_STAGES.iter().all(|s| {
-            t.stage(s)
+        let hw_failed =
+            failed_stage.is_some_and(|s| s == XID_WATCH || Stage::from_name(s).is_some_and(Stage::is_hardware));
+        let hw_passed = Stage::ALL.iter().filter(|s| s.is_hardware()).all(|s| {
+            t.stage(s.name())
                 .is_some_and(|r| r.outcome == Outcome::Passed || r.outcome == Outcome::Disabled)
         });
         if hw_failed || hw_passed {

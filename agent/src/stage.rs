@@ -1,0 +1,198 @@
+//! The stages of a bootstrap as a type. Every place that names a stage (config keys, the
+//! graph's edges, the reports, the fleet view, the reason catalogue) is keyed on [`Stage`],
+//! so adding a stage is a compile error wherever it is not yet handled, and no stage name
+//! is spelled twice. This module imports nothing of the crate: everything else may use it.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The name of the XID gate's record: not a stage of the graph (it runs after the graph,
+/// over the validation's XID events), but a timeline record that can hold the node, and
+/// a hardware failure when it does.
+pub const XID_WATCH: &str = "xid-watch";
+
+/// One stage of the bootstrap graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Stage {
+    /// Karpenter finished registering the node (karpenter #1772).
+    Register,
+    /// NVML: the driver binds every expected GPU, healthy.
+    Driver,
+    /// A CUDA kernel runs on every GPU.
+    Smoke,
+    /// Each peer domain reaches its bandwidth.
+    PeerBw,
+    /// Node allocatable equals what NVML and the plugin config imply.
+    Allocatable,
+    /// The device plugin and the kubelet agree with NVML.
+    DevicePlugin,
+    /// The DRA driver's ResourceSlices equal NVML, and its kubelet plugin registers.
+    Dra,
+    /// CDI specs name every device.
+    Runtime,
+    /// The serving group fits the allocatable.
+    Fit,
+    /// Model bundles are prefetched and sha256-verified.
+    Models,
+    /// Container images are present in the runtime.
+    Images,
+}
+
+impl Stage {
+    /// Every stage in report order. Each stage comes after the stages it depends on (a
+    /// unit test holds this), which is the order the executor builds them in.
+    pub const ALL: [Stage; 11] = [
+        Stage::Register,
+        Stage::Driver,
+        Stage::Smoke,
+        Stage::PeerBw,
+        Stage::Allocatable,
+        Stage::DevicePlugin,
+        Stage::Dra,
+        Stage::Runtime,
+        Stage::Fit,
+        Stage::Models,
+        Stage::Images,
+    ];
+
+    /// The stage's name: its config key, its timeline record, its span and metric label.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Stage::Register => "register",
+            Stage::Driver => "driver",
+            Stage::Smoke => "smoke",
+            Stage::PeerBw => "peer-bw",
+            Stage::Allocatable => "allocatable",
+            Stage::DevicePlugin => "device-plugin",
+            Stage::Dra => "dra",
+            Stage::Runtime => "runtime",
+            Stage::Fit => "fit",
+            Stage::Models => "models",
+            Stage::Images => "images",
+        }
+    }
+
+    /// The stage named `name`, if any.
+    pub fn from_name(name: &str) -> Option<Stage> {
+        Stage::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// The stages whose evidence this one needs (DESIGN.md's edges): GPU-derived stages
+    /// need the driver inventory; fit needs the allocatable the device plugin published.
+    pub const fn deps(self) -> &'static [Stage] {
+        match self {
+            Stage::Smoke | Stage::PeerBw | Stage::Allocatable | Stage::DevicePlugin | Stage::Dra | Stage::Runtime => {
+                &[Stage::Driver]
+            }
+            Stage::Fit => &[Stage::Allocatable],
+            Stage::Register | Stage::Driver | Stage::Models | Stage::Images => &[],
+        }
+    }
+
+    /// Proves hardware health: its failure sets the hardware condition False.
+    pub const fn is_hardware(self) -> bool {
+        matches!(self, Stage::Driver | Stage::Smoke | Stage::PeerBw)
+    }
+
+    /// Needs the Kubernetes API (not run in a dry-run outside a cluster).
+    pub const fn needs_cluster(self) -> bool {
+        matches!(self, Stage::Register | Stage::Allocatable | Stage::Dra | Stage::Fit)
+    }
+
+    /// What the stage's interval stands for, in the fleet view's words.
+    pub const fn meaning(self) -> &'static str {
+        match self {
+            Stage::Register => "Karpenter registration sync (registered label, no unregistered taint)",
+            Stage::Driver => "GPU driver: NVML init, inventory and health",
+            Stage::Smoke => "CUDA smoke kernel on every GPU",
+            Stage::PeerBw => "peer copy matrix and NCCL all-reduce bandwidth",
+            Stage::Allocatable => "device plugin publishing allocatable via kubelet",
+            Stage::DevicePlugin => "device plugin gRPC and kubelet PodResources",
+            Stage::Dra => "DRA driver ResourceSlices and kubelet plugin registration",
+            Stage::Runtime => "CDI spec naming every device",
+            Stage::Fit => "serving-group fit on allocatable",
+            Stage::Models => "model bytes downloaded and sha256-verified (model cache)",
+            Stage::Images => "images pulled into containerd (image cache)",
+        }
+    }
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An unknown stage name, with the names that exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownStage(pub String);
+
+impl fmt::Display for UnknownStage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let known: Vec<&str> = Stage::ALL.iter().map(|s| s.name()).collect();
+        write!(f, "unknown stage {:?} (known: {})", self.0, known.join(", "))
+    }
+}
+
+impl std::error::Error for UnknownStage {}
+
+impl FromStr for Stage {
+    type Err = UnknownStage;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Stage::from_name(s).ok_or_else(|| UnknownStage(s.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn every_dependency_comes_first_in_report_order() {
+        for (i, s) in Stage::ALL.iter().enumerate() {
+            for d in s.deps() {
+                let j = Stage::ALL.iter().position(|x| x == d);
+                assert!(j.is_some_and(|j| j < i), "{s} depends on {d}, which is not before it");
+            }
+        }
+    }
+
+    #[test]
+    fn names_round_trip_and_are_unique() {
+        for s in Stage::ALL {
+            assert_eq!(s.name().parse::<Stage>(), Ok(s));
+        }
+        let mut names: Vec<_> = Stage::ALL.iter().map(|s| s.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Stage::ALL.len());
+        let e = "gpu".parse::<Stage>().unwrap_err().to_string();
+        assert!(e.contains("\"gpu\"") && e.contains("peer-bw"), "{e}");
+    }
+
+    #[test]
+    fn edges_and_families() {
+        let table = [
+            (Stage::Register, &[][..], false, true),
+            (Stage::Driver, &[][..], true, false),
+            (Stage::Smoke, &[Stage::Driver][..], true, false),
+            (Stage::PeerBw, &[Stage::Driver][..], true, false),
+            (Stage::Allocatable, &[Stage::Driver][..], false, true),
+            (Stage::DevicePlugin, &[Stage::Driver][..], false, false),
+            (Stage::Dra, &[Stage::Driver][..], false, true),
+            (Stage::Runtime, &[Stage::Driver][..], false, false),
+            (Stage::Fit, &[Stage::Allocatable][..], false, true),
+            (Stage::Models, &[][..], false, false),
+            (Stage::Images, &[][..], false, false),
+        ];
+        assert_eq!(table.len(), Stage::ALL.len());
+        for (s, deps, hw, cluster) in table {
+            assert_eq!(
+                (s.deps(), s.is_hardware(), s.needs_cluster()),
+                (deps, hw, cluster),
+                "{s}"
+            );
+        }
+    }
+}

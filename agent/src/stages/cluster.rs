@@ -1,0 +1,154 @@
+//! The cluster stages: `register` (Karpenter finished registration), `allocatable` (the
+//! Node's allocatable equals what NVML and the plugin config imply) and `fit` (the serving
+//! group fits what is left).
+
+use super::context::{Context, Evidence, Progress, StageFailure};
+use super::kubelet::expected_allocatable;
+use k8s_openapi::api::core::v1::Node;
+use serde_json::json;
+use taintgate_validators::dra::evidence::{DraFailure, PublicationMode};
+use taintgate_validators::kubelet;
+
+/// Karpenter finished registration: label `karpenter.sh/registered=true` and no
+/// `karpenter.sh/unregistered` taint. Before that, Karpenter would re-add our startup
+/// taint after we removed it (karpenter #1772).
+pub fn is_registered(node: &Node) -> bool {
+    let labelled = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get("karpenter.sh/registered"))
+        .is_some_and(|v| v == "true");
+    let unregistered_taint = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == "karpenter.sh/unregistered"));
+    let sync_disabled = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get("karpenter.sh/do-not-sync-taints"))
+        .is_some_and(|v| v == "true");
+    (labelled || sync_disabled) && !unregistered_taint
+}
+
+/// The `register` stage: waits on the Node watch until Karpenter registered the node.
+pub async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
+    let api = ctx.api()?;
+    let waiting = |n: &Node| {
+        let ok = is_registered(n);
+        if !ok {
+            // What the deadline will report if Karpenter never finishes registration.
+            progress.set(StageFailure::transient(
+                "NodeNotRegistered",
+                "Karpenter has not registered the node (no karpenter.sh/registered=true label, or the karpenter.sh/unregistered taint is still there)",
+            ));
+        }
+        ok
+    };
+    let node = api.wait_for(&waiting).await?;
+    ctx.remember(&node);
+    Ok(Evidence {
+        summary: "karpenter.sh/registered=true, no unregistered taint".into(),
+        detail: json!({"resourceVersion": node.metadata.resource_version}),
+    })
+}
+
+/// The `allocatable` stage: waits on the Node watch until allocatable equals the expectation.
+pub async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
+    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
+        return Ok(ev);
+    }
+    use kubelet::allocatable::evaluate_node;
+    let api = ctx.api()?;
+    let inv = ctx.inventory()?;
+    let expected = expected_allocatable(ctx)?;
+    let t0 = std::time::Instant::now();
+    // Wait on the Node watch until allocatable equals the expectation, or a failure that
+    // waiting cannot fix (Excess). Transient states are recorded as progress so a deadline
+    // reports the last one seen.
+    // Under `publication.mode: auto` a node whose GPU resources are absent altogether (not
+    // even 0) has neither publication: no device plugin registered and no DRA label.
+    let auto = ctx.config.publication.mode == PublicationMode::Auto;
+    let node = api
+        .wait_for(&|n: &Node| match evaluate_node(&expected, n) {
+            Ok(()) => true,
+            Err(f) if f.is_waitable() => {
+                progress.set(if auto && resources_absent(&expected, n) {
+                    StageFailure::from(DraFailure::PublicationMissing(format!(
+                        "no device plugin published {} (absent from the Node's capacity and allocatable), and the \
+                         node does not carry {}=true for a DRA driver",
+                        expected.keys().cloned().collect::<Vec<_>>().join(", "),
+                        ctx.config.publication.dra_label
+                    )))
+                } else {
+                    StageFailure::from(f)
+                });
+                false
+            }
+            Err(_) => true,
+        })
+        .await?;
+    ctx.remember(&node);
+    evaluate_node(&expected, &node)?;
+    let mut detail = json!({"expected": expected, "matchedAfterMs": t0.elapsed().as_millis() as u64, "resourceVersion": node.metadata.resource_version});
+    if ctx.config.kubelet.check_gfd_labels {
+        let labels = node.metadata.labels.clone().unwrap_or_default();
+        let gfd = kubelet::allocatable::check_gfd_labels(&labels, inv)?;
+        detail["gfd"] = serde_json::to_value(&gfd).unwrap_or_default();
+    }
+    let summary = expected
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Ok(Evidence {
+        summary: format!("allocatable {summary} as expected"),
+        detail,
+    })
+}
+
+/// Every expected resource is absent from the Node's capacity and allocatable: nothing
+/// ever published it (a device plugin that registered would have put it there, if only
+/// as 0).
+fn resources_absent(expected: &std::collections::BTreeMap<String, u64>, node: &Node) -> bool {
+    let status = node.status.as_ref();
+    let has =
+        |m: Option<&std::collections::BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
+         k: &str| m.is_some_and(|m| m.contains_key(k));
+    expected.keys().all(|k| {
+        !has(status.and_then(|s| s.capacity.as_ref()), k) && !has(status.and_then(|s| s.allocatable.as_ref()), k)
+    })
+}
+
+/// The `fit` stage: the serving group fits the Node's allocatable minus the Pods already bound.
+pub async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
+    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
+        return Ok(ev);
+    }
+    let Some(fc) = &ctx.config.fit else {
+        return Ok(Evidence {
+            summary: "no serving group configured".into(),
+            detail: json!(null),
+        });
+    };
+    let api = ctx.api()?;
+    let node = api.get().await?;
+    ctx.remember(&node);
+    let pods = api.pods_on_node().await?;
+    let alloc = node
+        .status
+        .as_ref()
+        .and_then(|s| s.allocatable.clone())
+        .unwrap_or_default();
+    let ev = kubelet::fit::fit(&alloc, &pods, &fc.serving_group, fc.promised_groups)?;
+    let table = ev.table();
+    for line in table.lines() {
+        tracing::info!(target: "taintgate::fit", "{line}");
+    }
+    Ok(Evidence {
+        summary: ev.summary(),
+        detail: json!({"table": table, "promised": fc.promised_groups}),
+    })
+}

@@ -1,0 +1,100 @@
+//! The `dra` stage, and the publication decision the kubelet-side stages share: a node
+//! publishes its GPUs through a device plugin (Node allocatable), a DRA driver
+//! (ResourceSlices), or both. The stages of a path the node does not use pass with
+//! "not applicable" and the reason, so the report says what was decided and why.
+
+use super::context::{Context, Evidence, Progress, StageFailure};
+use serde_json::json;
+use taintgate_validators::dra::evidence::{Publication, decide_publication, evaluate, expected_from_inventory};
+
+/// Which path a stage belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// allocatable, device-plugin, runtime (CDI), fit.
+    DevicePlugin,
+    /// dra.
+    Dra,
+}
+
+/// How this node publishes its GPUs, decided once per bootstrap from the config and the
+/// Node's labels (read once; none without an API).
+pub async fn publication(ctx: &Context) -> Result<&Publication, StageFailure> {
+    ctx.publication
+        .get_or_try_init(|| async {
+            let cfg = &ctx.config.publication;
+            let labels = match &ctx.boundaries.api {
+                Some(api) => {
+                    let cached = ctx.node.lock().ok().and_then(|n| n.clone());
+                    let node = match cached {
+                        Some(n) => n,
+                        None => api.get().await?,
+                    };
+                    node.metadata.labels.unwrap_or_default()
+                }
+                None => Default::default(),
+            };
+            Ok::<_, StageFailure>(decide_publication(cfg.mode, &labels, &cfg.dra_label))
+        })
+        .await
+}
+
+/// `Some(evidence)` when the node does not publish through `path`: the stage passes with
+/// it instead of checking.
+pub async fn not_applicable(ctx: &Context, path: Path) -> Result<Option<Evidence>, StageFailure> {
+    let p = publication(ctx).await?;
+    let used = match path {
+        Path::DevicePlugin => p.device_plugin,
+        Path::Dra => p.dra,
+    };
+    Ok((!used).then(|| Evidence {
+        summary: format!("not applicable: {}", p.why),
+        detail: json!({"notApplicable": true, "publication": p}),
+    }))
+}
+
+/// The `dra` stage: this node's ResourceSlices of the driver form complete pools whose
+/// devices equal NVML's, and the driver's kubelet plugin answers registration.
+pub async fn dra(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
+    if let Some(ev) = not_applicable(ctx, Path::Dra).await? {
+        return Ok(ev);
+    }
+    let cfg = &ctx.config.publication;
+    let side = ctx
+        .boundaries
+        .dra
+        .as_ref()
+        .ok_or_else(|| StageFailure::permanent("NoCluster", "no Kubernetes API to read ResourceSlices from"))?;
+    let expected = expected_from_inventory(ctx.inventory()?);
+    let driver = cfg.driver.as_str();
+    // Wait on the field-selected watch until the pools are complete and equal NVML, or a
+    // difference waiting cannot fix; each waitable state is kept for the deadline.
+    let done = |slices: &[taintgate_validators::dra::Slice]| match evaluate(driver, slices, &expected) {
+        Ok(_) => true,
+        Err(f) if f.is_waitable() => {
+            progress.set(StageFailure::from(f));
+            false
+        }
+        Err(_) => true,
+    };
+    let slices = side.slices_until(driver, &done).await?;
+    let ev = evaluate(driver, &slices, &expected)?;
+    let registration = if cfg.check_registration {
+        Some(side.registration(driver).await?)
+    } else {
+        None
+    };
+    let p = publication(ctx).await?;
+    Ok(Evidence {
+        summary: format!(
+            "{} devices in {} ResourceSlices of {driver} equal NVML{} ({})",
+            ev.devices,
+            ev.slices,
+            match &registration {
+                Some(r) => format!("; kubelet plugin answers on {}", r.socket.display()),
+                None => String::new(),
+            },
+            p.why
+        ),
+        detail: json!({"dra": ev, "registration": registration, "publication": p}),
+    })
+}

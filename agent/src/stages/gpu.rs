@@ -1,0 +1,126 @@
+//! The GPU stages: `driver` (NVML inventory and health against the expectations),
+//! `smoke` (a CUDA kernel on every GPU) and `peer-bw` (each peer domain's bandwidth).
+
+use super::context::{Context, Evidence, StageFailure, blocking};
+use serde_json::json;
+use taintgate_validators::gpu::PeerBwOptions;
+use taintgate_validators::gpu::decide::{evaluate_driver, evaluate_peer_bw_with, startup_record};
+
+/// The `driver` stage: NVML inventory and health against `gpu.expect`; keeps the inventory for its dependents.
+pub async fn driver(ctx: &Context) -> Result<Evidence, StageFailure> {
+    let gpu = ctx.boundaries.gpu.clone();
+    let inv = blocking("GPU inventory", move || gpu.inventory()).await??;
+    let ev = evaluate_driver(&inv, &ctx.config.gpu.expect)?;
+    let product = inv.gpus.first().map(|g| g.product.clone()).unwrap_or_default();
+    let driver = inv.gpus.first().map(|g| g.driver_version.clone()).unwrap_or_default();
+    let summary = format!(
+        "{} x {product}, driver {driver}, {} peer domains",
+        ev.gpu_count,
+        inv.domains.len()
+    );
+    let detail = json!({"gpus": ev.gpu_count, "warnings": ev.warnings, "startupRecord": startup_record(&inv)});
+    for w in &ev.warnings {
+        tracing::warn!(warning = %w, "driver stage warning");
+    }
+    let _ = ctx.inventory.set(inv);
+    Ok(Evidence { summary, detail })
+}
+
+/// The `smoke` stage: a CUDA kernel on every GPU, in parallel.
+pub async fn smoke(ctx: &Context) -> Result<Evidence, StageFailure> {
+    let inv = ctx.inventory()?;
+    let bytes = ctx.config.gpu.smoke_bytes;
+    let mut handles = Vec::new();
+    for g in inv.gpus.clone() {
+        let gpu = ctx.boundaries.gpu.clone();
+        handles.push(tokio::task::spawn_blocking(move || gpu.smoke(&g, bytes)));
+    }
+    let mut results = Vec::new();
+    for h in handles {
+        let r = h
+            .await
+            .map_err(|e| StageFailure::permanent("InternalError", format!("smoke worker failed: {e}")))??;
+        results.push(r);
+    }
+    let slowest = results.iter().max_by_key(|r| r.duration);
+    let summary = format!(
+        "kernel verified on {}/{} GPUs{}",
+        results.len(),
+        inv.gpus.len(),
+        slowest
+            .map(|s| format!(", slowest GPU {} {} ms", s.index, s.duration.as_millis()))
+            .unwrap_or_default()
+    );
+    let detail = json!(
+        results
+            .iter()
+            .map(|r| json!({"gpu": r.index, "uuid": r.uuid, "bytes": r.bytes, "ms": r.duration.as_millis() as u64}))
+            .collect::<Vec<_>>()
+    );
+    Ok(Evidence { summary, detail })
+}
+
+/// The `peer-bw` stage: each peer domain's copy matrix and all-reduce bandwidth, domains in parallel.
+pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
+    let inv = ctx.inventory()?.clone();
+    let cfg = &ctx.config.gpu.peer_bw;
+    let opts = PeerBwOptions {
+        bytes: cfg.bytes,
+        iterations: cfg.iterations,
+        require_nccl: cfg.require_nccl,
+    };
+    let mut handles = Vec::new();
+    let mut lines = Vec::new();
+    let mut detail = Vec::new();
+    for d in inv.domains.clone() {
+        // A domain of one GPU (a one-GPU machine, or a GPU with no peer) has no peer to copy
+        // to: a named outcome, not a measurement that would divide by nothing.
+        if d.gpus.len() < 2 {
+            lines.push(format!("domain {} is a single GPU: no peer to measure", d.id));
+            detail.push(json!({"domain": d.id, "gpus": d.gpus, "singleGpu": true}));
+            continue;
+        }
+        // MIG instances have no CUDA peer access to each other or to other GPUs: a domain
+        // with a MIG-enabled GPU has no peer copy to measure (smoke still runs per
+        // instance). A named outcome, not a pass by measurement.
+        let mig: Vec<u32> = d
+            .gpus
+            .iter()
+            .copied()
+            .filter(|i| inv.gpus.iter().any(|g| g.index == *i && g.mig_enabled))
+            .collect();
+        if !mig.is_empty() {
+            lines.push(format!(
+                "domain {} not measured: MIG enabled on GPUs {mig:?} (no peer access between MIG instances)",
+                d.id
+            ));
+            detail.push(json!({"domain": d.id, "gpus": d.gpus, "migEnabled": mig}));
+            continue;
+        }
+        let gpu = ctx.boundaries.gpu.clone();
+        let inv = inv.clone();
+        let opts = opts.clone();
+        handles.push(tokio::task::spawn_blocking(move || {
+            gpu.peer_bandwidth(&inv, &d, &opts).map(|m| (d, m))
+        }));
+    }
+    for h in handles {
+        let (d, m) = h
+            .await
+            .map_err(|e| StageFailure::permanent("InternalError", format!("peer-bw worker failed: {e}")))??;
+        evaluate_peer_bw_with(&d, &m, cfg.efficiency, cfg.busbw_efficiency, cfg.busbw_gbps)?;
+        let min_pair = m.pairs.iter().map(|p| p.gbps).fold(f64::INFINITY, f64::min);
+        lines.push(match m.allreduce_busbw_gbps {
+            Some(b) => format!("domain {} busbw {b:.0} GB/s", d.id),
+            None => format!("domain {} copy-only min {min_pair:.0} GB/s", d.id),
+        });
+        if let Some(why) = &m.allreduce_skipped {
+            tracing::warn!(domain = d.id, why = %why, "all-reduce not measured");
+        }
+        detail.push(json!({"domain": d.id, "gpus": d.gpus, "busbwGbps": m.allreduce_busbw_gbps, "minPairGbps": min_pair, "skipped": m.allreduce_skipped}));
+    }
+    Ok(Evidence {
+        summary: lines.join(", "),
+        detail: json!(detail),
+    })
+}
