@@ -818,3 +818,60 @@ fn no_escape_sequences_through_a_pipe_unless_color_always() {
         "--color always colours the log lines (so the checks above can fail)"
     );
 }
+
+/// The DRA profiles: the reference node published by a DRA driver is released with the DRA
+/// evidence (and the device-plugin path "not applicable"); each faulty variant holds with
+/// its reason code; a node with neither publication holds with its own.
+#[test]
+fn dra_profiles_release_or_hold_with_their_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(&cfg, "stages:\n  dra: {deadline: 2s}\n  allocatable: {deadline: 2s}\n").unwrap();
+    let cases = [
+        ("8gpu-dra", 0, None),
+        ("dra-pool-incomplete", 1, Some("DraPoolIncomplete")),
+        ("dra-uuid-unknown", 1, Some("DraDevicesMismatch")),
+        ("dra-driver-unregistered", 1, Some("DraDriverNotRegistered")),
+        ("no-publication", 1, Some("GpuPublicationMissing")),
+    ];
+    for (name, code, reason) in cases {
+        let p = profile(name);
+        let o = bin()
+            .args(["check", "--simulate", &p, "--config"])
+            .arg(&cfg)
+            .args(["--output", "json"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(code), "{name}: {}", text(&o));
+        let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let stage = |s: &str| {
+            t["stages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["stage"] == s)
+                .cloned()
+                .unwrap()
+        };
+        match reason {
+            None => {
+                let dra = stage("dra");
+                assert_eq!(dra["outcome"], "passed", "{name}: {dra}");
+                assert!(
+                    dra["summary"]
+                        .as_str()
+                        .unwrap()
+                        .contains("8 devices in 2 ResourceSlices"),
+                    "{dra}"
+                );
+                assert!(
+                    stage("allocatable")["summary"]
+                        .as_str()
+                        .unwrap()
+                        .starts_with("not applicable: publication: dra")
+                );
+            }
+            Some(r) => assert_eq!(t["verdict"]["reason"], r, "{name}: {}", text(&o)),
+        }
+    }
+}

@@ -376,6 +376,8 @@ fn daemonset_pod_shape() {
     let expected: BTreeSet<&str> = [
         "/var/lib/kubelet/device-plugins",
         "/var/lib/kubelet/pod-resources",
+        // The dra stage: the DRA driver's registration socket (publication.plugins_registry).
+        "/var/lib/kubelet/plugins_registry",
         "/run/containerd",
         "/etc/cdi",
         "/var/run/cdi",
@@ -428,6 +430,9 @@ fn rbac_grants_only_the_verbs_the_agent_uses() {
         // provider ID); the real server's 403 without this showed the gap.
         ("karpenter.sh/nodeclaims", "get"),
         ("karpenter.sh/nodeclaims", "list"),
+        // The dra stage: this node's ResourceSlices, field-selected list and watch.
+        ("resource.k8s.io/resourceslices", "list"),
+        ("resource.k8s.io/resourceslices", "watch"),
     ]
     .iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))
@@ -608,6 +613,7 @@ fn every_host_path_the_config_names_is_mounted() {
         "/kubelet/paths/device_plugin_dir",
         "/kubelet/paths/pod_resources_socket",
         "/images/socket",
+        "/publication/plugins_registry",
     ] {
         if let Some(p) = cfg.pointer(ptr).and_then(Value::as_str) {
             paths.push(p.to_string());

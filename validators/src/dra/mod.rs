@@ -108,6 +108,19 @@ pub fn pool_state(slices: &[Slice]) -> PoolState {
     PoolState::Complete(devices)
 }
 
+/// A dotted version in the form a `version` attribute carries it (semver: no leading
+/// zeros). NVML says `550.90.07`; a DRA driver publishes it as `550.90.7`, the only form
+/// the API server accepts. Non-numeric parts are kept as they are.
+pub fn semver_form(v: &str) -> String {
+    v.split('.')
+        .map(|p| match p.parse::<u64>() {
+            Ok(n) => n.to_string(),
+            Err(_) => p.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
 /// What NVML says the node has.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Expected {
@@ -153,7 +166,7 @@ pub fn compare_devices(devices: &[Device], expected: &Expected) -> Vec<String> {
                         d.name, d.product_name
                     ));
                 }
-                if d.driver_version.as_deref() != Some(expected.driver_version.as_str()) {
+                if d.driver_version.as_deref().map(semver_form) != Some(semver_form(&expected.driver_version)) {
                     problems.push(format!(
                         "device {}: driverVersion {:?}, NVML {:?}",
                         d.name, d.driver_version, expected.driver_version

@@ -1,5 +1,7 @@
 //! Table tests for the DRA decisions.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
+
 use super::*;
 
 fn gpu(i: u32) -> Device {
@@ -142,4 +144,114 @@ fn both_publications_only_dra_part_checked() {
     // With publication "both" the DRA pool alone must still equal NVML: a device-plugin
     // count does not excuse a missing slice device.
     assert_eq!(compare_devices(&[gpu(0)], &expected(2)).len(), 1);
+}
+
+#[test]
+fn driver_versions_compare_in_semver_form() {
+    for (v, want) in [
+        ("550.90.07", "550.90.7"),
+        ("570.1", "570.1"),
+        ("12.04.0", "12.4.0"),
+        ("1.2.3-rc1", "1.2.3-rc1"),
+    ] {
+        assert_eq!(semver_form(v), want, "{v}");
+    }
+    let mut e = expected(1);
+    e.driver_version = "550.90.07".into();
+    let mut d = gpu(0);
+    d.driver_version = Some("550.90.7".into());
+    assert!(compare_devices(&[d], &e).is_empty());
+}
+
+#[test]
+fn publication_table() {
+    use evidence::{PublicationMode::*, decide_publication};
+    let label = "nvidia.com/dra-kubelet-plugin";
+    let labelled: BTreeMap<String, String> = [(label.to_string(), "true".to_string())].into();
+    let other: BTreeMap<String, String> = [(label.to_string(), "false".to_string())].into();
+    let none = BTreeMap::new();
+    let table = [
+        (Auto, &labelled, (false, true)),
+        (Auto, &other, (true, false)),
+        (Auto, &none, (true, false)),
+        (DevicePlugin, &labelled, (true, false)),
+        (Dra, &none, (false, true)),
+        (Both, &none, (true, true)),
+    ];
+    for (mode, labels, want) in table {
+        let p = decide_publication(mode, labels, label);
+        assert_eq!((p.device_plugin, p.dra), want, "{mode:?} {labels:?}");
+        assert!(p.why.starts_with("publication: "), "{}", p.why);
+    }
+}
+
+#[test]
+fn verdict_table() {
+    use crate::reason::ReasonCode;
+    use evidence::evaluate;
+    let all = || (0..4).map(gpu).collect::<Vec<_>>();
+    let e = expected(4);
+    let cases: Vec<(&str, Vec<Slice>, Result<usize, (&str, bool)>)> = vec![
+        ("none", vec![], Err(("DraSlicesMissing", true))),
+        (
+            "one of two",
+            vec![slice("a", 1, 2, all()[..2].to_vec())],
+            Err(("DraPoolIncomplete", true)),
+        ),
+        (
+            "complete",
+            vec![
+                slice("a", 1, 2, all()[..2].to_vec()),
+                slice("b", 1, 2, all()[2..].to_vec()),
+            ],
+            Ok(4),
+        ),
+        (
+            "newer generation incomplete",
+            vec![slice("a", 1, 1, all()), slice("b", 2, 2, all()[..2].to_vec())],
+            Err(("DraPoolIncomplete", true)),
+        ),
+        (
+            "duplicate",
+            vec![slice("a", 1, 1, [all(), vec![gpu(0)]].concat())],
+            Err(("DraDevicesMismatch", false)),
+        ),
+        (
+            "missing GPU",
+            vec![slice("a", 1, 1, all()[..3].to_vec())],
+            Err(("DraDevicesMismatch", false)),
+        ),
+    ];
+    for (what, slices, want) in cases {
+        let got = evaluate("gpu.nvidia.com", &slices, &e)
+            .map(|ev| ev.devices)
+            .map_err(|f| (f.reason(), f.is_transient()));
+        assert_eq!(got, want, "{what}");
+    }
+}
+
+#[test]
+fn resource_slices_read_nvidia_attributes_qualified_or_not() {
+    let rs: k8s_openapi::api::resource::v1::ResourceSlice = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "n-gpu"},
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "nodeName": "n",
+            "pool": {"name": "n", "generation": 3, "resourceSliceCount": 1},
+            "devices": [
+                {"name": "gpu-0", "attributes": {
+                    "type": {"string": "gpu"}, "uuid": {"string": "GPU-0"},
+                    "productName": {"string": "H100"}, "driverVersion": {"version": "550.90.7"}}},
+                {"name": "gpu-0-mig-9-0-1", "attributes": {
+                    "gpu.nvidia.com/type": {"string": "mig"}, "gpu.nvidia.com/uuid": {"string": "MIG-1"},
+                    "parentUUID": {"string": "GPU-0"}, "profile": {"string": "1g.10gb"}}}
+            ]
+        }
+    }))
+    .unwrap();
+    let s = evidence::from_resource_slice(&rs);
+    assert_eq!((s.pool.as_str(), s.generation, s.slice_count), ("n", 3, 1));
+    assert_eq!(s.devices[0].driver_version.as_deref(), Some("550.90.7"));
+    assert_eq!(s.devices[1].kind.as_deref(), Some("mig"));
+    assert_eq!(s.devices[1].profile.as_deref(), Some("1g.10gb"));
 }
