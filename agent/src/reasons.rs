@@ -214,7 +214,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "XidFatal",
         &[In(Stage::Driver), XidWatch],
-        "A fatal XID (default 48, 64, 74, 79, 95, 119, 120) since boot or during validation. Replace the node.",
+        "A fatal XID (default 48, 64, 74, 79, 95, 119, 120) since boot or during validation: the node stays held. After release: a Warning Event, and with `continuous.enabled` the `continuous.taint` is added and both conditions go False. Replace the node.",
     ),
     r(
         "XidWarning",
@@ -449,7 +449,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "CacheIoError",
         &[In(Stage::Models)],
-        "Reading or writing the cache failed (read-only or full disk); the message names the path.",
+        "Reading or writing the cache failed (read-only or full disk, or one of the cache's own directories is a symlink, which is refused so nothing is written outside it); the message names the path.",
     ),
     r(
         "OptionsInvalid",
