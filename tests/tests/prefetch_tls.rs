@@ -41,11 +41,19 @@ fn origin() -> Option<Origin> {
     let root = tempfile::tempdir().unwrap();
     let nginx = taintgate_tests::services::service_or_skip(
         "nginx (TLS)",
-        Nginx::start_tls(root.path(), &pki.path().join("server.pem"), &pki.path().join("server.key")),
+        Nginx::start_tls(
+            root.path(),
+            &pki.path().join("server.pem"),
+            &pki.path().join("server.key"),
+        ),
     )?;
     let files = vec![
-        write_origin_file(root.path(), "model/a.bin", 3 << 20, 1, None).unwrap().0,
-        write_origin_file(root.path(), "model/b.bin", 1 << 20, 2, None).unwrap().0,
+        write_origin_file(root.path(), "model/a.bin", 3 << 20, 1, None)
+            .unwrap()
+            .0,
+        write_origin_file(root.path(), "model/b.bin", 1 << 20, 2, None)
+            .unwrap()
+            .0,
     ];
     let m = Manifest { base_uri: None, files };
     let bundle = publish_manifest(root.path(), "manifest.yaml", "llm", nginx.url("manifest.yaml"), &m).unwrap();
@@ -87,7 +95,11 @@ async fn the_private_ca_is_trusted_only_when_configured() {
         .unwrap_or_else(|e| panic!("{}: {e}\n{}", e.reason(), o.nginx.error_log()));
     assert_eq!(r.bytes_fetched, 4 << 20);
     assert!(
-        o.nginx.requests().unwrap().iter().any(|r| r.uri.ends_with("a.bin") && r.status == 206),
+        o.nginx
+            .requests()
+            .unwrap()
+            .iter()
+            .any(|r| r.uri.ends_with("a.bin") && r.status == 206),
         "ranged GETs reached the TLS origin"
     );
 }
@@ -99,7 +111,13 @@ fn bundle_fetch_takes_a_ca_bundle_and_names_a_bad_one() {
     let cache = tempfile::tempdir().unwrap();
     let run = |ca: &Path| {
         Command::new(&bin)
-            .args(["bundle", "fetch", &o.bundle.manifest_uri, "--sha256", &o.bundle.manifest_sha256])
+            .args([
+                "bundle",
+                "fetch",
+                &o.bundle.manifest_uri,
+                "--sha256",
+                &o.bundle.manifest_sha256,
+            ])
             .arg("--cache")
             .arg(cache.path())
             .args(["--reserve", "0", "--ca-bundle"])

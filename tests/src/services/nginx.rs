@@ -142,7 +142,12 @@ http {{
 
     /// `http://127.0.0.1:<port>/<path>` (`https` when started with TLS).
     pub fn url(&self, path: &str) -> String {
-        format!("{}://127.0.0.1:{}/{}", self.scheme, self.port, path.trim_start_matches('/'))
+        format!(
+            "{}://127.0.0.1:{}/{}",
+            self.scheme,
+            self.port,
+            path.trim_start_matches('/')
+        )
     }
 
     /// Every request logged so far.
