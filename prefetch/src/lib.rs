@@ -12,6 +12,7 @@ pub mod images;
 mod cache;
 pub mod error;
 mod fetch;
+pub mod gc;
 pub mod manifest;
 pub mod progress;
 mod slots;
@@ -228,7 +229,7 @@ pub struct BundleReport {
 }
 
 /// Evidence for a whole prefetch run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct PrefetchReport {
     /// Per bundle.
     pub bundles: Vec<BundleReport>,

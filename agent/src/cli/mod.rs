@@ -341,6 +341,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             node: Default::default(),
             prefetch_observer: metrics.clone(),
             publication: Default::default(),
+            dry_run,
         });
         let BootstrapResult { timeline, exit_code } = bootstrap(ctx, dry_run, &node_name).await;
         metrics.observe_timeline(&timeline);

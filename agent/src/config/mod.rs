@@ -382,6 +382,33 @@ pub struct ModelsConfig {
     pub bundles: Vec<taintgate_prefetch::BundleRef>,
     /// Download engine settings.
     pub fetch: taintgate_prefetch::PrefetchOptions,
+    /// Cache lifetime: what happens to bundles that leave this list.
+    pub cache_gc: CacheGcConfig,
+}
+
+/// `models.cache_gc`: after a successful prefetch, the views of bundles no longer
+/// configured go once they have been out of the config for `grace`, and the blobs no view
+/// links to and no configured bundle needs once they are older than `grace`. Each removal
+/// is logged by name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheGcConfig {
+    /// Remove what the config no longer names.
+    pub enabled: bool,
+    /// How long a bundle must have been out of the config (and a blob unused) before it
+    /// goes: a config rolled back within it finds the cache still warm.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub grace: Duration,
+}
+
+impl Default for CacheGcConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            grace: Duration::from_secs(24 * 3600),
+        }
+    }
 }
 
 /// Kubelet-side settings (allocatable, device-plugin and runtime stages).

@@ -298,6 +298,7 @@ mod tests {
             node: Default::default(),
             prefetch_observer: Arc::new(taintgate_prefetch::NoopObserver),
             publication: Default::default(),
+            dry_run: true,
         })
     }
 

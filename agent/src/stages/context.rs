@@ -109,6 +109,9 @@ pub struct Context {
     pub node: Mutex<Option<Node>>,
     /// Receives the `models` stage's byte counts as they happen (the agent's metrics).
     pub prefetch_observer: Arc<dyn taintgate_prefetch::PrefetchObserver>,
+    /// Dry-run (`check`, `run --dry-run`): nothing is removed or written outside the
+    /// model cache's downloads (the cache's garbage collection does not run).
+    pub dry_run: bool,
     /// How the node publishes its GPUs, decided once (see [`super::dra::publication`]).
     pub publication: tokio::sync::OnceCell<taintgate_validators::dra::evidence::Publication>,
 }

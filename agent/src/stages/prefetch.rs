@@ -88,9 +88,15 @@ fn kubelet_reserve(cfg: &crate::config::KubeletConfig) -> Vec<taintgate_prefetch
 pub async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
     let m = &ctx.config.models;
     if m.bundles.is_empty() {
+        // Bundles that left the config still leave the cache (after the grace period).
+        let gc = collect_garbage(ctx, &taintgate_prefetch::PrefetchReport::default()).await;
         return Ok(Evidence {
             summary: "no bundles configured".into(),
-            detail: json!(null),
+            detail: if gc.is_some() {
+                json!({"cacheGc": gc})
+            } else {
+                json!(null)
+            },
         });
     }
     let mut opts = m.fetch.clone();
@@ -117,19 +123,64 @@ pub async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
         .map_err(|e| StageFailure::permanent("InternalError", format!("prefetch task failed: {e}")))?
         .map_err(|e| StageFailure::permanent_from(&e))?;
     let files: usize = report.bundles.iter().map(|b| b.files.len()).sum();
+    let gc = collect_garbage(ctx, &report).await;
     Ok(Evidence {
         summary: format!(
-            "{} bundles, {files} files verified: {:.1} MB fetched, {:.1} MB from cache",
+            "{} bundles, {files} files verified: {:.1} MB fetched, {:.1} MB from cache{}",
             report.bundles.len(),
             report.bytes_fetched as f64 / 1e6,
-            report.bytes_from_cache as f64 / 1e6
+            report.bytes_from_cache as f64 / 1e6,
+            match &gc {
+                Some(g) if !g.views_removed.is_empty() || g.bytes_freed > 0 => format!(
+                    "; cache GC removed {} unconfigured bundle view(s) and {:.1} MB of unused blobs",
+                    g.views_removed.len(),
+                    g.bytes_freed as f64 / 1e6
+                ),
+                _ => String::new(),
+            }
         ),
         detail: json!({
             "bytesFetched": report.bytes_fetched,
             "bytesCached": report.bytes_from_cache,
             "report": serde_json::to_value(&report).unwrap_or_default(),
+            "cacheGc": gc,
         }),
     })
+}
+
+/// The cache's garbage collection after a successful prefetch (`models.cache_gc`). Its
+/// failure is logged and never holds the node: the bundles this node needs are in place.
+async fn collect_garbage(
+    ctx: &Context,
+    report: &taintgate_prefetch::PrefetchReport,
+) -> Option<taintgate_prefetch::gc::GcReport> {
+    let gc = &ctx.config.models.cache_gc;
+    if !gc.enabled || ctx.dry_run {
+        return None;
+    }
+    let root = ctx.config.models.fetch.cache_dir.clone();
+    let keep = report.bundles.iter().map(|b| b.name.clone()).collect();
+    let needed = report
+        .bundles
+        .iter()
+        .flat_map(|b| b.files.iter().map(|f| f.sha256.clone()))
+        .collect();
+    let grace = gc.grace;
+    let done = blocking("cache GC", move || {
+        taintgate_prefetch::gc::collect_garbage(&root, &keep, &needed, grace, std::time::SystemTime::now())
+    })
+    .await;
+    match done {
+        Ok(Ok(r)) => Some(r),
+        Ok(Err(e)) => {
+            tracing::warn!(reason = e.reason(), error = %e, "cache garbage collection failed; nothing else is affected");
+            None
+        }
+        Err(f) => {
+            tracing::warn!(error = %f.message, "cache garbage collection did not run");
+            None
+        }
+    }
 }
 
 /// The `images` stage: every configured image present in the runtime (pulled if absent).
