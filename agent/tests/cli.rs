@@ -875,3 +875,93 @@ fn dra_profiles_release_or_hold_with_their_reason() {
         }
     }
 }
+
+/// The cache's lifetime through the agent: a `run` (not a dry-run) on a simulated node
+/// removes the view of a bundle no longer configured, and the blob only it used, once the
+/// grace period has passed; a dry-run (`check`) removes nothing.
+#[test]
+fn a_bundle_that_left_the_config_leaves_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let origin = dir.path().join("origin");
+    std::fs::create_dir_all(&origin).unwrap();
+    std::fs::write(origin.join("w.bin"), vec![7u8; 300_000]).unwrap();
+    let manifest = dir.path().join("manifest.yaml");
+    let o = bin()
+        .args(["bundle", "create"])
+        .arg(&origin)
+        .arg("--base-uri")
+        .arg(format!("file://{}/", origin.display()))
+        .arg("--output")
+        .arg(&manifest)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let digest = String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .find_map(|l| l.strip_prefix("manifest_sha256: ").map(str::to_string))
+        .unwrap();
+    let cache = dir.path().join("cache");
+    // An older bundle's view and its blob, as a previous config left them.
+    let old = dir.path().join("old-origin");
+    std::fs::create_dir_all(&old).unwrap();
+    std::fs::write(old.join("old.bin"), vec![9u8; 200_000]).unwrap();
+    let o = bin()
+        .args(["bundle", "fetch"])
+        .arg(&{
+            let m = dir.path().join("old-manifest.yaml");
+            let c = bin()
+                .args(["bundle", "create"])
+                .arg(&old)
+                .arg("--base-uri")
+                .arg(format!("file://{}/", old.display()))
+                .arg("--output")
+                .arg(&m)
+                .output()
+                .unwrap();
+            assert_eq!(c.status.code(), Some(0), "{}", text(&c));
+            m
+        })
+        .args(["--name", "llm-v1", "--reserve", "0", "--cache"])
+        .arg(&cache)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "models:\n  bundles:\n    - {{name: llm-v2, manifest_uri: \"file://{}\", manifest_sha256: {digest}}}\n  fetch: {{cache_dir: {}, reserve_bytes: 0}}\n  cache_gc: {{grace: 0s}}\nstages:\n  images: {{enabled: false}}\n",
+            manifest.display(),
+            cache.display()
+        ),
+    )
+    .unwrap();
+    let old_view = cache.join("bundles/llm-v1/old.bin");
+    assert!(old_view.exists());
+    // A dry-run changes nothing in the cache.
+    let o = bin()
+        .args(["check", "--simulate", "builtin", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(old_view.exists(), "check removed a view");
+    // A run does, and says so.
+    let o = bin()
+        .args(["run", "--simulate", "builtin", "--once", "--config"])
+        .arg(&cfg)
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(!cache.join("bundles/llm-v1").exists(), "{out}");
+    assert!(cache.join("bundles/llm-v2/w.bin").exists(), "{out}");
+    assert!(
+        out.contains("removed the view of a bundle no longer configured"),
+        "{out}"
+    );
+    assert!(out.contains("removed a blob no bundle view uses"), "{out}");
+    let blobs: Vec<_> = std::fs::read_dir(cache.join("blobs/sha256")).unwrap().collect();
+    assert_eq!(blobs.len(), 1, "only the configured bundle's blob is left");
+}

@@ -59,8 +59,8 @@ fn now_secs(now: SystemTime) -> u64 {
 }
 
 /// Collect the cache at `root`: `keep` names the configured bundles, `needed` the blob
-/// digests their manifests list. Takes the cache lock without waiting and does nothing
-/// while another process holds it. Blocking: run it off the async threads.
+/// digests their manifests list. Waits at most 5 s for the cache lock and does nothing
+/// while another process holds it longer. Blocking: run it off the async threads.
 pub fn collect_garbage(
     root: &Path,
     keep: &BTreeSet<String>,
@@ -73,8 +73,18 @@ pub fn collect_garbage(
         return Ok(report);
     }
     let cache = Cache::open(root)?;
-    let Some(_lock) = cache.try_lock()? else {
-        tracing::debug!(cache = %root.display(), "cache busy; garbage collection skipped this time");
+    // The prefetch that just ended releases the lock once its download runtime has
+    // stopped, on a thread of its own: wait a little for that, never for another writer.
+    let mut lock = None;
+    for _ in 0..50 {
+        lock = cache.try_lock()?;
+        if lock.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let Some(_lock) = lock else {
+        tracing::info!(cache = %root.display(), "cache busy; garbage collection skipped this time");
         return Ok(report);
     };
     let state_path = root.join("gc-state.json");

@@ -5,7 +5,9 @@
 
 use super::context::{Context, Evidence, Progress, StageFailure};
 use serde_json::json;
-use taintgate_validators::dra::evidence::{Publication, decide_publication, evaluate, expected_from_inventory};
+use taintgate_validators::dra::evidence::{
+    Publication, PublicationMode, decide_publication, evaluate, expected_from_inventory,
+};
 
 /// Which path a stage belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,16 +24,19 @@ pub async fn publication(ctx: &Context) -> Result<&Publication, StageFailure> {
     ctx.publication
         .get_or_try_init(|| async {
             let cfg = &ctx.config.publication;
-            let labels = match &ctx.boundaries.api {
-                Some(api) => {
+            // Only `auto` reads the Node, and then through the Node watch, which rides out
+            // API errors and a Node not created yet like the other waits (a one-shot read
+            // would fail every kubelet-side stage on one 500).
+            let labels = match (&ctx.boundaries.api, cfg.mode) {
+                (Some(api), PublicationMode::Auto) => {
                     let cached = ctx.node.lock().ok().and_then(|n| n.clone());
                     let node = match cached {
                         Some(n) => n,
-                        None => api.get().await?,
+                        None => api.wait_for(&|_: &k8s_openapi::api::core::v1::Node| true).await?,
                     };
                     node.metadata.labels.unwrap_or_default()
                 }
-                None => Default::default(),
+                _ => Default::default(),
             };
             Ok::<_, StageFailure>(decide_publication(cfg.mode, &labels, &cfg.dra_label))
         })
