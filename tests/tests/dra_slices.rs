@@ -150,12 +150,13 @@ impl Registration {
     }
 }
 
-fn config(dir: &Path, registry: &Path) -> String {
+/// A config pointing the agent at `registry`, with the `dra` stage's deadline.
+fn config(dir: &Path, registry: &Path, deadline: &str) -> String {
     let cfg = dir.join("config.yaml");
     std::fs::write(
         &cfg,
         format!(
-            "publication: {{plugins_registry: {}, registration_timeout: 2s}}\nstages: {{dra: {{deadline: 4s}}}}\n",
+            "publication: {{plugins_registry: {}, registration_timeout: 2s}}\nstages: {{dra: {{deadline: {deadline}}}}}\n",
             registry.display()
         ),
     )
@@ -163,20 +164,29 @@ fn config(dir: &Path, registry: &Path) -> String {
     cfg.to_string_lossy().into_owned()
 }
 
-fn run(api: &ApiServer, registry: &Registration) -> std::process::Output {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), &registry.path);
-    run_agent(&[
+/// `run --once` on the DRA profile against `api` with `cfg`.
+fn agent_args(api: &ApiServer, cfg: &str) -> Vec<String> {
+    let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
+    [
         "run",
         "--simulate",
         &profile("8gpu-dra"),
         "--kubeconfig",
-        &api.kubeconfig_path().to_string_lossy(),
+        &kubeconfig,
         "--config",
-        &cfg,
+        cfg,
         "--once",
-    ])
-    .unwrap()
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn run(api: &ApiServer, registry: &Registration) -> std::process::Output {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), &registry.path, "4s");
+    let args = agent_args(api, &cfg);
+    run_agent(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap()
 }
 
 fn dra_stage(api: &ApiServer) -> Value {
@@ -296,26 +306,9 @@ fn a_generation_that_rises_restarts_the_count_and_the_watch_sees_its_last_slice(
     api.put_object(g2a).unwrap();
     let registry = Registration::start(Some(DRIVER));
     let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("config.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "publication: {{plugins_registry: {}}}\nstages: {{dra: {{deadline: 60s}}}}\n",
-            registry.path.display()
-        ),
-    )
-    .unwrap();
-    let child = spawn_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-dra"),
-        "--kubeconfig",
-        &api.kubeconfig_path().to_string_lossy(),
-        "--config",
-        &cfg.to_string_lossy(),
-        "--once",
-    ])
-    .unwrap();
+    let cfg = config(dir.path(), &registry.path, "60s");
+    let args = agent_args(&api, &cfg);
+    let child = spawn_agent(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
     // Publish the second slice of generation 2 once the agent watches the slices.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !api

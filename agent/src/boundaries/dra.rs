@@ -54,11 +54,7 @@ impl DraSide for KubeDra {
             let listed = match api.list(&ListParams::default().fields(&fields)).await {
                 Ok(l) => l,
                 Err(e) => {
-                    let e = to_api_error(&op, e);
-                    if !e.retryable() {
-                        return Err(e);
-                    }
-                    tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+                    sleep_or_fail(to_api_error(&op, e), &mut backoff).await?;
                     continue;
                 }
             };
@@ -76,11 +72,7 @@ impl DraSide for KubeDra {
             let stream = match api.watch(&wp, &rv).await {
                 Ok(s) => s,
                 Err(e) => {
-                    let e = to_api_error(&op, e);
-                    if !e.retryable() {
-                        return Err(e);
-                    }
-                    tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+                    sleep_or_fail(to_api_error(&op, e), &mut backoff).await?;
                     continue;
                 }
             };
@@ -107,6 +99,16 @@ impl DraSide for KubeDra {
     async fn registration(&self, driver: &str) -> Result<Registration, DraFailure> {
         registered_driver(&self.plugins_registry, driver, self.registration_timeout).await
     }
+}
+
+/// An error retrying can help is slept off (the next backoff delay); any other ends the
+/// wait with it.
+async fn sleep_or_fail(e: ApiError, backoff: &mut impl Iterator<Item = Duration>) -> Result<(), ApiError> {
+    if !e.retryable() {
+        return Err(e);
+    }
+    tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+    Ok(())
 }
 
 /// The simulated node's DRA driver (its profile's `dra:`), after the profile's latency.
