@@ -324,8 +324,8 @@ async fn xid_makes_the_device_unhealthy_and_the_agent_holds() {
 
 /// Inject XID 79 on GPU 1, wait until the kubelet stand-in sees it, then XIDs on GPUs 2
 /// and 3 together, and wait until it sees GPU 3. Returns how many lists the kubelet's
-/// stream delivered after the first one.
-async fn three_health_events(rig: &Rig) -> u64 {
+/// stream delivered after the first one, and how many GPUs its last list calls Unhealthy.
+async fn three_health_events(rig: &Rig) -> (u64, usize) {
     let p = builtin();
     let (g1, g3) = (p.gpus[1].uuid.clone(), p.gpus[3].uuid.clone());
     tokio::task::block_in_place(|| rig.driver.wait_armed(T)).unwrap();
@@ -345,8 +345,7 @@ async fn three_health_events(rig: &Rig) -> u64 {
         })
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", rig.plugin.log()));
-    assert_eq!(unhealthy_of(&views[GPU]).len(), 3, "{:?}", views[GPU].devices);
-    views[GPU].updates - 1
+    (views[GPU].updates - 1, unhealthy_of(&views[GPU]).len())
 }
 
 /// Case 5: the agent's probe must not disturb the kubelet. With the kubelet stand-in
@@ -362,11 +361,11 @@ async fn agent_probe_does_not_disturb_the_kubelet() {
     for _ in 0..5 {
         check_kubelet_view(&rig.probe(), &want, &cap).await.unwrap();
     }
-    let health_updates = three_health_events(&rig).await;
+    let (health_updates, unhealthy) = three_health_events(&rig).await;
     assert_eq!(
-        health_updates,
-        3,
-        "the kubelet must get one update per health event\n{}",
+        (health_updates, unhealthy),
+        (3, 3),
+        "the kubelet must get one update per health event, each GPU reported\n{}",
         rig.plugin.log()
     );
 }
@@ -384,11 +383,18 @@ async fn a_list_and_watch_probe_swallows_a_health_event() {
         return;
     };
     check_device_plugin(&rig.probe(), &want, false).await.unwrap();
-    let health_updates = three_health_events(&rig).await;
+    // GPU 2's state reaches the kubelet only if the dead loop marked it before the
+    // kubelet's loop sent GPU 3's list (the two goroutines race): 2 or 3 Unhealthy.
+    let (health_updates, unhealthy) = three_health_events(&rig).await;
     assert_eq!(
         health_updates,
         2,
         "the left-behind ListAndWatch loop of the probe takes one event\n{}",
+        rig.plugin.log()
+    );
+    assert!(
+        (2..=3).contains(&unhealthy),
+        "{unhealthy} GPUs Unhealthy\n{}",
         rig.plugin.log()
     );
 }
