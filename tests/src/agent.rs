@@ -59,12 +59,9 @@ pub fn register_like_karpenter(api: &crate::cluster::ApiServer, node: &str) -> a
     })
 }
 
-/// A `taintgate` command with a clean environment, bounded by coreutils `timeout` so a
-/// hung agent fails the test instead of hanging it.
-pub fn agent_cmd(timeout_secs: u32) -> anyhow::Result<Command> {
-    let bin = crate::services::taintgate_bin()?;
-    let mut c = Command::new("timeout");
-    c.arg("--signal=KILL").arg(timeout_secs.to_string()).arg(bin);
+/// Remove from `c`'s environment what would point the agent at a cluster, a node, a
+/// config or systemd of the machine running the tests.
+pub fn clean_env(c: &mut Command) {
     for v in [
         "KUBECONFIG",
         "KUBERNETES_SERVICE_HOST",
@@ -74,6 +71,15 @@ pub fn agent_cmd(timeout_secs: u32) -> anyhow::Result<Command> {
     ] {
         c.env_remove(v);
     }
+}
+
+/// A `taintgate` command with a clean environment, bounded by coreutils `timeout` so a
+/// hung agent fails the test instead of hanging it.
+pub fn agent_cmd(timeout_secs: u32) -> anyhow::Result<Command> {
+    let bin = crate::services::taintgate_bin()?;
+    let mut c = Command::new("timeout");
+    c.arg("--signal=KILL").arg(timeout_secs.to_string()).arg(bin);
+    clean_env(&mut c);
     c.env("RUST_LOG", "info");
     Ok(c)
 }

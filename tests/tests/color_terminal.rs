@@ -32,15 +32,7 @@ fn on_a_terminal(color: Option<&str>, no_color: Option<&str>) -> String {
     let line = format!("'{}'{flag} run --simulate builtin --dry-run --once", bin.display());
     let mut c = Command::new("script");
     c.args(["-qec", &line, "/dev/null"]).env("RUST_LOG", "info");
-    for v in [
-        "KUBECONFIG",
-        "KUBERNETES_SERVICE_HOST",
-        "NODE_NAME",
-        "TAINTGATE_CONFIG",
-        "NOTIFY_SOCKET",
-    ] {
-        c.env_remove(v);
-    }
+    taintgate_tests::agent::clean_env(&mut c);
     match no_color {
         Some(v) => c.env("NO_COLOR", v),
         None => c.env_remove("NO_COLOR"),
