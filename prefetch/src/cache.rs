@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 use crate::error::PrefetchError;
-use crate::manifest::hash_file;
+use crate::manifest::{ChunkDigests, hash_file};
 
 /// Handle on the cache directory layout.
 #[derive(Debug, Clone)]
@@ -287,7 +287,20 @@ impl Cache {
 
     /// Look a blob up. Blocking (may hash the whole blob): run on a blocking thread.
     /// `verify` forces a re-hash even when the marker matches.
+    #[cfg(test)]
     pub fn check_blob(&self, digest: &str, size: u64, verify: bool) -> Result<BlobState, PrefetchError> {
+        self.check_blob_with(digest, size, verify, None)
+    }
+
+    /// [`Cache::check_blob`], re-hashing by `chunks` when the manifest has chunk digests:
+    /// every chunk in parallel across cores instead of one hasher over the whole file.
+    pub fn check_blob_with(
+        &self,
+        digest: &str,
+        size: u64,
+        verify: bool,
+        chunks: Option<&ChunkDigests>,
+    ) -> Result<BlobState, PrefetchError> {
         let blob = self.blob_path(digest);
         let meta = match fs::symlink_metadata(&blob) {
             Ok(m) => m,
@@ -311,15 +324,27 @@ impl Cache {
         if !verify && self.marker_matches(digest, &meta) {
             return Ok(BlobState::Marked);
         }
-        let (n, actual) = hash_file(&blob)?;
-        if n == size && actual == digest {
-            self.write_marker(digest)?;
-            return Ok(BlobState::Rehashed);
+        if let Some(chunks) = chunks {
+            match verify_chunks(&blob, size, chunks)? {
+                None => {
+                    self.write_marker(digest)?;
+                    return Ok(BlobState::Rehashed);
+                }
+                Some(bad) => tracing::warn!(
+                    blob = %blob.display(), bytes = ?bad, "a chunk of the cached blob does not match its digest; removing it so it is fetched again"
+                ),
+            }
+        } else {
+            let (n, actual) = hash_file(&blob)?;
+            if n == size && actual == digest {
+                self.write_marker(digest)?;
+                return Ok(BlobState::Rehashed);
+            }
+            tracing::warn!(
+                blob = %blob.display(), expected = digest, actual = %actual, size = n,
+                "cached blob does not match its digest; removing it so it is fetched again"
+            );
         }
-        tracing::warn!(
-            blob = %blob.display(), expected = digest, actual = %actual, size = n,
-            "cached blob does not match its digest; removing it so it is fetched again"
-        );
         self.remove_blob(digest)?;
         Ok(BlobState::Corrupt)
     }
@@ -585,6 +610,67 @@ impl Cache {
 
 /// Remove a file, symlink or (recursively, without following symlinks) a directory; one
 /// already gone is fine.
+/// Check every chunk of the `size`-byte file at `path` against `chunks`, on as many
+/// threads as there are cores, each reading its chunks in 1 MiB pieces (memory: one piece
+/// per thread). Returns the byte range of a chunk that does not match, if any. Blocking.
+pub(crate) fn verify_chunks(
+    path: &Path,
+    size: u64,
+    chunks: &ChunkDigests,
+) -> Result<Option<std::ops::Range<u64>>, PrefetchError> {
+    use sha2::{Digest, Sha256};
+    use std::os::unix::fs::FileExt;
+    let file = fs::File::open(path).map_err(io("open", path))?;
+    let n = chunks.count_for(size);
+    let next = AtomicU64::new(0);
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(n.max(1) as usize);
+    let check = || -> Result<Option<std::ops::Range<u64>>, PrefetchError> {
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                return Ok(None);
+            }
+            let range = chunks.range(size, i);
+            let mut h = Sha256::new();
+            let mut at = range.start;
+            while at < range.end {
+                let len = ((range.end - at) as usize).min(buf.len());
+                file.read_exact_at(&mut buf[..len], at).map_err(io("read", path))?;
+                h.update(&buf[..len]);
+                at += len as u64;
+            }
+            let want = chunks.sha256.get(i as usize).map(|d| d.to_ascii_lowercase());
+            if want.as_deref() != Some(hex::encode(h.finalize()).as_str()) {
+                // Stop the other threads: one bad chunk condemns the blob.
+                next.store(n, Ordering::Relaxed);
+                return Ok(Some(range));
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads).map(|_| s.spawn(check)).collect();
+        let mut found = None;
+        for w in workers {
+            match w.join() {
+                Ok(Ok(None)) => {}
+                Ok(Ok(Some(r))) => found = found.or(Some(r)),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(PrefetchError::io(
+                        "verify",
+                        path,
+                        std::io::Error::other("a chunk verifier panicked"),
+                    ));
+                }
+            }
+        }
+        Ok(found)
+    })
+}
+
 pub(crate) fn remove_any(path: &Path, is_dir: bool) -> Result<(), PrefetchError> {
     let r = if is_dir {
         fs::remove_dir_all(path)

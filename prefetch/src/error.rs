@@ -4,14 +4,23 @@
 
 use std::path::PathBuf;
 
+/// "bytes" or "bytes a..b": what a digest covered, for [`PrefetchError::DigestMismatch`].
+fn bytes_named(range: &Option<Box<std::ops::Range<u64>>>) -> String {
+    match range {
+        Some(r) => format!("bytes {}..{} (a chunk)", r.start, r.end),
+        None => "bytes".to_string(),
+    }
+}
+
 /// Why a bundle prefetch (or a manifest creation) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PrefetchError {
     /// The downloaded bytes hashed to something other than the pinned digest, on every
     /// attempt of the retry budget.
     #[error(
-        "{file}: sha256 of downloaded bytes is {actual}, manifest pins {expected} \
-         (after {attempts} attempt(s) from {uri})"
+        "{file}: sha256 of downloaded {} is {actual}, manifest pins {expected} \
+         (after {attempts} attempt(s) from {uri})",
+        bytes_named(.range)
     )]
     DigestMismatch {
         /// `bundle/path` of (the first) file referencing the blob.
@@ -24,6 +33,9 @@ pub enum PrefetchError {
         actual: String,
         /// Attempts made.
         attempts: u32,
+        /// The chunk's byte range when a chunk digest failed; `None`: the whole file.
+        /// Boxed: every `Result` of the crate carries this enum, which stays small.
+        range: Option<Box<std::ops::Range<u64>>>,
     },
     /// The object at the source has a different size than the manifest says.
     #[error("{file}: source {uri} has {actual} bytes, manifest says {expected}")]

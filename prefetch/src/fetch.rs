@@ -16,6 +16,15 @@
 //! file. After a restart those chunks are read back from disk (and hashed in order) instead
 //! of being fetched again. A partial whose object changed since (different ETag) is thrown
 //! away, never stitched to new bytes.
+//!
+//! Chunk digests: when the manifest carries per-chunk sha256 digests for a file, the
+//! engine's ranges are those chunks, each chunk is hashed as its bytes arrive on whichever
+//! worker receives them (any core) and compared with its digest before it is marked done,
+//! and the in-order whole-file hasher is not run at all: the chunks cover every byte, and
+//! their digests are pinned by the manifest's own sha256 exactly as the file digest is. A
+//! chunk that fails is fetched again within the retry budget, then the file fails with
+//! `DigestMismatch` naming the chunk's byte range; a resumed chunk is read back and
+//! re-hashed before it is trusted.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -35,6 +44,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::Cache;
 use crate::error::PrefetchError;
+use crate::manifest::ChunkDigests;
 use crate::progress::Progress;
 use crate::slots::{Slot, Slots};
 use crate::source::{SourceObject, Sources, map_store_error};
@@ -51,6 +61,16 @@ pub(crate) struct BlobJob {
     pub label: String,
     /// Indices of the bundles referencing it (for progress).
     pub bundles: Vec<usize>,
+    /// Per-chunk digests from the manifest, when it has them.
+    pub chunks: Option<Arc<ChunkDigests>>,
+}
+
+impl BlobJob {
+    /// The range size for this blob: its digest chunks when it has them (so every range
+    /// is one verifiable chunk), else the engine's `chunk_size`.
+    fn chunk_size(&self, engine_chunk: u64) -> u64 {
+        self.chunks.as_ref().map_or(engine_chunk, |c| c.size)
+    }
 }
 
 /// What fetching one blob took.
@@ -115,6 +135,13 @@ impl ChunkMap {
         }
         self.done = hex::encode(bits);
     }
+    fn set_undone(&mut self, i: usize) {
+        let mut bits = self.bits();
+        if let Some(b) = bits.get_mut(i / 8) {
+            *b &= !(1 << (i % 8));
+        }
+        self.done = hex::encode(bits);
+    }
     fn done_count(&self) -> usize {
         self.bits().iter().map(|b| b.count_ones() as usize).sum()
     }
@@ -169,6 +196,8 @@ struct ChunkCtx {
     map: Mutex<ChunkMap>,
     size: u64,
     chunk_size: u64,
+    /// Per-chunk digests: each chunk verified on its own, no in-order hasher.
+    digests: Option<Arc<ChunkDigests>>,
     /// The object's (ETag, version), fixed by the first response (or by the resumed chunk
     /// map). Later requests carry it as If-Match; every response is compared with it.
     identity: OnceLock<(Option<String>, Option<String>)>,
@@ -192,9 +221,11 @@ struct ChunkCtx {
     write_lock: tokio::sync::Mutex<()>,
 }
 
-/// A fetched (or re-read) chunk on its way to the hasher; holds its slot.
+/// A fetched (or re-read) chunk on its way to the hasher; holds its slot. With chunk
+/// digests the chunk was verified already and `bufs` is empty: only `len` counts.
 struct HashItem {
     bufs: Vec<Bytes>,
+    len: u64,
     _slot: Slot,
 }
 
@@ -216,6 +247,7 @@ impl Engine {
         // partial's; what was reused from an earlier run is the rest of the file. A set, so
         // a chunk fetched twice (its done mark not yet persisted) is not counted twice.
         let mut fetched_here = BTreeSet::new();
+        let chunk_size = job.chunk_size(self.chunk_size);
         loop {
             out.attempts += 1;
             let result = self
@@ -225,10 +257,7 @@ impl Engine {
             let delay = match result {
                 Ok(()) => {
                     out.duration = start.elapsed();
-                    let fetched: u64 = fetched_here
-                        .iter()
-                        .map(|&i| chunk_len(job.size, self.chunk_size, i))
-                        .sum();
+                    let fetched: u64 = fetched_here.iter().map(|&i| chunk_len(job.size, chunk_size, i)).sum();
                     out.bytes_resumed = job.size.saturating_sub(fetched);
                     return Ok(out);
                 }
@@ -244,6 +273,7 @@ impl Engine {
                             expected: job.digest.clone(),
                             actual,
                             attempts: out.attempts,
+                            range: None,
                         });
                     }
                     Duration::ZERO
@@ -269,8 +299,12 @@ impl Engine {
                     None => return Err(e),
                 },
                 Err(AttemptError::Fail(e)) => {
-                    if matches!(e, PrefetchError::SourceChanged { .. }) {
-                        // Never stitch: the bytes on disk belong to the old object.
+                    if matches!(
+                        e,
+                        PrefetchError::SourceChanged { .. } | PrefetchError::DigestMismatch { .. }
+                    ) {
+                        // Never stitch: the bytes on disk belong to the old object, or
+                        // to one that does not match the manifest.
                         self.discard(&job.digest)?;
                     }
                     return Err(e);
@@ -300,9 +334,10 @@ impl Engine {
     /// Bytes of `digest` that already have space on disk from an earlier partial download
     /// that will be resumed (for the disk preflight): its written chunks, or the whole file
     /// when its blocks were reserved.
-    pub fn resumable_bytes(&self, digest: &str, size: u64) -> u64 {
+    pub fn resumable_bytes(&self, job: &BlobJob) -> u64 {
+        let digest = &job.digest;
         let (state, part) = (self.cache.state_path(digest), self.cache.part_path(digest));
-        resumable(&state, &part, digest, size, self.chunk_size)
+        resumable(&state, &part, digest, job.size, job.chunk_size(self.chunk_size))
     }
 
     async fn attempt(
@@ -317,7 +352,8 @@ impl Engine {
         let part = self.cache.part_path(digest);
         let state_path = self.cache.state_path(digest);
         let src = self.sources.resolve(&job.uri)?;
-        let n = chunks(job.size, self.chunk_size);
+        let chunk_size = job.chunk_size(self.chunk_size);
+        let n = chunks(job.size, chunk_size);
 
         // Only a regular file is resumed; anything else at the partial's path (a symlink, a
         // directory) is removed, and the file is opened without following a symlink.
@@ -330,10 +366,10 @@ impl Engine {
             }
             Err(_) => false,
         };
-        let previous = load_map(&state_path, job.size, self.chunk_size, true)
-            .filter(|m| m.digest == *digest && m.size == job.size && m.chunk_size == self.chunk_size && part_ok);
+        let previous = load_map(&state_path, job.size, chunk_size, true)
+            .filter(|m| m.digest == *digest && m.size == job.size && m.chunk_size == chunk_size && part_ok);
         let resumed = previous.is_some();
-        let map = previous.unwrap_or_else(|| ChunkMap::new(digest, job.size, self.chunk_size));
+        let map = previous.unwrap_or_else(|| ChunkMap::new(digest, job.size, chunk_size));
         let file = {
             let part = part.clone();
             let size = job.size;
@@ -379,7 +415,8 @@ impl Engine {
             state_path: state_path.clone(),
             map: Mutex::new(map.clone()),
             size: job.size,
-            chunk_size: self.chunk_size,
+            chunk_size,
+            digests: job.chunks.clone(),
             identity,
             retries: self.retries,
             cancel: cancel.child_token(),
@@ -401,6 +438,9 @@ impl Engine {
         // CPU-bound for as long as the file downloads (seconds for a large one), so it does
         // not hold a thread of tokio's blocking pool, which the chunk writes use; tokio
         // points long-running computations to plain threads.
+        // With chunk digests every chunk is verified where it arrives, so this thread only
+        // counts: the whole-file hash is not on the critical path.
+        let whole_file = job.chunks.is_none();
         let window = self.file_window.max(1);
         let (tx, mut rx) = tokio::sync::mpsc::channel::<HashItem>(window);
         let progress = self.progress.clone();
@@ -412,15 +452,15 @@ impl Engine {
                 let mut h = Sha256::new();
                 let mut total = 0u64;
                 while let Some(item) = rx.blocking_recv() {
-                    let mut len = 0u64;
                     for b in &item.bufs {
                         h.update(b);
-                        len += b.len() as u64;
                     }
-                    total += len;
-                    progress.verified(&bundles, len);
+                    total += item.len;
+                    if whole_file {
+                        progress.verified(&bundles, item.len);
+                    }
                 }
-                let _ = done.send((total, hex::encode(h.finalize())));
+                let _ = done.send((total, whole_file.then(|| hex::encode(h.finalize()))));
             });
         hash_thread.map_err(|e| PrefetchError::io("start the hasher for", &part, e))?;
 
@@ -438,23 +478,25 @@ impl Engine {
         // window and the global slots interleave. The pool also caps what one file holds,
         // in flight or waiting to be hashed, at its window, so a file whose hasher lags
         // still leaves `concurrency - window` slots to smaller files.
-        let mut stream = Box::pin(
-            futures::stream::iter(0..n)
-                .then(move |i| {
-                    let slots = slots.clone();
-                    async move { (i, slots.acquire(rank).await) }
-                })
-                .map(move |(i, permit)| {
-                    let ctx = ctx2.clone();
-                    let task = spawner.spawn(fetch_chunk(ctx, i));
-                    async move { (task.await, permit) }
-                })
-                .buffered(window)
-                // `buffered` yields the chunks in order: the k-th is chunk k.
-                .enumerate(),
-        );
+        let started = futures::stream::iter(0..n)
+            .then(move |i| {
+                let slots = slots.clone();
+                async move { (i, slots.acquire(rank).await) }
+            })
+            .map(move |(i, permit)| {
+                let ctx = ctx2.clone();
+                let task = spawner.spawn(fetch_chunk(ctx, i));
+                async move { (i, task.await, permit) }
+            });
+        // In file order for the whole-file hasher; with chunk digests order does not
+        // matter, and a chunk that finished is not held behind a slower one before it.
+        let mut stream: futures::stream::BoxStream<'_, _> = if whole_file {
+            started.buffered(window).boxed()
+        } else {
+            started.buffer_unordered(window).boxed()
+        };
         let mut result: Result<(), AttemptError> = Ok(());
-        while let Some((i, (joined, slot))) = stream.next().await {
+        while let Some((i, joined, slot)) = stream.next().await {
             let chunk = match joined {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
@@ -470,7 +512,8 @@ impl Engine {
             if fetched > 0 {
                 fetched_here.insert(i);
             }
-            if tx.send(HashItem { bufs, _slot: slot }).await.is_err() {
+            let len = chunk_len(job.size, chunk_size, i);
+            if tx.send(HashItem { bufs, len, _slot: slot }).await.is_err() {
                 break;
             }
         }
@@ -508,7 +551,9 @@ impl Engine {
             }
             .into());
         }
-        if actual != *digest {
+        if let Some(actual) = actual
+            && actual != *digest
+        {
             // Whether the source or bytes read back from a resumed partial (e.g. lost to a
             // power failure before writeback) are to blame, the answer is the same: discard
             // and fetch again, within the retry budget.
@@ -529,25 +574,97 @@ impl Engine {
 }
 
 /// Fetch (or re-read from disk, when the chunk map says it is there) chunk `i`. Returns
-/// the chunk's bytes and the number of bytes received from the source.
+/// the chunk's bytes for the in-order hasher (none when the chunk has its own digest and
+/// was verified here) and the number of bytes received from the source.
 async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), PrefetchError> {
     let start = i as u64 * ctx.chunk_size;
     let end = start + chunk_len(ctx.size, ctx.chunk_size, i);
     let len = (end - start) as usize;
+    let expected: Option<String> = ctx
+        .digests
+        .as_ref()
+        .and_then(|d| d.sha256.get(i))
+        .map(|d| d.to_ascii_lowercase());
     let on_disk = ctx.map.lock().map(|m| m.is_done(i)).unwrap_or(false);
     if on_disk {
         let file = ctx.file.clone();
         let part = ctx.part.clone();
-        let buf = blocking(move || {
+        let check = expected.is_some();
+        let (buf, actual) = blocking(move || {
             let mut buf = BytesMut::zeroed(len);
             file.read_exact_at(&mut buf, start)
                 .map_err(|e| PrefetchError::io("read back", &part, e))?;
-            Ok(buf.freeze())
+            let actual = check.then(|| hex::encode(Sha256::digest(&buf)));
+            Ok((buf.freeze(), actual))
         })
         .await?;
-        return Ok((vec![buf], 0));
+        match (&expected, actual) {
+            (None, _) => return Ok((vec![buf], 0)),
+            (Some(want), Some(have)) if *want == have => {
+                ctx.progress.verified(&ctx.bundles, len as u64);
+                return Ok((Vec::new(), 0));
+            }
+            // A chunk on disk is trusted only once its digest matches: lost writeback or a
+            // torn page is fetched again instead of failing the file.
+            (Some(_), _) => {
+                tracing::warn!(file = %ctx.label, bytes = ?(start..end), "a resumed chunk does not match its digest; fetching it again");
+                if let Ok(mut m) = ctx.map.lock() {
+                    m.set_undone(i);
+                }
+            }
+        }
     }
+    let mut mismatches = 0u32;
+    let mut received = 0u64;
+    loop {
+        let (bufs, got, actual) = receive_chunk(&ctx, i, start..end, expected.is_some()).await?;
+        received += got;
+        if let (Some(want), Some(have)) = (&expected, &actual)
+            && want != have
+        {
+            mismatches += 1;
+            ctx.progress.observer.retry("DigestMismatch");
+            tracing::warn!(file = %ctx.label, uri = %ctx.src.uri, bytes = ?(start..end), expected = %want, actual = %have, mismatches, "chunk digest mismatch");
+            if mismatches > ctx.retries {
+                return Err(PrefetchError::DigestMismatch {
+                    file: ctx.label.clone(),
+                    uri: ctx.src.uri.clone(),
+                    expected: want.clone(),
+                    actual: have.clone(),
+                    attempts: mismatches,
+                    range: Some(Box::new(start..end)),
+                });
+            }
+            continue;
+        }
+        // Only a chunk wholly on disk (and, with a digest, verified) is ever marked, so a
+        // resumed download never trusts a torn one.
+        if let Ok(mut m) = ctx.map.lock() {
+            m.set_done(i);
+        }
+        if ctx.persist {
+            persist_map(&ctx).await?;
+        }
+        if expected.is_some() {
+            ctx.progress.verified(&ctx.bundles, len as u64);
+            return Ok((Vec::new(), received));
+        }
+        return Ok((bufs, received));
+    }
+}
 
+/// Receive bytes `range` of the object (chunk `i`) and write them at their offset in the
+/// partial file, retrying the missing part after a transient failure. Returns the bytes,
+/// how many were received and, with `digest`, their sha256, computed frame by frame as
+/// they arrive.
+async fn receive_chunk(
+    ctx: &ChunkCtx,
+    i: usize,
+    range: std::ops::Range<u64>,
+    digest: bool,
+) -> Result<(Vec<Bytes>, u64, Option<String>), PrefetchError> {
+    let (start, end) = (range.start, range.end);
+    let mut hasher = digest.then(Sha256::new);
     let mut bufs: Vec<Bytes> = Vec::new();
     // `bufs[..written]`, `written_bytes` long, are already in the file.
     let mut written = 0usize;
@@ -558,6 +675,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
     let uri = &ctx.src.uri;
     while start + got < end {
         let (e_tag, version) = ctx.identity.get().cloned().unwrap_or_default();
+        let asked_version = version.clone();
         let opts = GetOptions {
             range: Some(GetRange::Bounded(start + got..end)),
             if_match: e_tag.filter(|t| is_strong(t)),
@@ -571,6 +689,16 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
         let transient_err = match res {
             Err(e) => {
                 let e = map_store_error(uri, e);
+                if let (PrefetchError::SourceNotFound { .. }, Some(v)) = (&e, asked_version) {
+                    // A store that pins versions (GCS's generation, S3's versionId on a
+                    // versioned bucket) answers 404 for the version the first response
+                    // named once the object is replaced: the object changed, it did not
+                    // vanish.
+                    return Err(PrefetchError::SourceChanged {
+                        uri: uri.clone(),
+                        detail: format!("version {v} is gone: the object was replaced"),
+                    });
+                }
                 if !e.is_transient() {
                     return Err(e);
                 }
@@ -634,6 +762,9 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
                             got += n;
                             ctx.received.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
                             ctx.progress.fetched(&ctx.bundles, n);
+                            if let Some(h) = hasher.as_mut() {
+                                h.update(&b);
+                            }
                             bufs.push(b);
                             // Write what just arrived while it is still in this core's
                             // cache, on this worker (the engine's runtime is its own, see
@@ -681,8 +812,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
         }
     }
 
-    // Write the rest at its offset, then record the chunk in the chunk map: only a chunk
-    // wholly on disk is ever marked, so a resumed download never trusts a torn one.
+    // Write the rest at its offset; the caller then records the chunk in the chunk map.
     #[cfg(test)]
     tests::before_final_write(&ctx.part, i).await?;
     if written < bufs.len() {
@@ -696,13 +826,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
         .await?;
         drop(turn);
     }
-    if let Ok(mut m) = ctx.map.lock() {
-        m.set_done(i);
-    }
-    if ctx.persist {
-        persist_map(&ctx).await?;
-    }
-    Ok((bufs, got))
+    Ok((bufs, got, hasher.map(|h| hex::encode(h.finalize()))))
 }
 
 /// See [`Engine::resumable_bytes`]: `state` is the chunk map, `part` the partial file.
@@ -928,6 +1052,7 @@ mod tests {
             uri: format!("file://{}", src.display()),
             label: "b/model.bin".into(),
             bundles: vec![0],
+            chunks: None,
         };
         let err = engine
             .fetch_blob(job, 0, CancellationToken::new())

@@ -30,7 +30,9 @@ use serde::{Deserialize, Serialize};
 use tracing::Instrument;
 
 pub use error::PrefetchError;
-pub use manifest::{BundleRef, Manifest, ManifestFile, create_manifest, sha256_hex};
+pub use manifest::{
+    BundleRef, ChunkDigests, DEFAULT_DIGEST_CHUNK, Manifest, ManifestFile, create_manifest, sha256_hex,
+};
 pub use progress::{NoopObserver, PrefetchObserver};
 /// Re-exported so callers need not depend on tokio-util to cancel a prefetch.
 pub use tokio_util::sync::CancellationToken;
@@ -496,6 +498,11 @@ fn unique_blobs(bundles: &[BundleRef], manifests: &[Manifest]) -> Result<Vec<Blo
                     if !job.bundles.contains(&bi) {
                         job.bundles.push(bi);
                     }
+                    // The same bytes pinned by another manifest that also has chunk
+                    // digests: verify by chunk (both are pinned, either proves the bytes).
+                    if job.chunks.is_none() {
+                        job.chunks = f.chunks.clone().map(Arc::new);
+                    }
                 }
                 None => {
                     order.push(digest.clone());
@@ -507,6 +514,7 @@ fn unique_blobs(bundles: &[BundleRef], manifests: &[Manifest]) -> Result<Vec<Blo
                             uri,
                             label: format!("{}/{}", b.name, f.path),
                             bundles: vec![bi],
+                            chunks: f.chunks.clone().map(Arc::new),
                         },
                     );
                 }
@@ -525,8 +533,8 @@ async fn plan_blobs(cache: &Cache, jobs: Vec<BlobJob>, verify: bool) -> Result<V
         .map(|job| {
             let cache = cache.clone();
             async move {
-                let (d, s) = (job.digest.clone(), job.size);
-                let state = blocking(move || cache.check_blob(&d, s, verify)).await?;
+                let (d, s, c) = (job.digest.clone(), job.size, job.chunks.clone());
+                let state = blocking(move || cache.check_blob_with(&d, s, verify, c.as_deref())).await?;
                 Ok::<_, PrefetchError>(PlannedBlob {
                     rehashed: state != BlobState::Marked,
                     job,
@@ -554,11 +562,7 @@ fn preflight<'p>(
         .collect();
     // Saturating: sizes are capped per file, not per bundle.
     let needed: u64 = to_fetch.iter().fold(0u64, |sum, p| {
-        sum.saturating_add(
-            p.job
-                .size
-                .saturating_sub(engine.resumable_bytes(&p.job.digest, p.job.size)),
-        )
+        sum.saturating_add(p.job.size.saturating_sub(engine.resumable_bytes(&p.job)))
     });
     if needed > 0 {
         preflight_disk(engine.cache.root(), needed, opts)?;

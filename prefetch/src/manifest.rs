@@ -60,6 +60,70 @@ pub struct ManifestFile {
     /// Defaults to `path` relative to the base URI.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// Per-chunk sha256 digests (`taintgate bundle create` writes them): with them each
+    /// chunk is verified as it arrives, on any core, instead of one hasher reading the
+    /// whole file in order. Absent in older manifests, which keep working unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<ChunkDigests>,
+}
+
+/// The digests of a file cut into fixed-size chunks: chunk `i` covers bytes
+/// `i × size .. min((i + 1) × size, file size)`. Pinned through the manifest's own sha256
+/// exactly as the whole-file digest is, so they are exactly as trusted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChunkDigests {
+    /// Chunk size in bytes; the download engine aligns its ranges to it.
+    pub size: u64,
+    /// Hex sha256 of each chunk, in file order.
+    pub sha256: Vec<String>,
+}
+
+/// Smallest digest-chunk size a manifest may use (1 MiB): smaller chunks cost a request
+/// and a digest each for little gain.
+pub const MIN_DIGEST_CHUNK: u64 = 1 << 20;
+
+/// Largest digest-chunk size (128 MiB): the engine buffers up to one chunk per request in
+/// flight, so this bounds its memory as `concurrency × 128 MiB` at most.
+pub const MAX_DIGEST_CHUNK: u64 = 128 << 20;
+
+/// The digest-chunk size `taintgate bundle create` uses unless told otherwise: the engine's
+/// default request size, so ranges and digests line up one to one.
+pub const DEFAULT_DIGEST_CHUNK: u64 = 16 << 20;
+
+impl ChunkDigests {
+    /// Number of chunks a `file_size`-byte file has at this chunk size.
+    pub fn count_for(&self, file_size: u64) -> u64 {
+        file_size.div_ceil(self.size.max(1))
+    }
+
+    /// Byte range of chunk `i` of a `file_size`-byte file.
+    pub fn range(&self, file_size: u64, i: u64) -> std::ops::Range<u64> {
+        let start = i.saturating_mul(self.size).min(file_size);
+        start..start.saturating_add(self.size).min(file_size)
+    }
+
+    /// What is wrong with these digests for a `file_size`-byte file, if anything.
+    fn problem(&self, file_size: u64) -> Option<String> {
+        if !(MIN_DIGEST_CHUNK..=MAX_DIGEST_CHUNK).contains(&self.size) {
+            return Some(format!(
+                "chunks.size {} is outside {MIN_DIGEST_CHUNK}..={MAX_DIGEST_CHUNK} (1 MiB..=128 MiB)",
+                self.size
+            ));
+        }
+        let want = self.count_for(file_size);
+        if self.sha256.len() as u64 != want {
+            return Some(format!(
+                "{} chunk digests for {file_size} bytes in {}-byte chunks, expected {want}",
+                self.sha256.len(),
+                self.size
+            ));
+        }
+        self.sha256
+            .iter()
+            .position(|d| !is_sha256_hex(d))
+            .map(|i| format!("chunk digest {i} is not a 64-character hex sha256"))
+    }
 }
 
 /// Hex sha256 of a byte slice.
@@ -147,6 +211,9 @@ impl Manifest {
                     "path {:?}: sha256 {:?} is not a 64-character hex digest",
                     f.path, f.sha256
                 )));
+            }
+            if let Some(problem) = f.chunks.as_ref().and_then(|c| c.problem(f.size)) {
+                return Err(invalid(format!("path {:?}: {problem}", f.path)));
             }
             if let Some(src) = &f.source
                 && src.trim().is_empty()
@@ -272,9 +339,17 @@ pub(crate) fn validate_rel_path(p: &str) -> Result<(), String> {
 
 /// Hash a file, returning (size, hex sha256). Blocking; run on a blocking thread.
 pub(crate) fn hash_file(path: &Path) -> Result<(u64, String), PrefetchError> {
+    hash_file_chunked(path, None).map(|(n, d, _)| (n, d))
+}
+
+/// Hash a file, and with `chunk` also each `chunk`-byte piece of it, in one read: returns
+/// (size, hex sha256, chunk digests). Blocking; run on a blocking thread.
+pub(crate) fn hash_file_chunked(path: &Path, chunk: Option<u64>) -> Result<(u64, String, Vec<String>), PrefetchError> {
     use std::io::Read;
     let mut f = std::fs::File::open(path).map_err(|e| PrefetchError::io("open", path, e))?;
     let mut h = Sha256::new();
+    let mut piece = Sha256::new();
+    let (mut in_piece, mut pieces) = (0u64, Vec::new());
     let mut buf = vec![0u8; 1 << 20];
     let mut n = 0u64;
     loop {
@@ -284,15 +359,46 @@ pub(crate) fn hash_file(path: &Path) -> Result<(u64, String), PrefetchError> {
         }
         h.update(&buf[..r]);
         n += r as u64;
+        if let Some(size) = chunk {
+            let mut rest = &buf[..r];
+            while !rest.is_empty() {
+                let take = rest.len().min((size - in_piece) as usize);
+                piece.update(&rest[..take]);
+                in_piece += take as u64;
+                rest = &rest[take..];
+                if in_piece == size {
+                    pieces.push(hex::encode(std::mem::take(&mut piece).finalize()));
+                    in_piece = 0;
+                }
+            }
+        }
     }
-    Ok((n, hex::encode(h.finalize())))
+    if in_piece > 0 {
+        pieces.push(hex::encode(piece.finalize()));
+    }
+    Ok((n, hex::encode(h.finalize()), pieces))
 }
 
 /// Write a manifest for every regular file under `dir` (recursively), hashing files in
 /// parallel across cores. Symlinks are followed only when they stay inside `dir`; one that
 /// points outside is `ManifestInvalid`. With `base_uri`, sources are relative to it
 /// (recorded as `base_uri`); without, the manifest expects to sit next to the files.
-pub async fn create_manifest(dir: &Path, base_uri: Option<&str>) -> Result<Manifest, PrefetchError> {
+/// With `digest_chunk`, each file also gets its per-chunk digests at that chunk size.
+pub async fn create_manifest(
+    dir: &Path,
+    base_uri: Option<&str>,
+    digest_chunk: Option<u64>,
+) -> Result<Manifest, PrefetchError> {
+    if let Some(size) = digest_chunk
+        && !(MIN_DIGEST_CHUNK..=MAX_DIGEST_CHUNK).contains(&size)
+    {
+        return Err(PrefetchError::OptionsInvalid {
+            key: "digest_chunk_size",
+            detail: format!(
+                "digest chunk size {size} is outside {MIN_DIGEST_CHUNK}..={MAX_DIGEST_CHUNK} (1 MiB..=128 MiB)"
+            ),
+        });
+    }
     let root = tokio::fs::canonicalize(dir)
         .await
         .map_err(|e| PrefetchError::io("resolve directory", dir, e))?;
@@ -308,7 +414,7 @@ pub async fn create_manifest(dir: &Path, base_uri: Option<&str>) -> Result<Manif
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
             let abs2 = abs.clone();
-            let (size, sha256) = tokio::task::spawn_blocking(move || hash_file(&abs2))
+            let (size, sha256, pieces) = tokio::task::spawn_blocking(move || hash_file_chunked(&abs2, digest_chunk))
                 .await
                 .map_err(|e| PrefetchError::io("hash", &abs, std::io::Error::other(e)))??;
             Ok::<_, PrefetchError>(ManifestFile {
@@ -316,6 +422,7 @@ pub async fn create_manifest(dir: &Path, base_uri: Option<&str>) -> Result<Manif
                 size,
                 sha256,
                 source: None,
+                chunks: digest_chunk.map(|size| ChunkDigests { size, sha256: pieces }),
             })
         }));
     }
@@ -406,6 +513,7 @@ mod tests {
                     size: 0,
                     sha256: D.into(),
                     source: None,
+                    chunks: None,
                 })
                 .collect(),
         }
@@ -476,6 +584,76 @@ mod tests {
     }
 
     #[test]
+    fn chunk_digests_must_cover_the_file_exactly() {
+        const MIB: u64 = 1 << 20;
+        let file = |size: u64, chunk: u64, n: usize| {
+            let mut man = m(&["w"]);
+            man.files[0].size = size;
+            man.files[0].chunks = Some(ChunkDigests {
+                size: chunk,
+                sha256: vec![D.to_string(); n],
+            });
+            man
+        };
+        // (file size, chunk size, digests, what the error says; None: valid)
+        for (size, chunk, n, says) in [
+            (3 * MIB, MIB, 3, None),
+            (3 * MIB + 1, MIB, 4, None),
+            (0, MIB, 0, None),
+            (MIB - 1, MIB, 1, None),
+            (
+                3 * MIB,
+                MIB,
+                2,
+                Some("2 chunk digests for 3145728 bytes in 1048576-byte chunks, expected 3"),
+            ),
+            (3 * MIB + 1, MIB, 3, Some("expected 4")),
+            (MIB, MIB / 2, 2, Some("outside 1048576..=134217728")),
+            (MIB, 256 * MIB, 1, Some("outside 1048576..=134217728")),
+        ] {
+            let got = file(size, chunk, n).validate("t");
+            match says {
+                None => got.unwrap_or_else(|e| panic!("{size}/{chunk}/{n}: {e}")),
+                Some(says) => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(e.contains(says), "{size}/{chunk}/{n}: {e}");
+                }
+            }
+        }
+        let mut bad = file(MIB, MIB, 1);
+        bad.files[0].chunks.as_mut().unwrap().sha256[0] = "xyz".into();
+        assert!(
+            bad.validate("t")
+                .unwrap_err()
+                .to_string()
+                .contains("chunk digest 0 is not")
+        );
+        // An old manifest (no chunks) parses as before; one with chunks round-trips.
+        let old = format!("files:\n  - path: a\n    size: 1\n    sha256: {D}\n");
+        assert_eq!(Manifest::parse(old.as_bytes(), "t").unwrap().files[0].chunks, None);
+        let new = file(3 * MIB, MIB, 3);
+        assert_eq!(Manifest::parse(new.to_yaml().unwrap().as_bytes(), "t").unwrap(), new);
+        assert_eq!(
+            new.files[0].chunks.as_ref().unwrap().range(3 * MIB, 2),
+            2 * MIB..3 * MIB
+        );
+    }
+
+    #[tokio::test]
+    async fn create_manifest_records_chunk_digests_that_match_the_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes: Vec<u8> = (0..(2 * MIN_DIGEST_CHUNK + 7)).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(dir.path().join("w.bin"), &bytes).unwrap();
+        let man = create_manifest(dir.path(), None, Some(MIN_DIGEST_CHUNK)).await.unwrap();
+        let c = man.files[0].chunks.as_ref().unwrap();
+        let want: Vec<String> = bytes.chunks(MIN_DIGEST_CHUNK as usize).map(sha256_hex).collect();
+        assert_eq!(c.sha256, want);
+        assert_eq!(man.files[0].sha256, sha256_hex(&bytes));
+        let e = create_manifest(dir.path(), None, Some(1024)).await.unwrap_err();
+        assert_eq!(e.reason(), "OptionsInvalid");
+    }
+
+    #[test]
     fn resolves_sources() {
         let mut man = m(&["dir/a b"]);
         assert_eq!(
@@ -511,7 +689,7 @@ mod tests {
         std::fs::create_dir_all(dir.path().join("sub")).unwrap();
         std::fs::write(dir.path().join("sub/w.bin"), b"abc").unwrap();
         std::fs::write(dir.path().join("empty"), b"").unwrap();
-        let man = create_manifest(dir.path(), Some("http://h/x")).await.unwrap();
+        let man = create_manifest(dir.path(), Some("http://h/x"), None).await.unwrap();
         assert_eq!(man.files.len(), 2);
         assert_eq!(man.files[0].path, "empty");
         assert_eq!(man.files[0].sha256, D);
@@ -520,7 +698,7 @@ mod tests {
         let outside = tempfile::tempdir().unwrap();
         std::fs::write(outside.path().join("secret"), b"s").unwrap();
         std::os::unix::fs::symlink(outside.path().join("secret"), dir.path().join("link")).unwrap();
-        let err = create_manifest(dir.path(), None).await.unwrap_err();
+        let err = create_manifest(dir.path(), None, None).await.unwrap_err();
         assert_eq!(err.reason(), "ManifestInvalid");
     }
 }

@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use taintgate_prefetch::{BundleRef, Manifest, ManifestFile, PrefetchOptions, sha256_hex};
+use taintgate_prefetch::{BundleRef, ChunkDigests, Manifest, ManifestFile, PrefetchOptions, sha256_hex};
 
 /// Deterministic pseudo-random bytes (xorshift64*): incompressible, distinct per seed.
 pub fn pseudo_random(size: u64, seed: u64) -> Vec<u8> {
@@ -45,8 +45,17 @@ pub fn write_origin_file(
         size,
         sha256: sha256_hex(&data),
         source,
+        chunks: None,
     };
     Ok((entry, data))
+}
+
+/// The per-chunk digests of `data` in `chunk`-byte chunks, as `bundle create` records them.
+pub fn chunk_digests(data: &[u8], chunk: u64) -> ChunkDigests {
+    ChunkDigests {
+        size: chunk,
+        sha256: data.chunks(chunk.max(1) as usize).map(sha256_hex).collect(),
+    }
 }
 
 /// Write `manifest` as YAML at `root/rel` and return a bundle reference named `name`,
@@ -158,6 +167,18 @@ pub enum ProxyFault {
     /// that compress or generate their answers send it. The request headers pass as they
     /// are, so nginx behind the proxy still compares `If-Match` with its strong tag.
     WeakETag,
+    /// Flip one bit of the response byte at offset `at` of the first connection (counting
+    /// its response bytes, headers included): a body corrupted in transit, once.
+    FlipByte {
+        /// Offset in the first connection's response stream.
+        at: usize,
+    },
+    /// Hold every connection's responses to `bytes_per_sec`, so a download is still
+    /// running when a test kills the fetcher or replaces the object.
+    Throttle {
+        /// Response bytes per second per connection.
+        bytes_per_sec: u64,
+    },
 }
 
 /// The header nginx writes, and its weak form.
@@ -217,6 +238,7 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                     return;
                 };
                 let mut sent = 0usize;
+                let opened = tokio::time::Instant::now();
                 let (mut a, mut b) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
                 loop {
                     tokio::select! {
@@ -233,7 +255,10 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                                         (n < *conns).then_some(*after)
                                     }
                                     ProxyFault::ResetEach { after } => after.get(n).copied(),
-                                    ProxyFault::OnFirstResponse(_) | ProxyFault::WeakETag => None,
+                                    ProxyFault::OnFirstResponse(_)
+                                    | ProxyFault::WeakETag
+                                    | ProxyFault::Throttle { .. }
+                                    | ProxyFault::FlipByte { .. } => None,
                                 };
                                 if let Some(after) = limit.filter(|&after| sent + r > after) {
                                     let _ = client.write_all(&b[..after - sent]).await;
@@ -249,6 +274,13 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                                 {
                                     st.errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
                                 }
+                                if let ProxyFault::FlipByte { at } = &*fault
+                                    && n == 0
+                                    && (sent..sent + r).contains(at)
+                                {
+                                    b[at - sent] ^= 0x01;
+                                    st.fired.fetch_add(1, Ordering::SeqCst);
+                                }
                                 if let ProxyFault::WeakETag = &*fault {
                                     // A response's headers come in one read from loopback
                                     // nginx; a random body holds the 9-byte pattern with
@@ -260,6 +292,10 @@ pub async fn spawn_fault_proxy(upstream: u16, fault: ProxyFault) -> anyhow::Resu
                                     return;
                                 }
                                 sent += r;
+                                if let ProxyFault::Throttle { bytes_per_sec } = &*fault {
+                                    let due = std::time::Duration::from_secs_f64(sent as f64 / (*bytes_per_sec).max(1) as f64);
+                                    tokio::time::sleep_until(opened + due).await;
+                                }
                             }
                         },
                     }

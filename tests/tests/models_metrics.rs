@@ -25,7 +25,7 @@ fn bundle_bytes_and_files_reach_the_metrics_endpoint() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let base = format!("file://{}", model.display());
     let manifest = rt
-        .block_on(taintgate_prefetch::create_manifest(&model, Some(&base)))
+        .block_on(taintgate_prefetch::create_manifest(&model, Some(&base), None))
         .unwrap()
         .to_yaml()
         .unwrap();

@@ -152,13 +152,27 @@ async fn two_bundles_share_a_file_fetched_once() {
 async fn verify_cache_detects_and_repairs_a_corrupted_blob() {
     let origin = tempfile::tempdir().unwrap();
     let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
-    let f = write_file(origin.path(), "model.bin", 2 * MIB + 3, 11);
+    // Both manifest kinds: whole-file digests (one hasher) and 1 MiB chunk digests (every
+    // chunk re-checked, in parallel); the flipped byte sits in the middle chunk.
+    for chunked in [false, true] {
+        verify_cache_repairs(origin.path(), &nginx, chunked).await;
+    }
+}
+
+async fn verify_cache_repairs(origin: &Path, nginx: &Nginx, chunked: bool) {
+    let mut f = write_file(origin, "model.bin", 2 * MIB + 3, 11);
+    if chunked {
+        f.chunks = Some(bundles::chunk_digests(
+            &std::fs::read(origin.join("model.bin")).unwrap(),
+            MIB,
+        ));
+    }
     let digest = f.sha256.clone();
     let m = Manifest {
         base_uri: None,
         files: vec![f],
     };
-    let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
+    let b = publish_manifest(origin, "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
     let cache = tempfile::tempdir().unwrap();
     prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
         .await
@@ -168,7 +182,7 @@ async fn verify_cache_detects_and_repairs_a_corrupted_blob() {
     let blob = cache.path().join("blobs/sha256").join(&digest);
     let mtime = std::fs::metadata(&blob).unwrap().modified().unwrap();
     let mut data = std::fs::read(&blob).unwrap();
-    data[12345] ^= 0xff;
+    data[(MIB + 12345) as usize] ^= 0xff;
     std::fs::write(&blob, &data).unwrap();
     std::fs::File::options()
         .write(true)
@@ -191,9 +205,9 @@ async fn verify_cache_detects_and_repairs_a_corrupted_blob() {
         .await
         .unwrap();
     let fr = &checked.bundles[0].files[0];
-    assert!(fr.repaired && !fr.cache_hit, "{fr:?}");
+    assert!(fr.repaired && !fr.cache_hit, "chunked {chunked}: {fr:?}");
     assert_eq!(fr.bytes_fetched, 2 * MIB + 3);
-    assert_bundle_matches(cache.path(), "m", origin.path(), &m);
+    assert_bundle_matches(cache.path(), "m", origin, &m);
     assert_eq!(sha256_hex(&std::fs::read(&blob).unwrap()), digest);
 }
 
@@ -536,10 +550,15 @@ async fn file_source_and_bundle_create() {
     write_file(origin.path(), "a/x.bin", 3 * MIB + 1, 61);
     write_file(origin.path(), "y.txt", 10, 62);
     let base = format!("file://{}", origin.path().display());
-    let m = taintgate_prefetch::create_manifest(origin.path(), Some(&base))
+    let m = taintgate_prefetch::create_manifest(origin.path(), Some(&base), Some(MIB))
         .await
         .unwrap();
     assert_eq!(m.files.len(), 2);
+    assert_eq!(
+        m.files[0].chunks.as_ref().map(|c| c.sha256.len()),
+        Some(4),
+        "3 MiB + 1 in 1 MiB chunks"
+    );
     let yaml = m.to_yaml().unwrap();
     let manifest_dir = tempfile::tempdir().unwrap();
     std::fs::write(manifest_dir.path().join("m.yaml"), &yaml).unwrap();
@@ -578,7 +597,7 @@ async fn file_source_and_bundle_create() {
     // kept file comes from the cache.
     write_file(origin.path(), "z.txt", 20, 63);
     std::fs::remove_dir_all(origin.path().join("a")).unwrap();
-    let m2 = taintgate_prefetch::create_manifest(origin.path(), Some(&base))
+    let m2 = taintgate_prefetch::create_manifest(origin.path(), Some(&base), None)
         .await
         .unwrap();
     let yaml2 = m2.to_yaml().unwrap();
@@ -966,6 +985,39 @@ async fn connection_cut_mid_body_is_retried_from_the_missing_range() {
     assert!(resumed_inside_a_chunk(&data, MIB), "no resumed range request: {data:?}");
     let sent: u64 = data.iter().map(|e| e.body_bytes).sum();
     eprintln!("requests {}, bytes sent {sent} for {}", data.len(), 4 * MIB);
+}
+
+/// With chunk digests a chunk corrupted in transit is fetched again on its own: one bit
+/// flipped in the first connection's body (chunk 0), 4 MiB in 1 MiB chunks one at a time.
+/// The file's attempt succeeds first time; nginx served chunk 0 twice and every other
+/// chunk once, so nothing but the bad chunk crossed the network again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_corrupted_in_transit_is_fetched_again_alone() {
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
+    let mut f = write_file(origin.path(), "model.bin", 4 * MIB, 84);
+    f.chunks = Some(bundles::chunk_digests(
+        &std::fs::read(origin.path().join("model.bin")).unwrap(),
+        MIB,
+    ));
+    let (b, stats) = through_fault_proxy(origin.path(), &nginx, &f, ProxyFault::FlipByte { at: 300_000 }).await;
+    let cache = tempfile::tempdir().unwrap();
+    let mut o = opts(cache.path());
+    (o.chunk_size, o.concurrency, o.file_concurrency) = (MIB, 1, 1);
+    let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("a corrupted chunk was not fetched again ({}): {e}", e.reason()));
+    assert_eq!(stats.fired(), 1, "the proxy flipped one bit");
+    let fr = &r.bundles[0].files[0];
+    assert_eq!((fr.attempts, fr.sha256.as_str()), (1, f.sha256.as_str()), "{fr:?}");
+    let starts: Vec<u64> = requests_for(&nginx, "/model.bin")
+        .iter()
+        .filter_map(|e| e.range.strip_prefix("bytes=")?.split('-').next()?.parse().ok())
+        .collect();
+    let mut sorted = starts.clone();
+    sorted.sort();
+    assert_eq!(sorted, [0, 0, MIB, 2 * MIB, 3 * MIB], "ranges asked: {starts:?}");
+    assert_eq!(r.bytes_fetched, 5 * MIB, "the bad chunk twice, the others once");
 }
 
 /// A server whose ETags are weak (`W/"..."`): `If-Match` compares strongly, so a weak tag

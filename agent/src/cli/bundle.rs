@@ -5,7 +5,8 @@ use crate::run::bootstrap::exit;
 use clap::Subcommand;
 use std::path::PathBuf;
 use taintgate_prefetch::{
-    BundleRef, CancellationToken, MAX_MANIFEST_BYTES, PrefetchOptions, create_manifest, prefetch_bundles, sha256_hex,
+    BundleRef, CancellationToken, DEFAULT_DIGEST_CHUNK, MAX_MANIFEST_BYTES, PrefetchOptions, create_manifest,
+    prefetch_bundles, sha256_hex,
 };
 use taintgate_validators::reason::ReasonCode;
 
@@ -23,6 +24,13 @@ pub enum BundleCommand {
         /// Write the manifest here instead of stdout.
         #[arg(long, short)]
         output: Option<PathBuf>,
+        /// Also record each file's sha256 per chunk of this many bytes (1 MiB..=128 MiB),
+        /// so the download engine verifies every chunk as it arrives, on any core.
+        #[arg(long, default_value_t = DEFAULT_DIGEST_CHUNK, value_name = "BYTES")]
+        digest_chunk_size: u64,
+        /// Record whole-file digests only (the manifest form older agents read).
+        #[arg(long)]
+        no_chunk_digests: bool,
     },
     /// Fetch and verify one bundle into a cache directory.
     Fetch {
@@ -76,8 +84,15 @@ fn parse_opt(s: &str) -> Result<(String, String), String> {
 /// Run a `bundle` subcommand; returns the exit code.
 pub async fn run(cmd: BundleCommand) -> i32 {
     match cmd {
-        BundleCommand::Create { dir, base_uri, output } => {
-            let m = match create_manifest(&dir, base_uri.as_deref())
+        BundleCommand::Create {
+            dir,
+            base_uri,
+            output,
+            digest_chunk_size,
+            no_chunk_digests,
+        } => {
+            let chunk = (!no_chunk_digests).then_some(digest_chunk_size);
+            let m = match create_manifest(&dir, base_uri.as_deref(), chunk)
                 .await
                 .and_then(|m| m.to_yaml())
             {

@@ -70,9 +70,13 @@ impl Demo {
             std::fs::write(&p, pattern(i, *size)).map_err(|e| fail("write", &p, e))?;
         }
         let base = format!("file://{}/", src.display());
-        let manifest = taintgate_prefetch::manifest::create_manifest(&src, Some(&base))
-            .await
-            .map_err(|e| format!("demo: bundle create: {e}"))?;
+        let manifest = taintgate_prefetch::manifest::create_manifest(
+            &src,
+            Some(&base),
+            Some(taintgate_prefetch::DEFAULT_DIGEST_CHUNK),
+        )
+        .await
+        .map_err(|e| format!("demo: bundle create: {e}"))?;
         let text = manifest.to_yaml().map_err(|e| format!("demo: manifest: {e}"))?;
         let mpath = demo.dir.join("manifest.yaml");
         std::fs::write(&mpath, &text).map_err(|e| fail("write", &mpath, e))?;

@@ -150,3 +150,4 @@ pub mod containerd;
 pub mod moto;
 pub mod nginx;
 pub mod registry;
+pub mod stores;
