@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Loopback benchmark of taintgate's bundle prefetch (`taintgate bundle fetch`) against
-rclone, aria2c, curl (HTTP, nginx origin) and s5cmd, rclone (S3, moto origin).
+rclone, aria2c, curl (HTTP, nginx origin) and s5cmd, rclone (S3, s3s-fs origin; moto with
+--s3-server moto).
+
+taintgate runs twice per round: on a manifest with whole-file digests only (one in-order
+hasher per file) and on one with 16 MiB chunk digests (`bundle create`'s default; every
+chunk verified as it arrives, on any core).
 
 Competitors do not verify what they download, so each is reported raw and "verified":
 raw download time plus the fastest available sha256 pass over what it wrote
@@ -116,19 +121,37 @@ def child_cpu():
 
 def run(cmd, **kw):
     """Run to completion; returns (wall seconds, stdout). The CPU seconds the command used
-    (user + system, all its threads) are left in LAST_CPU."""
-    global LAST_CPU
-    c0 = child_cpu()
+    (user + system, all its threads) are left in LAST_CPU, split in LAST_USER and LAST_SYS,
+    and its peak resident memory in MiB in LAST_RSS (GNU time's %M; None without it)."""
+    global LAST_CPU, LAST_USER, LAST_SYS, LAST_RSS
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss_file = None
+    if os.path.exists("/usr/bin/time"):
+        fd, rss_file = tempfile.mkstemp(prefix="tg-bench-rss-")
+        os.close(fd)
+        cmd = ["/usr/bin/time", "-f", "%M", "-o", rss_file, *cmd]
     t = time.perf_counter()
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
     dt = time.perf_counter() - t
-    LAST_CPU = child_cpu() - c0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    LAST_USER = ru1.ru_utime - ru0.ru_utime
+    LAST_SYS = ru1.ru_stime - ru0.ru_stime
+    LAST_CPU = LAST_USER + LAST_SYS
+    LAST_RSS = None
+    if rss_file:
+        try:
+            with open(rss_file) as f:
+                LAST_RSS = int(f.read().strip().splitlines()[-1]) / 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        os.unlink(rss_file)
     if r.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed ({r.returncode}): {r.stderr.decode()[-2000:]}")
     return dt, r.stdout
 
 
-LAST_CPU = 0.0
+LAST_CPU = LAST_USER = LAST_SYS = 0.0
+LAST_RSS = None
 
 
 def proc_stat(pid):
@@ -301,10 +324,12 @@ def check(label, expected, digests):
                            f"({len(missing)} missing), e.g. {bad[:3]}; it wrote {sorted(digests)[:3]}...")
 
 
-def create_manifest(engine, root, base_uri, path):
-    """`taintgate bundle create` (manifest to a file; its sha256 goes to stderr). Returns
+def create_manifest(engine, root, base_uri, path, chunks=False):
+    """`taintgate bundle create` (manifest to a file; its sha256 goes to stderr), with
+    whole-file digests only or (`chunks`) also the default 16 MiB chunk digests. Returns
     the expected digests."""
-    run([engine, "bundle", "create", root, "--base-uri", base_uri, "--output", path])
+    run([engine, "bundle", "create", root, "--base-uri", base_uri, "--output", path,
+         *([] if chunks else ["--no-chunk-digests"])])
     with open(path) as f:
         return manifest_digests(f.read())
 
@@ -382,7 +407,66 @@ http {{
             self.proc.kill()
 
 
+def profile_run(args, work, cmd):
+    """One more taintgate run under `perf record` (call graphs off: self time per symbol is
+    the question), then where its CPU went: by binary (kernel, taintgate, libc) and by
+    symbol. Prints a note instead when perf is missing or not allowed."""
+    perf = shutil.which("perf")
+    if not perf:
+        log("profile: perf is not installed (Debian linux-perf); skipped")
+        return
+    data = os.path.join(work, "perf.data")
+    drop_dir(cmd[cmd.index("--cache") + 1])
+    r = subprocess.run([perf, "record", "-F", "999", "-o", data, "--", *cmd],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if r.returncode != 0:
+        log(f"profile: perf record failed: {r.stderr.decode()[-500:]}")
+        return
+    print("\n### Where taintgate's CPU goes (chunk digests, perf record -F 999, self time)\n")
+    for sort, limit in (("dso", 8), ("dso,symbol", 15)):
+        rep_ = subprocess.run([perf, "report", "-i", data, "--no-children", "--sort", sort, "--stdio",
+                               "--percent-limit", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        lines = [l.rstrip().rstrip("- ").rstrip() for l in rep_.stdout.decode(errors="replace").splitlines()
+                 if l.strip() and not l.startswith("#")]
+        print("```")
+        print("\n".join(lines[:limit]))
+        print("```")
+    drop_dir(cmd[cmd.index("--cache") + 1])
+
+
+class S3sFs:
+    """s3s-fs (crates.io; scripts/install-test-deps-stores.sh installs it): S3 over a
+    directory, SigV4 checked, ranged GETs served from the file without copying it."""
+    KEY, SECRET = "taintgate-bench", "taintgate-bench-secret"
+
+    def __init__(self, root):
+        here = os.path.dirname(os.path.abspath(__file__))
+        installer = os.path.join(os.path.dirname(here), "scripts", "install-test-deps-stores.sh")
+        binary = subprocess.run(["bash", installer, "--print-path", "s3s-fs"], stdout=subprocess.PIPE,
+                                check=True).stdout.decode().strip()
+        if not os.access(binary, os.X_OK):
+            raise RuntimeError(f"s3s-fs not installed ({binary}); run scripts/install-test-deps-stores.sh "
+                               "or pass --s3-server moto / --skip-s3")
+        drop_dir(root)
+        os.makedirs(os.path.join(root, "bench"))
+        self.port = free_port()
+        self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(self.port),
+                                      "--access-key", self.KEY, "--secret-key", self.SECRET, root],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_tcp(self.port)
+
+    @property
+    def endpoint(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
 class Moto:
+    KEY, SECRET = "testing", "testing"
+
     def __init__(self, venv):
         self.port = free_port()
         if not os.path.exists(os.path.join(venv, "bin", "moto_server")):
@@ -443,9 +527,15 @@ def main():
     ap.add_argument("--big-gib", type=float, default=None, help="HTTP big file [3; 0.0625 with --small]")
     ap.add_argument("--small-count", type=int, default=None, help="HTTP small files [200; 8 with --small]")
     ap.add_argument("--small-mib", type=int, default=None, help="HTTP small file MiB [5; 1 with --small]")
-    ap.add_argument("--s3-big-mib", type=int, default=None, help="S3 big file MiB [192; 8 with --small]")
+    ap.add_argument("--s3-big-mib", type=int, default=None, help="S3 big file MiB [3072; 8 with --small]")
     ap.add_argument("--s3-small-count", type=int, default=None, help="S3 small files [16; 4 with --small]")
-    ap.add_argument("--s3-small-mib", type=int, default=None, help="S3 small file MiB [4; 1 with --small]")
+    ap.add_argument("--s3-small-mib", type=int, default=None, help="S3 small file MiB [64; 1 with --small]")
+    ap.add_argument("--s3-server", choices=("s3s", "moto"), default="s3s",
+                    help="S3 origin: s3s-fs (serves ranges from the file; scripts/install-test-deps-stores.sh) "
+                         "or moto (copies the object on every ranged GET) [s3s]")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the HTTP rounds, one more taintgate run (chunk digests) under `perf record`, "
+                         "and where its CPU went")
     ap.add_argument("--skip-s3", action="store_true")
     ap.add_argument("--warmup", type=int, choices=(0, 1), default=None, help="run one discarded round first [1; 0 with --small]")
     ap.add_argument("--drop-caches", type=int, choices=(0, 1), default=None,
@@ -457,7 +547,7 @@ def main():
                          "variants, each run as one more taintgate row in the same round-robin")
     args = ap.parse_args()
     defaults = dict(data=("/tmp/tg-bench", "/tmp/tg-bench-small"), big_gib=(3.0, 1 / 16), small_count=(200, 8),
-                    small_mib=(5, 1), s3_big_mib=(192, 8), s3_small_count=(16, 4), s3_small_mib=(4, 1),
+                    small_mib=(5, 1), s3_big_mib=(3072, 8), s3_small_count=(16, 4), s3_small_mib=(64, 1),
                     warmup=(1, 0), drop_caches=(1, 0))
     for k, (full, small) in defaults.items():
         if getattr(args, k) is None:
@@ -481,6 +571,7 @@ def main():
     os.makedirs(args.dest, exist_ok=True)
     work = tempfile.mkdtemp(prefix="tg-bench-work-")
     manifest = os.path.join(work, "manifest.yaml")
+    manifest_chunks = os.path.join(work, "manifest-chunks.yaml")
 
     nginx = Nginx(http_root, os.path.join(work, "nginx"))
     rows = []  # (tool, mode, seconds or a note, cpu seconds or None, origin cpu seconds or None)
@@ -495,6 +586,7 @@ def main():
     try:
         # Expected digests, for checking what every tool wrote.
         expected = create_manifest(args.engine, http_root, nginx.url(""), manifest)
+        create_manifest(args.engine, http_root, nginx.url(""), manifest_chunks, chunks=True)
         # Free memory, then warm the origin's page cache so every tool reads from memory.
         if args.drop_caches:
             drop_page_cache()
@@ -510,6 +602,9 @@ def main():
             tools.append(("taintgate", "verified (inline)",
                           lambda: fetch_cmd(args.engine, manifest, dest("tg"), *extra),
                           os.path.join(dest("tg"), "bundles", "bundle"), True))
+            tools.append(("taintgate", "verified, chunk digests (16 MiB)",
+                          lambda: fetch_cmd(args.engine, manifest_chunks, dest("tg"), *extra),
+                          os.path.join(dest("tg"), "bundles", "bundle"), "sweep"))
             sweep_extra = without_flags(extra, {"--concurrency", "--file-concurrency", "--chunk-size"})
             for v in args.sweep.split():
                 c, fc, mib = (int(x) for x in v.split(":"))
@@ -583,7 +678,7 @@ def main():
                 os.makedirs(base, exist_ok=True)
                 o0 = nginx.cpu_snapshot()
                 dt, out = run(cmd_fn())
-                dcpu = LAST_CPU
+                dcpu, duser, dsys, drss = LAST_CPU, LAST_USER, LAST_SYS, LAST_RSS
                 ocpu = cpu_delta(o0, nginx.cpu_snapshot())
                 if tool == "taintgate":
                     check_fetch_output(out)
@@ -598,23 +693,27 @@ def main():
                     wt, out = run(cmd_fn())  # warm restart: everything cached
                     check_fetch_output(out)
                     warm_samples.append(wt)
-                samples.setdefault((tool, mode), []).append((dt, dcpu, ht, hcpu, ocpu))
+                samples.setdefault((tool, mode), []).append((dt, dcpu, ht, hcpu, ocpu, duser, dsys, drss))
                 log(f"  run {rep + 1} {tool} {mode}: download {dt:.2f} s ({dcpu:.1f} cpu-s, origin {ocpu:.2f} cpu-s)"
                     + ("" if inline else f" + hash {ht:.2f} s ({hcpu:.1f} cpu-s)"))
                 drop_dir(base)
 
         med = lambda xs: statistics.median(xs)
+        # User / system CPU seconds and peak RSS (MiB) of the download itself.
+        usr = lambda xs: (med([x[5] for x in xs]), med([x[6] for x in xs]),
+                          max((x[7] for x in xs if x[7] is not None), default=None))
         for (tool, mode), xs in samples.items():
             # The origin only works during the download, so a "+ openssl" row shows the
             # download's origin CPU too.
             ocpu = med([x[4] for x in xs])
             if tool == "taintgate" and mode.startswith("verified, "):
-                rows.append((tool, mode, med([x[0] for x in xs]), med([x[1] for x in xs]), ocpu))
+                rows.append((tool, mode, med([x[0] for x in xs]), med([x[1] for x in xs]), ocpu, *usr(xs)))
             elif tool == "taintgate":
-                rows.append((tool, mode, med([x[0] for x in xs]), med([x[1] for x in xs]), ocpu))
+                rows.append((tool, mode, med([x[0] for x in xs]), med([x[1] for x in xs]), ocpu, *usr(xs)))
                 rows.append((tool, "warm restart (all cached)", med(warm_samples), None, None))
             else:
-                rows.append((tool, f"{mode}, download only", med([x[0] for x in xs]), med([x[1] for x in xs]), ocpu))
+                rows.append((tool, f"{mode}, download only", med([x[0] for x in xs]), med([x[1] for x in xs]), ocpu,
+                             *usr(xs)))
                 if have_openssl:
                     rows.append((tool, f"{mode} + openssl sha256", med([x[0] + x[2] for x in xs]),
                                  med([x[1] + x[3] for x in xs]), ocpu))
@@ -627,6 +726,8 @@ def main():
             hash_only = med(hash_only_samples)
         # Measured alone, after every round, with the origin's files in the page cache.
         serial = serial_hash_floor(http_root)
+        if args.profile:
+            profile_run(args, work, fetch_cmd(args.engine, manifest_chunks, dest("tg"), *extra))
     finally:
         nginx.stop()
 
@@ -672,6 +773,24 @@ def main():
                       f"packing {f_r / tg_r[0]:.0%}, floor-bound overlap {f_r / max(best, hash_only):.2f}")
     elif tg_t and not have_openssl:
         print("\nhash overlap: not measured (openssl not installed)")
+    chunk_runs = samples.get(("taintgate", "verified, chunk digests (16 MiB)"), [])
+    if chunk_runs and raws:
+        best_key = min(raws, key=raws.get)
+        best = raws[best_key]
+        c_t = statistics.median(x[0] for x in chunk_runs)
+        c_cpu, c_ocpu = (statistics.median(x[i] for x in chunk_runs) for i in (1, 4))
+        cores = os.cpu_count() or 1
+        c_floor = (c_cpu + c_ocpu) / cores
+        file_part = f"; file digests {tg_t:.2f} s = {tg_t / best:.2f}x" if tg_t else ""
+        print(f"\nchunk digests vs the fastest unverified download ({best_key} {best:.2f} s): taintgate "
+              f"{c_t:.2f} s = {c_t / best:.2f}x (target <= 1.10x: {'met' if c_t / best <= 1.10 else 'not met'})"
+              + file_part)
+        b_cpu, b_ocpu = (statistics.median(x[i] for x in raw_samples[best_key]) for i in (1, 4))
+        print(f"CPU floor with chunk digests: (taintgate {c_cpu:.2f} cpu-s + origin {c_ocpu:.2f} cpu-s) / {cores} "
+              f"cores = {c_floor:.2f} s, {c_floor / best:.2f}x the fastest download; that download's own floor "
+              f"({b_cpu:.2f} + {b_ocpu:.2f} cpu-s) / {cores} = {(b_cpu + b_ocpu) / cores:.2f} s. "
+              f"Verifying adds the sha256 CPU on top of what the download costs, so on {cores} busy cores no "
+              f"verified run can beat {c_floor:.2f} s with this engine's CPU")
     if serial and raws:
         path, size, wall, user = serial
         best_key = min(raws, key=raws.get)
@@ -688,8 +807,18 @@ def main():
               f"{raws[best_key]:.2f} s): {verdict}")
     if s3rows:
         s3_total = (args.s3_big_mib + args.s3_small_count * args.s3_small_mib) * MIB
-        print_table(s3rows, s3_total,
-                    "S3 (moto on loopback; moto caps near 30 MB/s, so this measures request overhead, not throughput)")
+        if args.s3_server == "moto":
+            title = "S3 (moto on loopback; moto caps near 30 MB/s, so this measures request overhead, not throughput)"
+        else:
+            title = "S3 (s3s-fs on loopback, SigV4 checked, ranges served from the file)"
+        print_table(s3rows, s3_total, title)
+        verified = [r for r in s3rows if r[0] != "taintgate" and "openssl" in r[1] and not isinstance(r[2], str)]
+        for tg_mode in ("verified (inline)", "verified, chunk digests (16 MiB)"):
+            tg = next((r[2] for r in s3rows if r[0] == "taintgate" and r[1] == tg_mode), None)
+            if tg and verified:
+                best = min(verified, key=lambda r: r[2])
+                print(f"S3: taintgate {tg_mode} {tg:.2f} s vs fastest verified competitor ({best[0]} {best[1]}) "
+                      f"{best[2]:.2f} s: {best[2] / tg:.2f}x faster (target >= 1.3x)")
     if args.small:
         print("\n(--small: a smoke test of every command on a tiny data set; these figures mean nothing)")
     shutil.rmtree(work, ignore_errors=True)
@@ -707,22 +836,33 @@ def put_object(url, path):
 def s3_bench(args, venv, work, extra, want):
     root = os.path.join(args.data, "s3")
     make_dataset(root, args.s3_big_mib * MIB, args.s3_small_count, args.s3_small_mib * MIB)
-    moto = Moto(venv)
+    moto = Moto(venv) if args.s3_server == "moto" else S3sFs(os.path.join(work, "s3s-root"))
     rows = []
     # A CA bundle set for the real cloud breaks rclone's plain-HTTP loopback client.
     base_env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
-    env = dict(base_env, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+    env = dict(base_env, AWS_ACCESS_KEY_ID=moto.KEY, AWS_SECRET_ACCESS_KEY=moto.SECRET, AWS_REGION="us-east-1",
                AWS_DEFAULT_REGION="us-east-1")
     s5cmd = os.path.join(venv, "bin", "s5cmd")
+    rclone_remote = (f":s3,provider=Other,endpoint='{moto.endpoint}',access_key_id={moto.KEY},"
+                     f"secret_access_key={moto.SECRET}:bench")
     try:
-        urllib.request.urlopen(urllib.request.Request(f"{moto.endpoint}/bench", method="PUT")).close()
-        for f in all_files(root):
-            put_object(f"{moto.endpoint}/bench/{os.path.relpath(f, root)}", f)
+        if args.s3_server == "moto":
+            urllib.request.urlopen(urllib.request.Request(f"{moto.endpoint}/bench", method="PUT")).close()
+            for f in all_files(root):
+                put_object(f"{moto.endpoint}/bench/{os.path.relpath(f, root)}", f)
+        else:
+            # Uploaded through the server (SigV4, one PUT per file up to 5 GiB) so it
+            # records each object's ETag, as S3 does; not measured.
+            if not shutil.which("rclone"):
+                raise RuntimeError("rclone is needed to upload the S3 data set into s3s-fs; run bench/run.sh")
+            run(["rclone", "copy", root, rclone_remote, "--s3-upload-cutoff", "5G", "--transfers", "4"], env=env)
         manifest = os.path.join(work, "s3-manifest.yaml")
+        manifest_chunks = os.path.join(work, "s3-manifest-chunks.yaml")
         expected = create_manifest(args.engine, root, "s3://bench", manifest)
+        create_manifest(args.engine, root, "s3://bench", manifest_chunks, chunks=True)
         dest = lambda t: os.path.join(args.dest, "s3-" + t)
         opts = ["--opt", f"aws_endpoint={moto.endpoint}", "--opt", "aws_allow_http=true",
-                "--opt", "aws_access_key_id=testing", "--opt", "aws_secret_access_key=testing",
+                "--opt", f"aws_access_key_id={moto.KEY}", "--opt", f"aws_secret_access_key={moto.SECRET}",
                 "--opt", "aws_region=us-east-1"]
         tg_view = os.path.join(dest("tg"), "bundles", "bundle")
 
@@ -738,7 +878,12 @@ def s3_bench(args, venv, work, extra, want):
                 "s3 taintgate", args.repeats,
                 lambda: tg_run("verified", fetch_cmd(args.engine, manifest, dest("tg"), *opts, *extra)))))
             drop_dir(dest("tg"))
+            rows.append(("taintgate", "verified, chunk digests (16 MiB)", median_runs(
+                "s3 taintgate chunk digests", args.repeats,
+                lambda: tg_run("chunk digests", fetch_cmd(args.engine, manifest_chunks, dest("tg"), *opts, *extra)))))
+            drop_dir(dest("tg"))
 
+        if want("taintgate") and args.s3_server == "moto":
             # moto re-reads the whole object for every ranged GET (its S3 key's `value`), so a
             # chunked download pays once per chunk; one GET per file shows how much of the gap
             # is that (real S3 serves ranges independently).
@@ -774,8 +919,8 @@ def s3_bench(args, venv, work, extra, want):
                 rows.append(("s5cmd", "cp", NOT_INSTALLED))
         if want("rclone"):
             if shutil.which("rclone"):
-                comp("rclone", ["rclone", "copy", f":s3,provider=Other,endpoint='{moto.endpoint}',access_key_id=testing,secret_access_key=testing:bench",
-                                dest("rclone"), "--transfers", "16", "--multi-thread-streams", "16"])
+                comp("rclone", ["rclone", "copy", rclone_remote, dest("rclone"), "--transfers", "16",
+                                "--multi-thread-streams", "16"])
             else:
                 not_installed("rclone")
                 rows.append(("rclone", "copy", NOT_INSTALLED))
@@ -785,23 +930,25 @@ def s3_bench(args, venv, work, extra, want):
 
 
 def print_table(rows, total, title, origin_col=False):
-    """Rows are (tool, mode, seconds[, cpu seconds[, origin cpu seconds]]); seconds may be a
-    note ("not installed"). `origin_col` adds the origin's CPU during the download (measured
-    for the HTTP origin only)."""
-    rows = [(*r, *[None] * (5 - len(r))) for r in rows]
+    """Rows are (tool, mode, seconds[, cpu seconds[, origin cpu seconds[, user, system cpu
+    seconds, peak RSS MiB]]]); seconds may be a note ("not installed"). `origin_col` adds
+    the origin's CPU during the download (measured for the HTTP origin only)."""
+    rows = [(*r, *[None] * (8 - len(r))) for r in rows]
     tg = next((r[2] for r in rows if r[0] == "taintgate" and r[1] == "verified (inline)"), None)
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
     print(f"\n### {title}: {total / GIB:.2f} GiB, median of runs\n")
-    print("| tool | mode | seconds | GB/s | ratio vs taintgate verified | CPU seconds |"
+    print("| tool | mode | seconds | GB/s | ratio vs taintgate verified | CPU seconds | user / kernel | peak RSS MiB |"
           + (" origin CPU seconds |" if origin_col else ""))
-    print("|---|---|---:|---:|---:|---:|" + ("---:|" if origin_col else ""))
-    for tool, mode, t, cpu, ocpu in rows:
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if origin_col else ""))
+    for tool, mode, t, cpu, ocpu, user, sys_, rss in rows:
         tail = f" {fmt(ocpu, '.2f')} |" if origin_col else ""
         if isinstance(t, str):
-            print(f"| {tool} | {mode} | {t} | - | - | - |" + tail)
+            print(f"| {tool} | {mode} | {t} | - | - | - | - | - |" + tail)
             continue
         ratio = f"{t / tg:.2f}x" if tg else "-"
-        print(f"| {tool} | {mode} | {t:.2f} | {total / t / 1e9:.2f} | {ratio} | {fmt(cpu, '.1f')} |" + tail)
+        split = "-" if user is None else f"{user:.1f} / {sys_:.1f}"
+        print(f"| {tool} | {mode} | {t:.2f} | {total / t / 1e9:.2f} | {ratio} | {fmt(cpu, '.1f')} | {split} | "
+              f"{fmt(rss, '.0f')} |" + tail)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 # install it), and root or sudo when a Debian package is missing (nginx-light, rclone,
 # aria2, curl, openssl, python3-venv). Arguments go to bench/prefetch_bench.py.
 #
-#   bash bench/run.sh            # full run (4 GiB HTTP set, 256 MiB S3 set, 3 repeats)
+#   bash bench/run.sh            # full run (4 GiB HTTP set, 4 GiB S3 set, 3 repeats)
 #   REPEATS=5 bash bench/run.sh  # more repeats
 #   REPEATS=1 bash bench/run.sh --small   # smoke test of every command on a tiny set
 set -euo pipefail
@@ -20,6 +20,8 @@ fi
 
 # Installs nginx, the competitors and the Python venv (apt-get through sudo when not root).
 bash "$ROOT/scripts/install-test-deps-prefetch.sh"
+# s3s-fs, the S3 origin (and fake-gcs-server and Azurite, which the bench does not use).
+bash "$ROOT/scripts/install-test-deps-stores.sh"
 (cd "$ROOT" && cargo build --release -p taintgate)
 exec "$ROOT/.venv/bin/python" "$ROOT/bench/prefetch_bench.py" \
   --engine "${CARGO_TARGET_DIR:-$ROOT/target}/release/taintgate" "$@"
