@@ -484,15 +484,6 @@ class Moto:
         self.proc.wait()
 
 
-def median_runs(name, repeats, fn):
-    times = []
-    for i in range(repeats):
-        t = fn()
-        log(f"  {name} run {i + 1}: {t:.2f} s")
-        times.append(t)
-    return statistics.median(times)
-
-
 # rclone's "tuned" HTTP variant: more parallel files, more streams per big file, and
 # multi-thread download from 64 MiB (defaults: 4 transfers, 8 checkers, 4 streams, 250 MiB).
 #
@@ -791,6 +782,17 @@ def main():
               f"({b_cpu:.2f} + {b_ocpu:.2f} cpu-s) / {cores} = {(b_cpu + b_ocpu) / cores:.2f} s. "
               f"Verifying adds the sha256 CPU on top of what the download costs, so on {cores} busy cores no "
               f"verified run can beat {c_floor:.2f} s with this engine's CPU")
+        if serial:
+            # The same floor for any tool: the fastest download's own CPU and its origin's,
+            # plus the sha256 compute of every byte (openssl's user time per byte, measured
+            # alone on the largest file), spread over every core.
+            _, s_size, _, s_user = serial
+            sha_cpu = total * s_user / s_size
+            v_floor = (b_cpu + b_ocpu + sha_cpu) / cores
+            print(f"verified floor for any tool: (fastest download {b_cpu:.2f} cpu-s + origin {b_ocpu:.2f} cpu-s + "
+                  f"sha256 of {total / GIB:.2f} GiB {sha_cpu:.2f} cpu-s) / {cores} cores = {v_floor:.2f} s = "
+                  f"{v_floor / best:.2f}x the fastest download; taintgate with chunk digests {c_t:.2f} s = "
+                  f"{c_t / v_floor:.2f}x that floor")
     if serial and raws:
         path, size, wall, user = serial
         best_key = min(raws, key=raws.get)
@@ -811,7 +813,7 @@ def main():
             title = "S3 (moto on loopback; moto caps near 30 MB/s, so this measures request overhead, not throughput)"
         else:
             title = "S3 (s3s-fs on loopback, SigV4 checked, ranges served from the file)"
-        print_table(s3rows, s3_total, title)
+        print_table(s3rows, s3_total, title, origin_col=True)
         verified = [r for r in s3rows if r[0] != "taintgate" and "openssl" in r[1] and not isinstance(r[2], str)]
         for tg_mode in ("verified (inline)", "verified, chunk digests (16 MiB)"):
             tg = next((r[2] for r in s3rows if r[0] == "taintgate" and r[1] == tg_mode), None)
@@ -866,22 +868,35 @@ def s3_bench(args, venv, work, extra, want):
                 "--opt", "aws_region=us-east-1"]
         tg_view = os.path.join(dest("tg"), "bundles", "bundle")
 
-        def tg_run(label, cmd):
+        def measure(cmd, **kw):
+            """(wall, cpu, origin cpu, user, system, peak RSS MiB) of one download, and its
+            stdout. The origin (s3s-fs or moto) shares the cores, as nginx does over HTTP."""
+            o0 = tree_cpu_snapshot(moto.proc.pid)
+            dt, out = run(cmd, **kw)
+            return (dt, LAST_CPU, cpu_delta(o0, tree_cpu_snapshot(moto.proc.pid)), LAST_USER, LAST_SYS,
+                    LAST_RSS), out
+
+        def summary(tool, mode, xs):
+            med = lambda i: None if any(x[i] is None for x in xs) else statistics.median(x[i] for x in xs)
+            return (tool, mode, med(0), med(1), med(2), med(3), med(4),
+                    max((x[5] for x in xs if x[5] is not None), default=None))
+
+        def tg_rows(label, mode, cmd):
+            xs = []
+            for i in range(args.repeats):
+                drop_dir(dest("tg"))
+                x, out = measure(cmd)
+                check_fetch_output(out)
+                check(f"S3 taintgate {label}", expected, openssl_hash(tg_view)[1])
+                log(f"  s3 taintgate {label} run {i + 1}: {x[0]:.2f} s ({x[1]:.1f} cpu-s, origin {x[2]:.1f} cpu-s)")
+                xs.append(x)
             drop_dir(dest("tg"))
-            dt, out = run(cmd)
-            check_fetch_output(out)
-            check(f"S3 taintgate {label}", expected, openssl_hash(tg_view)[1])
-            return dt
+            rows.append(summary("taintgate", mode, xs))
 
         if want("taintgate"):
-            rows.append(("taintgate", "verified (inline)", median_runs(
-                "s3 taintgate", args.repeats,
-                lambda: tg_run("verified", fetch_cmd(args.engine, manifest, dest("tg"), *opts, *extra)))))
-            drop_dir(dest("tg"))
-            rows.append(("taintgate", "verified, chunk digests (16 MiB)", median_runs(
-                "s3 taintgate chunk digests", args.repeats,
-                lambda: tg_run("chunk digests", fetch_cmd(args.engine, manifest_chunks, dest("tg"), *opts, *extra)))))
-            drop_dir(dest("tg"))
+            tg_rows("verified", "verified (inline)", fetch_cmd(args.engine, manifest, dest("tg"), *opts, *extra))
+            tg_rows("chunk digests", "verified, chunk digests (16 MiB)",
+                    fetch_cmd(args.engine, manifest_chunks, dest("tg"), *opts, *extra))
 
         if want("taintgate") and args.s3_server == "moto":
             # moto re-reads the whole object for every ranged GET (its S3 key's `value`), so a
@@ -889,9 +904,7 @@ def s3_bench(args, venv, work, extra, want):
             # is that (real S3 serves ranges independently).
             one_get = fetch_cmd(args.engine, manifest, dest("tg"), *opts, *without_flags(extra, {"--chunk-size"}),
                                 "--chunk-size", str(args.s3_big_mib * MIB))
-            rows.append(("taintgate", "verified, one GET per file (chunk = file)", median_runs(
-                "s3 taintgate one GET per file", args.repeats, lambda: tg_run("one GET per file", one_get))))
-            drop_dir(dest("tg"))
+            tg_rows("one GET per file", "verified, one GET per file (chunk = file)", one_get)
 
         def comp(tool, cmd):
             """A competitor: download, then hash and check what it wrote against the manifest
@@ -900,16 +913,17 @@ def s3_bench(args, venv, work, extra, want):
             for i in range(args.repeats):
                 drop_dir(dest(tool))
                 os.makedirs(dest(tool), exist_ok=True)
-                dt, _ = run(cmd, env=env)
+                x, _ = measure(cmd, env=env)
                 ht, dg = openssl_hash(dest(tool))
                 check(f"S3 {tool}", expected, dg)
-                log(f"  s3 {tool} run {i + 1}: download {dt:.2f} s + hash {ht:.2f} s")
-                raw.append(dt)
-                ver.append(dt + ht)
+                log(f"  s3 {tool} run {i + 1}: download {x[0]:.2f} s ({x[1]:.1f} cpu-s, origin {x[2]:.1f} cpu-s)"
+                    f" + hash {ht:.2f} s")
+                raw.append(x)
+                ver.append((x[0] + ht, x[1] + LAST_CPU, x[2], None, None, None))
             drop_dir(dest(tool))
-            rows.append((tool, "download only", statistics.median(raw)))
-            rows.append((tool, "+ openssl sha256",
-                         statistics.median(ver) if shutil.which("openssl") else "openssl " + NOT_INSTALLED))
+            rows.append(summary(tool, "download only", raw))
+            rows.append(summary(tool, "+ openssl sha256", ver) if shutil.which("openssl")
+                        else (tool, "+ openssl sha256", "openssl " + NOT_INSTALLED))
 
         if want("s5cmd"):
             if os.path.exists(s5cmd):

@@ -440,7 +440,8 @@ impl Engine {
         // points long-running computations to plain threads.
         // With chunk digests every chunk is verified where it arrives, so this thread only
         // counts: the whole-file hash is not on the critical path.
-        let whole_file = job.chunks.is_none();
+        // An empty file has no chunk to carry its proof: it is hashed (nothing) as a whole.
+        let whole_file = job.chunks.is_none() || job.size == 0;
         let window = self.file_window.max(1);
         let (tx, mut rx) = tokio::sync::mpsc::channel::<HashItem>(window);
         let progress = self.progress.clone();
