@@ -434,7 +434,21 @@ def profile_run(args, work, cmd):
     drop_dir(cmd[cmd.index("--cache") + 1])
 
 
-class S3sFs:
+class S3Origin:
+    """An S3 server on loopback: `port`, `proc` and the credentials it accepts."""
+    port = 0
+    proc = None
+
+    @property
+    def endpoint(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+class S3sFs(S3Origin):
     """s3s-fs (crates.io; scripts/install-test-deps-stores.sh installs it): S3 over a
     directory, SigV4 checked, ranged GETs served from the file without copying it."""
     KEY, SECRET = "taintgate-bench", "taintgate-bench-secret"
@@ -455,16 +469,8 @@ class S3sFs:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_tcp(self.port)
 
-    @property
-    def endpoint(self):
-        return f"http://127.0.0.1:{self.port}"
 
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait()
-
-
-class Moto:
+class Moto(S3Origin):
     KEY, SECRET = "testing", "testing"
 
     def __init__(self, venv):
@@ -474,14 +480,6 @@ class Moto:
         self.proc = subprocess.Popen([os.path.join(venv, "bin", "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_tcp(self.port)
-
-    @property
-    def endpoint(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait()
 
 
 # rclone's "tuned" HTTP variant: more parallel files, more streams per big file, and

@@ -331,3 +331,71 @@ impl FaultProxy {
         format!("http://127.0.0.1:{}/{path}", self.port)
     }
 }
+
+/// Child half of a kill test: when `env_var` holds a JSON `(BundleRef, PrefetchOptions)`,
+/// run that prefetch and print `FETCHED <bytes>` as bytes arrive, until the parent kills
+/// the process ([`fetch_in_child_then_kill`]). Each test binary wraps it in an ignored test
+/// of its own, which the parent runs by name.
+pub async fn run_as_kill_child(env_var: &str) -> anyhow::Result<()> {
+    use std::sync::atomic::AtomicU64;
+    use taintgate_prefetch::{CancellationToken, PrefetchObserver, prefetch_bundles_observed};
+    let Ok(spec) = std::env::var(env_var) else {
+        return Ok(());
+    };
+    let (b, o): (BundleRef, PrefetchOptions) = serde_json::from_str(&spec)?;
+    struct Printer(AtomicU64);
+    impl PrefetchObserver for Printer {
+        fn bytes_fetched(&self, _bundle: &str, n: u64) {
+            println!(
+                "FETCHED {}",
+                self.0.fetch_add(n, std::sync::atomic::Ordering::SeqCst) + n
+            );
+        }
+    }
+    let r = prefetch_bundles_observed(&[b], &o, CancellationToken::new(), Arc::new(Printer(AtomicU64::new(0)))).await;
+    println!("CHILD DONE {:?}", r.map(|r| r.bytes_fetched));
+    Ok(())
+}
+
+/// Run the fetch of `b` with `o` in a child process (this test binary's ignored test
+/// `child_test`, handed the job through `env_var`, see [`run_as_kill_child`]) and SIGKILL it
+/// once it reported at least `at` bytes received; returns the count it had reported then.
+pub fn fetch_in_child_then_kill(
+    child_test: &str,
+    env_var: &str,
+    b: &BundleRef,
+    o: &PrefetchOptions,
+    at: u64,
+) -> anyhow::Result<u64> {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let spec = serde_json::to_string(&(b, o))?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--exact", child_test, "--ignored", "--nocapture", "--test-threads=1"])
+        .env(env_var, spec)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("the child's stdout is not piped"))?;
+    let mut killed_at = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        if let Some(n) = line.strip_prefix("FETCHED ") {
+            let n: u64 = n.parse()?;
+            if n >= at {
+                child.kill()?;
+                killed_at = Some(n);
+                break;
+            }
+        }
+        if line.starts_with("CHILD DONE") {
+            let _ = child.wait();
+            anyhow::bail!("the child finished before it could be killed: {line}");
+        }
+    }
+    child.wait()?;
+    killed_at.ok_or_else(|| anyhow::anyhow!("the child never reported progress"))
+}

@@ -3,10 +3,9 @@
 //! Requests and bytes are counted from nginx's own access log, not from our report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -621,63 +620,18 @@ async fn file_source_and_bundle_create() {
     assert_bundle_matches(cache.path(), "local", origin.path(), &m2);
 }
 
-/// Child half of the kill tests: runs a prefetch described by `TG_PREFETCH_CHILD` and
-/// prints `FETCHED <bytes>` as bytes arrive, until the parent kills it. Ignored in normal
-/// runs.
+/// Child half of the kill tests ([`taintgate_tests::bundles::run_as_kill_child`]). Ignored
+/// in normal runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run only as the child process of the kill tests (fetch_in_child_then_kill)"]
 async fn kill_test_child() {
-    let Ok(spec) = std::env::var("TG_PREFETCH_CHILD") else {
-        return;
-    };
-    let (b, o): (BundleRef, PrefetchOptions) = serde_json::from_str(&spec).unwrap();
-    struct Printer(AtomicU64);
-    impl PrefetchObserver for Printer {
-        fn bytes_fetched(&self, _bundle: &str, n: u64) {
-            let total = self.0.fetch_add(n, Ordering::SeqCst) + n;
-            println!("FETCHED {total}");
-        }
-    }
-    let r = prefetch_bundles_observed(&[b], &o, CancellationToken::new(), Arc::new(Printer(AtomicU64::new(0)))).await;
-    println!("CHILD DONE {:?}", r.map(|r| r.bytes_fetched));
+    bundles::run_as_kill_child("TG_PREFETCH_CHILD").await.unwrap();
 }
 
 /// Run `b` with `o` in a child process ([`kill_test_child`]) and SIGKILL it once it reported
 /// at least `at` bytes received; returns the count it had reported then.
 fn fetch_in_child_then_kill(b: &BundleRef, o: &PrefetchOptions, at: u64) -> u64 {
-    let spec = serde_json::to_string(&(b, o)).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "kill_test_child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("TG_PREFETCH_CHILD", spec)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut killed_at = None;
-    for line in BufReader::new(stdout).lines() {
-        let line = line.unwrap();
-        if let Some(n) = line.strip_prefix("FETCHED ") {
-            let n: u64 = n.parse().unwrap();
-            if n >= at {
-                child.kill().unwrap();
-                killed_at = Some(n);
-                break;
-            }
-        }
-        assert!(
-            !line.starts_with("CHILD DONE"),
-            "child finished before it could be killed: {line}"
-        );
-    }
-    child.wait().unwrap();
-    killed_at.expect("child never reported progress")
+    bundles::fetch_in_child_then_kill("kill_test_child", "TG_PREFETCH_CHILD", b, o, at).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

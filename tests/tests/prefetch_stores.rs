@@ -16,9 +16,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -308,60 +306,14 @@ async fn object_replaced_mid_download_is_source_changed(server: &StoreServer) {
     assert_nothing_visible(cache.path(), &p, 0);
 }
 
-/// Child half of the kill case: runs a prefetch described by `TG_STORE_CHILD` and prints
-/// `FETCHED <bytes>` as bytes arrive, until the parent kills it. Ignored in normal runs.
+/// Child half of the kill case ([`taintgate_tests::bundles::run_as_kill_child`]). Ignored
+/// in normal runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run only as the child process of killed_mid_download_resumes_and_rechecks_chunks"]
 async fn store_kill_child() {
-    let Ok(spec) = std::env::var("TG_STORE_CHILD") else {
-        return;
-    };
-    let (b, o): (BundleRef, PrefetchOptions) = serde_json::from_str(&spec).unwrap();
-    struct Printer(AtomicU64);
-    impl PrefetchObserver for Printer {
-        fn bytes_fetched(&self, _bundle: &str, n: u64) {
-            println!("FETCHED {}", self.0.fetch_add(n, Ordering::SeqCst) + n);
-        }
-    }
-    let r = prefetch_bundles_observed(&[b], &o, CancellationToken::new(), Arc::new(Printer(AtomicU64::new(0)))).await;
-    println!("CHILD DONE {:?}", r.map(|r| r.bytes_fetched));
-}
-
-/// Run the fetch in a child process and SIGKILL it once it reported `at` bytes.
-fn fetch_in_child_then_kill(b: &BundleRef, o: &PrefetchOptions, at: u64) -> u64 {
-    let spec = serde_json::to_string(&(b, o)).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "store_kill_child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("TG_STORE_CHILD", spec)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
+    taintgate_tests::bundles::run_as_kill_child("TG_STORE_CHILD")
+        .await
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut killed_at = None;
-    for line in BufReader::new(stdout).lines() {
-        let line = line.unwrap();
-        if let Some(n) = line.strip_prefix("FETCHED ") {
-            let n: u64 = n.parse().unwrap();
-            if n >= at {
-                child.kill().unwrap();
-                killed_at = Some(n);
-                break;
-            }
-        }
-        assert!(
-            !line.starts_with("CHILD DONE"),
-            "child finished before the kill: {line}"
-        );
-    }
-    child.wait().unwrap();
-    killed_at.expect("child never reported progress")
 }
 
 async fn killed_mid_download_resumes_and_rechecks_chunks(server: &StoreServer) {
@@ -375,9 +327,12 @@ async fn killed_mid_download_resumes_and_rechecks_chunks(server: &StoreServer) {
     let o = opts(cache.path(), server.options_via(proxy));
     // Off the runtime's workers: the proxy in front of the server runs on them.
     let b = p.bundle.clone();
-    let killed_at = tokio::task::spawn_blocking(move || fetch_in_child_then_kill(&b, &o, 8 * MIB))
-        .await
-        .unwrap();
+    let killed_at = tokio::task::spawn_blocking(move || {
+        taintgate_tests::bundles::fetch_in_child_then_kill("store_kill_child", "TG_STORE_CHILD", &b, &o, 8 * MIB)
+    })
+    .await
+    .unwrap()
+    .unwrap();
     assert!(killed_at < size, "killed too late to test resume");
 
     // Damage the first chunk the map says is on disk: it must be fetched again, not
