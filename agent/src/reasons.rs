@@ -409,7 +409,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "DigestMismatch",
         &[In(Stage::Models)],
-        "A downloaded file's sha256 differs from the manifest after the retry budget; nothing unverified is left visible.",
+        "A downloaded file's sha256 (or, with chunk digests, one chunk's, named by its byte range) differs from the manifest after the retry budget; nothing unverified is left visible.",
     ),
     r(
         "SizeMismatch",
