@@ -467,6 +467,95 @@ async fn object_replaced_mid_download_is_detected_not_stitched() {
     );
 }
 
+/// `file://` through the cases a local file can produce (the others of `prefetch_stores.rs`
+/// per scheme): cold, warm with the origin gone, killed mid-download and resumed, replaced
+/// mid-download (object_store's local store gives each file an ETag of inode, size and
+/// mtime, and honours `If-Match`), missing → `SourceNotFound`, a flipped byte →
+/// `DigestMismatch` naming the chunk. A 403 cannot be produced: the tests run as root, whom
+/// file permissions do not stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_source_cases() {
+    let origin = tempfile::tempdir().unwrap();
+    // The manifest is served by nginx only for `fetch_while_the_object_is_replaced`; every
+    // data byte comes from file://.
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "8m"));
+    let file_uri = |rel: &str| format!("file://{}/{rel}", origin.path().display());
+    let err = fetch_while_the_object_is_replaced(origin.path(), &nginx, file_uri("model.bin"), 91).await;
+    assert!(
+        err.to_string().contains("precondition") || err.to_string().contains("ETag"),
+        "{err}"
+    );
+
+    // Cold, then warm with the origin directory gone: nothing may be read from it.
+    let data = pseudo_random(64 * MIB + 5, 92);
+    std::fs::write(origin.path().join("w.bin"), &data).unwrap();
+    let mut f = write_file(origin.path(), "small.txt", 100, 93);
+    f.source = Some(file_uri("small.txt"));
+    let big = ManifestFile {
+        path: "w.bin".into(),
+        size: data.len() as u64,
+        sha256: sha256_hex(&data),
+        source: Some(file_uri("w.bin")),
+        chunks: Some(bundles::chunk_digests(&data, MIB)),
+    };
+    let m = Manifest {
+        base_uri: None,
+        files: vec![big.clone(), f],
+    };
+    let manifests = tempfile::tempdir().unwrap();
+    let b = publish_manifest(
+        manifests.path(),
+        "m.yaml",
+        "local",
+        format!("file://{}/m.yaml", manifests.path().display()),
+        &m,
+    );
+
+    // Killed mid-download in a child, then resumed: the chunks it verified are re-used.
+    let cache = tempfile::tempdir().unwrap();
+    let mut o = opts(cache.path());
+    (o.concurrency, o.file_concurrency) = (1, 1);
+    let killed_at = fetch_in_child_then_kill(&b, &o, 4 * MIB);
+    assert!(killed_at < data.len() as u64, "killed too late to test resume");
+    let r = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap();
+    let fr = r.bundles[0].files.iter().find(|f| f.path == "w.bin").unwrap();
+    assert!(fr.bytes_resumed >= MIB, "nothing re-used after the kill: {fr:?}");
+    assert!(std::fs::read(cache.path().join("bundles/local/w.bin")).unwrap() == data);
+
+    let moved = tempfile::tempdir().unwrap();
+    std::fs::rename(origin.path().join("w.bin"), moved.path().join("w.bin")).unwrap();
+    std::fs::rename(origin.path().join("small.txt"), moved.path().join("small.txt")).unwrap();
+    let warm = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!((warm.bytes_fetched, warm.bundles[0].cache_hits), (0, 2));
+
+    // Missing: the origin is still gone.
+    let cold = tempfile::tempdir().unwrap();
+    let e = prefetch_bundles(std::slice::from_ref(&b), &opts(cold.path()), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason(), "SourceNotFound", "{e}");
+
+    // A flipped byte in chunk 5: that chunk fails on every attempt, nothing is visible.
+    let mut bad = data.clone();
+    bad[(5 * MIB + 9) as usize] ^= 0x20;
+    std::fs::write(origin.path().join("w.bin"), &bad).unwrap();
+    std::fs::rename(moved.path().join("small.txt"), origin.path().join("small.txt")).unwrap();
+    let e = prefetch_bundles(std::slice::from_ref(&b), &opts(cold.path()), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason(), "DigestMismatch", "{e}");
+    assert!(e.to_string().contains("bytes 5242880..6291456"), "{e}");
+    assert_no_blob(cold.path(), &big.sha256);
+    assert!(
+        !cold.path().join("bundles/local/w.bin").exists(),
+        "view of an unverified file"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_too_small_is_refused_before_the_first_byte() {
     let mnt = require_service!("tmpfs mount", Mount::tmpfs("8m", ""));
