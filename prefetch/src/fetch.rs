@@ -781,6 +781,15 @@ async fn receive_chunk(
                                 drop(turn);
                                 written = bufs.len();
                                 written_bytes = got;
+                                if hasher.is_some() {
+                                    // Hashed already and now on disk: with its own digest
+                                    // the chunk needs these frames no more, and a frame can
+                                    // pin a receive buffer larger than itself (a server
+                                    // that sends small pieces), so they go now rather than
+                                    // at the chunk's end.
+                                    bufs.clear();
+                                    written = 0;
+                                }
                             }
                         }
                         Some(Err(e)) => {

@@ -1231,4 +1231,27 @@ fn peak_memory_is_bounded_by_the_chunk_window_not_the_file() {
         peak / MIB,
         peak.saturating_sub(base) / MIB
     );
+
+    // With chunk digests a chunk's frames are dropped once hashed and written, not held to
+    // the chunk's end for an in-order hasher: 16 MiB chunks over 4 slots (a 64 MiB window)
+    // stay well under that window.
+    let mut f = big.files[0].clone();
+    f.chunks = Some(bundles::chunk_digests(
+        &std::fs::read(origin.path().join("big.bin")).unwrap(),
+        16 * MIB,
+    ));
+    let chunked = Manifest {
+        base_uri: None,
+        files: vec![f],
+    };
+    let bc = publish_manifest(origin.path(), "chunked.yaml", "c", nginx.url("chunked.yaml"), &chunked);
+    let peak_c = fetch_peak_rss(&bc, &caches.path().join("chunked"), &window);
+    assert_bundle_matches(&caches.path().join("chunked"), "c", origin.path(), &chunked);
+    eprintln!("peak RSS with 16 MiB chunk digests: {} MiB", peak_c / MIB);
+    assert!(
+        peak_c <= base + 32 * MIB,
+        "fetching 160 MiB in 16 MiB verified chunks (4 slots) peaked at {} MiB RSS, {} MiB over a 4 KiB fetch",
+        peak_c / MIB,
+        peak_c.saturating_sub(base) / MIB
+    );
 }
