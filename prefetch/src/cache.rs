@@ -608,8 +608,6 @@ impl Cache {
     }
 }
 
-/// Remove a file, symlink or (recursively, without following symlinks) a directory; one
-/// already gone is fine.
 /// Check every chunk of the `size`-byte file at `path` against `chunks`, on as many
 /// threads as there are cores, each reading its chunks in 1 MiB pieces (memory: one piece
 /// per thread). Returns the byte range of a chunk that does not match, if any. Blocking.
@@ -642,7 +640,7 @@ pub(crate) fn verify_chunks(
                 h.update(&buf[..len]);
                 at += len as u64;
             }
-            let want = chunks.sha256.get(i as usize).map(|d| d.to_ascii_lowercase());
+            let want = chunks.expected(i as usize);
             if want.as_deref() != Some(hex::encode(h.finalize()).as_str()) {
                 // Stop the other threads: one bad chunk condemns the blob.
                 next.store(n, Ordering::Relaxed);
@@ -671,6 +669,8 @@ pub(crate) fn verify_chunks(
     })
 }
 
+/// Remove a file, symlink or (recursively, without following symlinks) a directory; one
+/// already gone is fine.
 pub(crate) fn remove_any(path: &Path, is_dir: bool) -> Result<(), PrefetchError> {
     let r = if is_dir {
         fs::remove_dir_all(path)

@@ -128,17 +128,15 @@ impl ChunkMap {
     fn is_done(&self, i: usize) -> bool {
         self.bits().get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
     }
-    fn set_done(&mut self, i: usize) {
+    /// Record chunk `i` as on disk (`done`) or not.
+    fn set(&mut self, i: usize, done: bool) {
         let mut bits = self.bits();
         if let Some(b) = bits.get_mut(i / 8) {
-            *b |= 1 << (i % 8);
-        }
-        self.done = hex::encode(bits);
-    }
-    fn set_undone(&mut self, i: usize) {
-        let mut bits = self.bits();
-        if let Some(b) = bits.get_mut(i / 8) {
-            *b &= !(1 << (i % 8));
+            if done {
+                *b |= 1 << (i % 8);
+            } else {
+                *b &= !(1 << (i % 8));
+            }
         }
         self.done = hex::encode(bits);
     }
@@ -581,11 +579,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
     let start = i as u64 * ctx.chunk_size;
     let end = start + chunk_len(ctx.size, ctx.chunk_size, i);
     let len = (end - start) as usize;
-    let expected: Option<String> = ctx
-        .digests
-        .as_ref()
-        .and_then(|d| d.sha256.get(i))
-        .map(|d| d.to_ascii_lowercase());
+    let expected = ctx.digests.as_ref().and_then(|d| d.expected(i));
     let on_disk = ctx.map.lock().map(|m| m.is_done(i)).unwrap_or(false);
     if on_disk {
         let file = ctx.file.clone();
@@ -610,7 +604,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
             (Some(_), _) => {
                 tracing::warn!(file = %ctx.label, bytes = ?(start..end), "a resumed chunk does not match its digest; fetching it again");
                 if let Ok(mut m) = ctx.map.lock() {
-                    m.set_undone(i);
+                    m.set(i, false);
                 }
             }
         }
@@ -641,7 +635,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
         // Only a chunk wholly on disk (and, with a digest, verified) is ever marked, so a
         // resumed download never trusts a torn one.
         if let Ok(mut m) = ctx.map.lock() {
-            m.set_done(i);
+            m.set(i, true);
         }
         if ctx.persist {
             persist_map(&ctx).await?;
@@ -1133,8 +1127,8 @@ mod tests {
         let mut m = ChunkMap::new("d", 10 * 4 + 1, 4);
         assert_eq!(chunks(41, 4), 11);
         assert!(!m.is_done(10));
-        m.set_done(10);
-        m.set_done(0);
+        m.set(10, true);
+        m.set(0, true);
         assert!(m.is_done(10) && m.is_done(0) && !m.is_done(5));
         assert_eq!(m.done_count(), 2);
         let j = serde_json::to_string(&m).unwrap();
@@ -1177,7 +1171,7 @@ mod tests {
         let chunk = 1024 * 1024;
         let size = 4 * chunk;
         let mut m = ChunkMap::new("d", size, chunk);
-        m.set_done(0);
+        m.set(0, true);
         std::fs::write(&state, serde_json::to_vec(&m).unwrap()).unwrap();
         let f = std::fs::File::create(&part).unwrap();
         f.set_len(size).unwrap();

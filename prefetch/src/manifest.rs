@@ -91,7 +91,23 @@ pub const MAX_DIGEST_CHUNK: u64 = 128 << 20;
 /// default request size, so ranges and digests line up one to one.
 pub const DEFAULT_DIGEST_CHUNK: u64 = 16 << 20;
 
+/// Whether `size` may be a digest-chunk size; else what is wrong with it. One check for a
+/// manifest's `chunks.size` and for `bundle create`'s `--digest-chunk-size`.
+pub(crate) fn check_digest_chunk_size(size: u64) -> Result<(), String> {
+    if (MIN_DIGEST_CHUNK..=MAX_DIGEST_CHUNK).contains(&size) {
+        return Ok(());
+    }
+    Err(format!(
+        "{size} is outside {MIN_DIGEST_CHUNK}..={MAX_DIGEST_CHUNK} (1 MiB..=128 MiB)"
+    ))
+}
+
 impl ChunkDigests {
+    /// The pinned digest of chunk `i`, lower-cased as the engine's hashes are printed.
+    pub(crate) fn expected(&self, i: usize) -> Option<String> {
+        self.sha256.get(i).map(|d| d.to_ascii_lowercase())
+    }
+
     /// Number of chunks a `file_size`-byte file has at this chunk size.
     pub fn count_for(&self, file_size: u64) -> u64 {
         file_size.div_ceil(self.size.max(1))
@@ -105,11 +121,8 @@ impl ChunkDigests {
 
     /// What is wrong with these digests for a `file_size`-byte file, if anything.
     fn problem(&self, file_size: u64) -> Option<String> {
-        if !(MIN_DIGEST_CHUNK..=MAX_DIGEST_CHUNK).contains(&self.size) {
-            return Some(format!(
-                "chunks.size {} is outside {MIN_DIGEST_CHUNK}..={MAX_DIGEST_CHUNK} (1 MiB..=128 MiB)",
-                self.size
-            ));
+        if let Err(e) = check_digest_chunk_size(self.size) {
+            return Some(format!("chunks.size {e}"));
         }
         let want = self.count_for(file_size);
         if self.sha256.len() as u64 != want {
@@ -389,14 +402,10 @@ pub async fn create_manifest(
     base_uri: Option<&str>,
     digest_chunk: Option<u64>,
 ) -> Result<Manifest, PrefetchError> {
-    if let Some(size) = digest_chunk
-        && !(MIN_DIGEST_CHUNK..=MAX_DIGEST_CHUNK).contains(&size)
-    {
+    if let Some(Err(e)) = digest_chunk.map(check_digest_chunk_size) {
         return Err(PrefetchError::OptionsInvalid {
             key: "digest_chunk_size",
-            detail: format!(
-                "digest chunk size {size} is outside {MIN_DIGEST_CHUNK}..={MAX_DIGEST_CHUNK} (1 MiB..=128 MiB)"
-            ),
+            detail: format!("digest chunk size {e}"),
         });
     }
     let root = tokio::fs::canonicalize(dir)
