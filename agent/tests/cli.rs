@@ -564,20 +564,30 @@ fn each_kubelet_side_fault_holds_with_its_reason() {
 /// `file://`; returns the cache path (`dir/cache`) and a `bundle fetch` of the manifest
 /// into that cache, with extra arguments.
 fn local_bundle(dir: &Path) -> (PathBuf, impl Fn(&[&str]) -> Output) {
-    let data = dir.join("model");
     let manifest = dir.join("manifest.yaml");
-    let base = format!("file://{}/", data.display());
-    let o = bin()
-        .args(["bundle", "create"])
-        .arg(&data)
-        .args(["--base-uri", &base, "--output"])
-        .arg(&manifest)
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    bundle_create(&dir.join("model"), &manifest);
     let cache = dir.join("cache");
     let fetch = move |extra: &[&str]| bundle_fetch(bin(), &manifest, &cache).args(extra).output().unwrap();
     (dir.join("cache"), fetch)
+}
+
+/// `taintgate bundle create DATA` served from `file://DATA/`, the manifest written to
+/// `manifest`; returns the `manifest_sha256` it printed.
+fn bundle_create(data: &Path, manifest: &Path) -> String {
+    let o = bin()
+        .args(["bundle", "create"])
+        .arg(data)
+        .arg("--base-uri")
+        .arg(format!("file://{}/", data.display()))
+        .arg("--output")
+        .arg(manifest)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .find_map(|l| l.strip_prefix("manifest_sha256: ").map(str::to_string))
+        .unwrap()
 }
 
 /// `c` (the binary, or a wrapper running it) given `bundle fetch MANIFEST --cache CACHE`.
@@ -886,20 +896,7 @@ fn a_bundle_that_left_the_config_leaves_the_cache() {
     std::fs::create_dir_all(&origin).unwrap();
     std::fs::write(origin.join("w.bin"), vec![7u8; 300_000]).unwrap();
     let manifest = dir.path().join("manifest.yaml");
-    let o = bin()
-        .args(["bundle", "create"])
-        .arg(&origin)
-        .arg("--base-uri")
-        .arg(format!("file://{}/", origin.display()))
-        .arg("--output")
-        .arg(&manifest)
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let digest = String::from_utf8_lossy(&o.stderr)
-        .lines()
-        .find_map(|l| l.strip_prefix("manifest_sha256: ").map(str::to_string))
-        .unwrap();
+    let digest = bundle_create(&origin, &manifest);
     let cache = dir.path().join("cache");
     // An older bundle's view and its blob, as a previous config left them.
     let old = dir.path().join("old-origin");
@@ -909,16 +906,7 @@ fn a_bundle_that_left_the_config_leaves_the_cache() {
         .args(["bundle", "fetch"])
         .arg(&{
             let m = dir.path().join("old-manifest.yaml");
-            let c = bin()
-                .args(["bundle", "create"])
-                .arg(&old)
-                .arg("--base-uri")
-                .arg(format!("file://{}/", old.display()))
-                .arg("--output")
-                .arg(&m)
-                .output()
-                .unwrap();
-            assert_eq!(c.status.code(), Some(0), "{}", text(&c));
+            bundle_create(&old, &m);
             m
         })
         .args(["--name", "llm-v1", "--reserve", "0", "--cache"])

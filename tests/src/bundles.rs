@@ -399,3 +399,38 @@ pub fn fetch_in_child_then_kill(
     child.wait()?;
     killed_at.ok_or_else(|| anyhow::anyhow!("the child never reported progress"))
 }
+
+/// A prefetch observer that runs `action` once, on the fetch's own task, when the bytes
+/// received reach `threshold`: a fault landing mid-download at a known point.
+pub struct Trigger {
+    fetched: std::sync::atomic::AtomicU64,
+    threshold: u64,
+    fired: std::sync::atomic::AtomicBool,
+    action: Box<dyn Fn() + Send + Sync>,
+}
+
+impl Trigger {
+    /// Fire `action` once `threshold` bytes have been received.
+    pub fn new(threshold: u64, action: impl Fn() + Send + Sync + 'static) -> Self {
+        Self {
+            fetched: Default::default(),
+            threshold,
+            fired: Default::default(),
+            action: Box::new(action),
+        }
+    }
+
+    /// Whether the action ran.
+    pub fn fired(&self) -> bool {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+impl taintgate_prefetch::PrefetchObserver for Trigger {
+    fn bytes_fetched(&self, _bundle: &str, n: u64) {
+        let total = self.fetched.fetch_add(n, Ordering::SeqCst) + n;
+        if total >= self.threshold && !self.fired.swap(true, Ordering::SeqCst) {
+            (self.action)();
+        }
+    }
+}

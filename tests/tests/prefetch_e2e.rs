@@ -7,11 +7,10 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use taintgate_prefetch::{
-    BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchError, PrefetchObserver, PrefetchOptions,
-    prefetch_bundles, prefetch_bundles_observed, sha256_hex,
+    BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchError, PrefetchOptions, prefetch_bundles,
+    prefetch_bundles_observed, sha256_hex,
 };
 use taintgate_tests::bundles::{
     self, ProxyFault, ProxyStats, pseudo_random, resumed_inside_a_chunk, spawn_fault_proxy, write_origin_file,
@@ -389,22 +388,6 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
     assert_bundle_matches(cache.path(), "msym", origin.path(), &m);
 }
 
-/// Observer that fires `action` once when `threshold` bytes have been received.
-struct Trigger {
-    fetched: AtomicU64,
-    threshold: u64,
-    fired: AtomicBool,
-    action: Box<dyn Fn() + Send + Sync>,
-}
-impl PrefetchObserver for Trigger {
-    fn bytes_fetched(&self, _bundle: &str, n: u64) {
-        let total = self.fetched.fetch_add(n, Ordering::SeqCst) + n;
-        if total >= self.threshold && !self.fired.swap(true, Ordering::SeqCst) {
-            (self.action)();
-        }
-    }
-}
-
 /// Fetch a 16 MiB `model.bin` (seed `seed`) from `source`, a URI that serves nginx's
 /// `slow/model.bin`, and replace the object at the origin with another of the same size
 /// (seed `seed + 1`, a later mtime, so only the ETag tells them apart) once 3 MiB have
@@ -422,22 +405,17 @@ async fn fetch_while_the_object_is_replaced(origin: &Path, nginx: &Nginx, source
     let cache = tempfile::tempdir().unwrap();
     let target = origin.join("model.bin");
     let replacement = origin.join(".model.bin.new");
-    let trigger = Arc::new(Trigger {
-        fetched: AtomicU64::new(0),
-        threshold: 3 * MIB,
-        fired: AtomicBool::new(false),
-        action: Box::new(move || {
-            std::fs::write(&replacement, pseudo_random(16 * MIB, seed + 1)).unwrap();
-            let later = std::time::SystemTime::now() + std::time::Duration::from_secs(100);
-            std::fs::File::options()
-                .write(true)
-                .open(&replacement)
-                .unwrap()
-                .set_modified(later)
-                .unwrap();
-            std::fs::rename(&replacement, &target).unwrap();
-        }),
-    });
+    let trigger = Arc::new(bundles::Trigger::new(3 * MIB, move || {
+        std::fs::write(&replacement, pseudo_random(16 * MIB, seed + 1)).unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(100);
+        std::fs::File::options()
+            .write(true)
+            .open(&replacement)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        std::fs::rename(&replacement, &target).unwrap();
+    }));
     let err = prefetch_bundles_observed(
         std::slice::from_ref(&b),
         &opts(cache.path()),
@@ -446,7 +424,7 @@ async fn fetch_while_the_object_is_replaced(origin: &Path, nginx: &Nginx, source
     )
     .await
     .expect_err("a replaced object must not verify");
-    assert!(trigger.fired.load(Ordering::SeqCst));
+    assert!(trigger.fired());
     assert_eq!(err.reason(), "SourceChanged", "{err}");
     assert_no_blob(cache.path(), &digest);
     assert!(

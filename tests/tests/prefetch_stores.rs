@@ -18,13 +18,14 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use taintgate_prefetch::{
-    BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchError, PrefetchObserver, PrefetchOptions,
-    prefetch_bundles, prefetch_bundles_observed, sha256_hex,
+    BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchError, PrefetchOptions, prefetch_bundles,
+    prefetch_bundles_observed, sha256_hex,
 };
-use taintgate_tests::bundles::{ProxyFault, chunk_digests, pseudo_random, spawn_fault_proxy, test_prefetch_options};
+use taintgate_tests::bundles::{
+    ProxyFault, Trigger, chunk_digests, pseudo_random, spawn_fault_proxy, test_prefetch_options,
+};
 use taintgate_tests::services::service_or_skip;
 use taintgate_tests::services::stores::{Precondition, StoreKind, StoreServer};
 use taintgate_validators::reason::ReasonCode;
@@ -246,26 +247,6 @@ async fn flipped_byte_is_a_digest_mismatch_naming_the_chunk(server: &StoreServer
     assert_nothing_visible(cache.path(), &p, 0);
 }
 
-/// Counts received bytes and runs `at_bytes` once when `threshold` is passed.
-struct Trigger {
-    seen: AtomicU64,
-    threshold: u64,
-    fired: AtomicBool,
-    tx: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
-}
-
-impl PrefetchObserver for Trigger {
-    fn bytes_fetched(&self, _bundle: &str, n: u64) {
-        let total = self.seen.fetch_add(n, Ordering::SeqCst) + n;
-        if total >= self.threshold
-            && !self.fired.swap(true, Ordering::SeqCst)
-            && let Some(tx) = self.tx.lock().unwrap().take()
-        {
-            let _ = tx.send(());
-        }
-    }
-}
-
 async fn object_replaced_mid_download_is_source_changed(server: &StoreServer) {
     let p = publish(server, "replaced", &[Spec("w.bin", 16 * MIB, 4, false)]).await;
     // Ask the server how it refuses a stale read, so the case below fails for that reason
@@ -284,12 +265,12 @@ async fn object_replaced_mid_download_is_source_changed(server: &StoreServer) {
     let cache = tempfile::tempdir().unwrap();
     let o = opts(cache.path(), server.options_via(proxy));
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let trigger = Arc::new(Trigger {
-        seen: AtomicU64::new(0),
-        threshold: 2 * MIB,
-        fired: AtomicBool::new(false),
-        tx: std::sync::Mutex::new(Some(tx)),
-    });
+    let tx = std::sync::Mutex::new(Some(tx));
+    let trigger = Arc::new(Trigger::new(2 * MIB, move || {
+        if let Some(tx) = tx.lock().unwrap().take() {
+            let _ = tx.send(());
+        }
+    }));
     let b = p.bundle.clone();
     let run = tokio::spawn(async move { prefetch_bundles_observed(&[b], &o, CancellationToken::new(), trigger).await });
     if rx.await.is_err() {
