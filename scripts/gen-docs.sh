@@ -6,6 +6,7 @@
 #   charts/taintgate/values.schema.json         properties.config = `taintgate config schema`
 #   docs/config-reference.md                    the reference table and the example
 #   docs/reasons.md                             `taintgate reasons` under a header
+#   docs/operations.md (contention table)       `taintgate reasons --contention`
 # Tests fail when any of them drifts (agent/tests/config_docs.rs, deploy_manifests.rs,
 # helm_chart.rs). TAINTGATE_BIN overrides the binary (default: build target/debug/taintgate).
 set -euo pipefail
@@ -20,6 +21,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$bin" config schema >"$tmp/schema.json"
 "$bin" config schema --format markdown >"$tmp/reference.md"
 "$bin" reasons >"$tmp/reasons.md"
+"$bin" reasons --contention >"$tmp/contention.md"
 python3 - "$tmp" <<'PY'
 import json, sys, pathlib
 tmp = pathlib.Path(sys.argv[1])
@@ -30,7 +32,6 @@ shipped = {
     "daemonset/config.yaml": {"  event_namespace: default": "  event_namespace: taintgate-system"},
     "systemd/config.yaml": {
         "  event_namespace: default": "  event_namespace: taintgate-system",
-        "regate_on_boot: false": "regate_on_boot: true",
     },
 }
 for path, changes in shipped.items():
@@ -64,6 +65,12 @@ reasons = pathlib.Path("docs/reasons.md")
 text = reasons.read_text()
 marker = "| reason | stage |"
 reasons.write_text(text[: text.index(marker)] + (tmp / "reasons.md").read_text())
+ops = pathlib.Path("docs/operations.md")
+text = ops.read_text()
+start = text.index("<!-- contention-table:start")
+start = text.index("\n", start) + 1
+end = text.index("<!-- contention-table:end -->")
+ops.write_text(text[:start] + (tmp / "contention.md").read_text() + text[end:])
 PY
 bash scripts/sync-chart-config.sh
-echo "gen-docs: regenerated the shipped configs, the chart's config and schema, docs/config-reference.md, docs/reasons.md" >&2
+echo "gen-docs: regenerated the shipped configs, the chart's config and schema, docs/config-reference.md, docs/reasons.md, the contention table of docs/operations.md" >&2

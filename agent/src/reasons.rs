@@ -87,6 +87,11 @@ pub const REASONS: &[Reason] = &[
         "Dry-run: every required stage had evidence; nothing was changed.",
     ),
     r(
+        "AlreadyReleased",
+        &[Verdict],
+        "The node was released before this start (registered, startup taint absent) and has not rebooted since: the agent ran no stage, so no GPU work touched a node that may be serving, and went to resident mode. The first release's annotation and conditions stand.",
+    ),
+    r(
         "DependencyFailed",
         &[Any],
         "Not run because a stage it needs failed; fix that stage's reason first.",
@@ -542,6 +547,128 @@ pub fn markdown() -> String {
     s
 }
 
+/// One code a hardware stage (driver, smoke, peer-bw) or the XID gate can fail with, and
+/// whether contention on a GPU that is serving can produce it: exclusive compute mode, device
+/// memory held by a model, busy NVLink or copy engines, a host under load. Only a code that
+/// contention cannot produce is evidence against the hardware, so only those set the
+/// hardware condition (`AcceleratedHardwareReady`) False, which Karpenter's node repair
+/// acts on after 10 minutes. The rest still hold the node; they do not condemn it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Contention {
+    /// The reason code.
+    pub code: &'static str,
+    /// Contention alone can produce it.
+    pub contention: bool,
+    /// Why (or why not).
+    pub why: &'static str,
+}
+
+const fn c(code: &'static str, contention: bool, why: &'static str) -> Contention {
+    Contention { code, contention, why }
+}
+
+/// Every code of the hardware stages and the XID gate (a test holds that none is missing).
+pub const HARDWARE_CONTENTION: &[Contention] = &[
+    c(
+        "DependencyFailed",
+        true,
+        "not evidence of its own: the stage it names is the cause",
+    ),
+    c(
+        "DeadlineExceeded",
+        true,
+        "a GPU busy with other work is slow, not broken",
+    ),
+    c("Cancelled", true, "the agent was stopped; nothing was measured"),
+    c("InternalError", true, "a bug in taintgate says nothing about the GPU"),
+    c(
+        "DriverNotLoaded",
+        false,
+        "a library load or `nvmlInit` does not depend on load",
+    ),
+    c(
+        "NvmlError",
+        true,
+        "NVML calls can fail or time out while the driver is busy (e.g. an event wait)",
+    ),
+    c("GpuLost", false, "a GPU off the bus is a hardware or driver fault"),
+    c(
+        "GpuCountMismatch",
+        false,
+        "NVML counts the GPUs the driver bound, busy or not",
+    ),
+    c("GpuProductMismatch", false, "the product name is fixed"),
+    c("EccUncorrectable", false, "ECC counters record memory faults, not load"),
+    c(
+        "RowRemapPending",
+        false,
+        "row remapping records memory faults, not load",
+    ),
+    c("RowRemapFailed", false, "row remapping records memory faults, not load"),
+    c("PagesRetired", false, "page retirement records memory faults, not load"),
+    c(
+        "XidFatal",
+        false,
+        "the fatal XID list holds hardware and driver faults, not application errors",
+    ),
+    c("FabricNotReady", false, "fabric registration does not depend on load"),
+    c("NvlinkInactive", false, "a link is active or not whatever crosses it"),
+    c(
+        "PcieDegraded",
+        false,
+        "the maximum generation and width are read, not the current ones under load",
+    ),
+    c("PersistenceModeOff", false, "a driver setting"),
+    c(
+        "SmokeFailed",
+        true,
+        "exclusive compute mode or memory held by a model makes context creation or allocation fail",
+    ),
+    c(
+        "PeerBandwidthLow",
+        true,
+        "copies share NVLink, PCIe and copy engines with the workload",
+    ),
+    c("PeerBandwidthUnknown", false, "a configuration gap: no link rate known"),
+    c(
+        "PeerBandwidthFailed",
+        true,
+        "an all-reduce needs device memory and exclusive access a workload may hold",
+    ),
+    c("NcclMissing", false, "a missing library does not depend on load"),
+    c("GpuCountUnconfigured", false, "a configuration gap: no expected count"),
+    c(
+        "CudaWorkerCrashed",
+        true,
+        "the worker can be killed for memory, or fail on a GPU another process holds",
+    ),
+    c("CudaWorkerTimeout", true, "a busy GPU runs the worker's kernels late"),
+    c(
+        "PeerCopyMismatch",
+        false,
+        "wrong bytes delivered is corruption, whatever the load",
+    ),
+];
+
+/// Whether `code`, failing a hardware stage or the XID gate, is evidence against the
+/// hardware that contention cannot produce (so it may set the hardware condition False).
+/// A code not in [`HARDWARE_CONTENTION`] is not.
+pub fn condemns_hardware(code: &str) -> bool {
+    HARDWARE_CONTENTION.iter().any(|c| c.code == code && !c.contention)
+}
+
+/// The contention table as Markdown (docs/operations.md carries it; a test holds the copy).
+pub fn contention_markdown() -> String {
+    let mut s = String::from(
+        "| reason | can contention produce it? | sets `AcceleratedHardwareReady=False` | why |\n|---|---|---|---|\n",
+    );
+    for c in HARDWARE_CONTENTION {
+        let (yes, sets) = if c.contention { ("yes", "no") } else { ("no", "yes") };
+        s.push_str(&format!("| `{}` | {yes} | {sets} | {} |\n", c.code, c.why));
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -637,6 +764,47 @@ mod tests {
             .filter(|c| !readme.contains(&format!("`{c}`")))
             .collect();
         assert!(missing.is_empty(), "docs/reasons.md lacks: {missing:?}");
+    }
+
+    /// Every code a hardware stage or the XID gate can fail with has a contention verdict,
+    /// once; none is invented; only the codes contention cannot produce condemn.
+    #[test]
+    fn every_hardware_code_has_a_contention_verdict() {
+        let hardware_source =
+            |s: &Source| matches!(s, Source::In(st) if st.is_hardware()) || matches!(s, Source::XidWatch | Source::Any);
+        let want: BTreeSet<&str> = REASONS
+            .iter()
+            .filter(|r| r.from.iter().any(hardware_source))
+            .map(|r| r.code)
+            .collect();
+        let mut have = BTreeSet::new();
+        for c in HARDWARE_CONTENTION {
+            assert!(have.insert(c.code), "{} listed twice", c.code);
+            assert!(want.contains(c.code), "{} is no hardware code", c.code);
+        }
+        assert_eq!(have, want);
+        #[rustfmt::skip]
+        let table = [
+            ("XidFatal", true), ("GpuCountMismatch", true), ("EccUncorrectable", true),
+            ("PeerCopyMismatch", true), ("NvlinkInactive", true), ("GpuLost", true),
+            ("SmokeFailed", false), ("PeerBandwidthLow", false), ("PeerBandwidthFailed", false),
+            ("CudaWorkerTimeout", false), ("CudaWorkerCrashed", false), ("DeadlineExceeded", false),
+            ("NvmlError", false), ("AllocatableShort", false), ("NoSuchCode", false),
+        ];
+        for (code, condemns) in table {
+            assert_eq!(condemns_hardware(code), condemns, "{code}");
+        }
+    }
+
+    /// docs/operations.md carries the contention table exactly as the code has it.
+    #[test]
+    fn operations_doc_carries_the_contention_table() {
+        let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/operations.md")).unwrap();
+        assert!(
+            doc.contains(&contention_markdown()),
+            "docs/operations.md lacks the current contention table (run scripts/gen-docs.sh):\n{}",
+            contention_markdown()
+        );
     }
 
     #[test]

@@ -115,7 +115,7 @@ fn healthy_node_is_released_and_nothing_else_changes() {
         "other conditions kept"
     );
 
-    let events = emu.list_objects("events").unwrap();
+    let events = emu.agent_events().unwrap();
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["reason"], "Released");
     assert_eq!(events[0]["involvedObject"]["name"], NODE);
@@ -149,11 +149,13 @@ fn healthy_node_is_released_and_nothing_else_changes() {
 #[test]
 fn faulty_nodes_stay_tainted_with_their_reason() {
     for (p, reason, hardware) in [
-        ("gpu-missing", "GpuCountMismatch", true),
-        ("xid-79", "XidFatal", true),
-        ("smoke-fail", "SmokeFailed", true),
-        ("slow-peer", "PeerBandwidthLow", true),
-        ("plugin-unhealthy", "PluginDeviceUnhealthy", false),
+        ("gpu-missing", "GpuCountMismatch", Some("False")),
+        ("xid-79", "XidFatal", Some("False")),
+        // Contention on a serving GPU can fail a smoke kernel or slow a peer copy: those
+        // hold the node without condemning the hardware (the condition is left unset).
+        ("smoke-fail", "SmokeFailed", None),
+        ("slow-peer", "PeerBandwidthLow", None),
+        ("plugin-unhealthy", "PluginDeviceUnhealthy", Some("True")),
     ] {
         let emu = start(true);
         let o = run_agent(&[
@@ -174,21 +176,13 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
             (Some("False"), Some(reason)),
             "{p}"
         );
-        let hw = condition(&after, "AcceleratedHardwareReady");
-        if hardware {
-            assert_eq!(
-                hw.unwrap()["status"],
-                "False",
-                "{p}: hardware failures tell node repair"
-            );
-        } else {
-            assert_eq!(
-                hw.unwrap()["status"],
-                "True",
-                "{p}: hardware was verified; the hold is elsewhere"
-            );
-        }
-        let events = emu.list_objects("events").unwrap();
+        let hw = condition(&after, "AcceleratedHardwareReady").map(|c| c["status"].clone());
+        assert_eq!(
+            hw,
+            hardware.map(|s| json!(s)),
+            "{p}: False only on evidence contention cannot produce (node repair acts on it); True when the hardware was verified and the hold is elsewhere"
+        );
+        let events = emu.agent_events().unwrap();
         // The verdict's Event, plus one per other failed stage: a second one names which.
         assert_eq!(events.len(), 1, "{p}: {events:#?}");
         assert_eq!(
@@ -381,8 +375,17 @@ fn already_untainted_node_is_idempotent() {
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    assert!(output_text(&o).contains("already absent"));
+    // Registered and untainted: released already (by anyone), so nothing runs and
+    // nothing is written (tests/tests/restart_released.rs: not even a CUDA call).
+    assert!(output_text(&o).contains("AlreadyReleased"), "{}", output_text(&o));
     assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
+    assert!(
+        !emu.mutating_requests()
+            .iter()
+            .any(|r| r.path.starts_with(&format!("/api/v1/nodes/{NODE}"))),
+        "{:?}",
+        emu.mutating_requests()
+    );
 }
 
 #[test]

@@ -613,11 +613,11 @@ fn scenarios() -> Vec<Scenario> {
         sc("gpu-smoke-wrong-result")
             .profile("smoke-fail")
             .held("SmokeFailed")
-            .hardware_failed(),
+            .hardware_absent(),
         sc("gpu-peer-bandwidth-low")
             .profile("slow-peer")
             .held("PeerBandwidthLow")
-            .hardware_failed(),
+            .hardware_absent(),
         sc("gpu-no-driver")
             .profile("no-driver")
             .held("DriverNotLoaded")

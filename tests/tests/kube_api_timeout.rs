@@ -15,7 +15,7 @@ use taintgate_tests::require_service;
 async fn a_silent_api_server_fails_a_call_at_the_request_timeout() {
     let server = require_service!("kube-apiserver", ApiServer::start().await);
     server.put_object(NodeBuilder::new("n").ready().build()).unwrap();
-    let api = KubeNodeApi::connect("n", Some(server.kubeconfig_path()), "default", Duration::from_secs(1))
+    let api = KubeNodeApi::connect("n", Some(server.kubeconfig_path()), Duration::from_secs(1))
         .await
         .unwrap();
     api.get().await.unwrap();

@@ -205,10 +205,10 @@ fn config(deadline: Duration, endpoint_wait: Duration) -> Config {
 }
 
 fn spawn_run(api: &ApiServer, node: &str, cfg: Config) -> tokio::task::JoinHandle<Option<readiness::record::Record>> {
-    let agent = KubeNodeApi::from_client(node, api.client().unwrap(), "default");
+    let agent = KubeNodeApi::from_client(node, api.client().unwrap());
     tokio::spawn(async move {
         let cancel = CancellationToken::new();
-        readiness::run(&agent, &cfg, &cancel).await
+        readiness::run(&agent, &cfg, &taintgate::node::NoEventObserver, &cancel).await
     })
 }
 

@@ -51,14 +51,15 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
     let mut dra: Option<Arc<dyn DraSide>> = None;
     let pubc = &cfg.publication;
     let api: Option<Arc<dyn NodeApi>> = if a.cluster {
-        let kube = KubeNodeApi::connect(
-            a.node_name,
-            a.kubeconfig,
-            &cfg.reporting.event_namespace,
-            cfg.api.request_timeout,
-        )
-        .await
-        .map_err(|e| format!("cannot use the Kubernetes API: {e}"))?;
+        if cfg.reporting.event_namespace != crate::node::report::NODE_EVENT_NAMESPACE {
+            tracing::warn!(
+                configured = %cfg.reporting.event_namespace,
+                "reporting.event_namespace is ignored: the API server accepts Events about a Node only in `default`, where they are written"
+            );
+        }
+        let kube = KubeNodeApi::connect(a.node_name, a.kubeconfig, cfg.api.request_timeout)
+            .await
+            .map_err(|e| format!("cannot use the Kubernetes API: {e}"))?;
         stamps = Some(Arc::new(kube.client()));
         dra = Some(Arc::new(KubeDra {
             client: kube.client(),

@@ -44,7 +44,12 @@ pub enum Command {
     #[command(subcommand)]
     Bundle(crate::cli::bundle::BundleCommand),
     /// Print the reason-code catalog (Markdown table).
-    Reasons,
+    Reasons {
+        /// Print instead which hardware codes contention on a serving GPU can produce (and
+        /// so never set the hardware condition False).
+        #[arg(long)]
+        contention: bool,
+    },
     /// Print one node's ready chain, or fleet percentiles per interval (`--all`).
     Timeline(crate::fleet::TimelineArgs),
     /// Internal: run one CUDA request (JSON on stdin, reply on stdout) and exit. The agent
@@ -183,8 +188,15 @@ pub async fn main_with(cli: Cli) -> i32 {
             init_logging(LogFormat::Text, "warn", color);
             crate::cli::bundle::run(b).await
         }
-        Command::Reasons => {
-            print!("{}", crate::reasons::markdown());
+        Command::Reasons { contention } => {
+            print!(
+                "{}",
+                if contention {
+                    crate::reasons::contention_markdown()
+                } else {
+                    crate::reasons::markdown()
+                }
+            );
             exit::RELEASED
         }
         Command::Timeline(a) => {
@@ -329,6 +341,60 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
     };
     let cancel = CancellationToken::new();
     spawn_signal_handler(cancel.clone());
+    // A restart or a rollout on a node that is already released (and may be serving):
+    // no stage runs, so no CUDA context, allocation or bandwidth test touches its GPUs.
+    // The agent goes straight to resident mode, ready at once, with the read-only evidence
+    // (NVML health, XIDs) feeding continuous mode as after its own release.
+    if !dry_run && let Some(api) = &boundaries.api {
+        let cfg = &config;
+        match crate::node::regate::read_start_state(
+            api.as_ref(),
+            &cfg.taint,
+            &cfg.reporting,
+            &cfg.api,
+            cfg.regate_on_boot,
+        )
+        .await
+        {
+            Ok(crate::node::regate::StartState::Released) => {
+                tracing::info!(
+                    node = %node_name,
+                    "node already released (registered, startup taint absent, no reboot since): no GPU check on a node that may be serving; resident mode"
+                );
+                crate::systemd::ready("node already released: resident");
+                crate::systemd::status("already released: resident, no GPU check");
+                ready.store(true, std::sync::atomic::Ordering::Release);
+                metrics.observe_already_released();
+                // Printed, never reported: the release's annotation and conditions stand.
+                let clock = Clock::start();
+                let now = std::time::Instant::now();
+                let timeline = crate::timeline::Timeline {
+                    node: node_name.clone(),
+                    agent_start: clock.origin(),
+                    gpu_backend: boundaries.gpu.backend().into(),
+                    stages: Vec::new(),
+                    verdict: Some(crate::timeline::Verdict {
+                        released: true,
+                        dry_run: false,
+                        reason: "AlreadyReleased".into(),
+                        message: "the node was released before this start and has not rebooted since: no stage runs on a node that may be serving".into(),
+                        at_ms: clock.offset(now).as_millis() as u64,
+                        at: clock.wall(now),
+                    }),
+                };
+                print_timeline(&timeline, args.output, false);
+                if args.once {
+                    return exit::RELEASED;
+                }
+                resident(api.clone(), &boundaries, &config, &metrics, &cancel).await;
+                return exit::RELEASED;
+            }
+            Ok(state) => tracing::debug!(?state, "start: the node is gated"),
+            // Without the Node the agent cannot tell; it goes on as on a new node, and the
+            // stages that need the API wait for it.
+            Err(e) => tracing::warn!(error = %e, "could not read the node at start; validating as a new node"),
+        }
+    }
     let mut held_backoff = Duration::from_secs(15);
     loop {
         let ctx = Arc::new(Context {
@@ -340,6 +406,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             cancel: cancel.clone(),
             node: Default::default(),
             prefetch_observer: metrics.clone(),
+            events_observer: metrics.clone(),
             publication: Default::default(),
             dry_run,
         });
@@ -349,27 +416,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             exit_code == exit::RELEASED && !dry_run,
             std::sync::atomic::Ordering::Release,
         );
-        match args.output {
-            OutputFormat::Table => {
-                print!("{}", timeline.render_table());
-                println!();
-                for s in &timeline.stages {
-                    if !s.summary.is_empty() {
-                        println!("  {:<14} {}", s.stage, s.summary);
-                    }
-                    if let Some(m) = &s.message {
-                        println!("  {:<14} {}", s.stage, m);
-                    }
-                }
-                if demo.is_some() {
-                    println!("\n{}", crate::cli::demo::Demo::note());
-                }
-            }
-            OutputFormat::Json => match serde_json::to_string_pretty(&timeline) {
-                Ok(j) => println!("{j}"),
-                Err(e) => eprintln!("error: cannot encode timeline: {e}"),
-            },
-        }
+        print_timeline(&timeline, args.output, demo.is_some());
         if args.once || dry_run || cancel.is_cancelled() {
             return exit_code;
         }
@@ -378,18 +425,13 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             // (Karpenter re-syncing startup taints) puts it back while the node is still
             // registered and the evidence still stands, and keep the GPU backend (its XID
             // subscription) open to act on XIDs (continuous mode).
-            if let Some(api) = &boundaries.api {
-                let resident = crate::run::resident::Resident {
-                    api: api.clone(),
-                    gpu: boundaries.gpu.clone(),
-                    config: config.clone(),
-                    metrics: metrics.clone(),
-                };
-                crate::run::resident::run(&resident, &cancel).await;
-            } else {
-                cancel.cancelled().await;
+            match &boundaries.api {
+                Some(api) => resident(api.clone(), &boundaries, &config, &metrics, &cancel).await,
+                None => {
+                    cancel.cancelled().await;
+                    crate::systemd::stopping();
+                }
             }
-            crate::systemd::stopping();
             return exit_code;
         }
         // Held: re-evaluate on a capped backoff; a transient cause can clear.
@@ -400,6 +442,50 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         }
         held_backoff = (held_backoff * 2).min(Duration::from_secs(600));
     }
+}
+
+/// Print a bootstrap's timeline on stdout in the chosen format (the demo adds its note).
+fn print_timeline(timeline: &crate::timeline::Timeline, output: OutputFormat, demo: bool) {
+    match output {
+        OutputFormat::Table => {
+            print!("{}", timeline.render_table());
+            println!();
+            for s in &timeline.stages {
+                if !s.summary.is_empty() {
+                    println!("  {:<14} {}", s.stage, s.summary);
+                }
+                if let Some(m) = &s.message {
+                    println!("  {:<14} {}", s.stage, m);
+                }
+            }
+            if demo {
+                println!("\n{}", crate::cli::demo::Demo::note());
+            }
+        }
+        OutputFormat::Json => match serde_json::to_string_pretty(timeline) {
+            Ok(j) => println!("{j}"),
+            Err(e) => eprintln!("error: cannot encode timeline: {e}"),
+        },
+    }
+}
+
+/// Resident mode until cancelled (after this agent's release, or on a node found
+/// released at start), then STOPPING=1.
+async fn resident(
+    api: Arc<dyn crate::node::NodeApi>,
+    boundaries: &crate::boundaries::Boundaries,
+    config: &Config,
+    metrics: &Arc<crate::telemetry::metrics::Metrics>,
+    cancel: &CancellationToken,
+) {
+    let resident = crate::run::resident::Resident {
+        api,
+        gpu: boundaries.gpu.clone(),
+        config: config.clone(),
+        metrics: metrics.clone(),
+    };
+    crate::run::resident::run(&resident, cancel).await;
+    crate::systemd::stopping();
 }
 
 fn hostname() -> Option<String> {

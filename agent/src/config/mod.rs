@@ -18,7 +18,7 @@ use taintgate_validators::gpu::decide::DriverExpectations;
 use taintgate_validators::input::{InputError, parse_yaml, read_bounded};
 
 /// The complete configuration.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// The startup taint this agent removes.
@@ -39,9 +39,12 @@ pub struct Config {
     pub models: ModelsConfig,
     /// Container images pre-pulled through CRI (`images` stage).
     pub images: taintgate_prefetch::images::ImagesConfig,
-    /// After a reboot of a node released under another boot, put the startup taint back
-    /// before validating (systemd deployments; the kubelet only registers taints at Node
-    /// creation). Needs a credential allowed to add that taint.
+    /// After a reboot of a node released under another boot (its boot ID differs from the
+    /// `released-boot-id` annotation), put the startup taint back and validate again: the
+    /// kubelet registers taints only when it creates the Node. Off, a rebooted node that
+    /// was released counts as released and its GPUs are not checked again. Needs a
+    /// credential the admission policy lets add that taint (the DaemonSet's and the systemd
+    /// agents' both are).
     pub regate_on_boot: bool,
     /// After release: the XID watch, and the optional continuous mode that taints the node
     /// on a fatal XID.
@@ -50,6 +53,28 @@ pub struct Config {
     pub readiness: crate::config::readiness::ReadinessConfig,
     /// How the node publishes its GPUs: device plugin, DRA driver, or both.
     pub publication: crate::config::publication::PublicationConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            taint: Default::default(),
+            reporting: Default::default(),
+            stages: Default::default(),
+            gpu: Default::default(),
+            api: Default::default(),
+            kubelet: Default::default(),
+            fit: None,
+            models: Default::default(),
+            images: Default::default(),
+            // A restarted agent on a released node runs no GPU check (the node may be
+            // serving); a reboot is the one event that must put it through the check again.
+            regate_on_boot: true,
+            continuous: Default::default(),
+            readiness: Default::default(),
+            publication: Default::default(),
+        }
+    }
 }
 
 /// The startup taint (key + effect identify the one entry removed).
@@ -175,7 +200,8 @@ pub struct ReportingConfig {
     pub hardware_condition_type: String,
     /// Emit Events.
     pub events: bool,
-    /// Namespace Events are written to.
+    /// Deprecated and ignored (a warning says so when set to anything else): Events about
+    /// the Node are written to `default`, the only namespace the API server accepts them in.
     pub event_namespace: String,
     /// Largest timeline annotation written, in bytes (entries are compacted to fit).
     pub annotation_max_bytes: usize,

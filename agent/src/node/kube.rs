@@ -17,7 +17,8 @@ pub struct KubeNodeApi {
     nodes: Api<Node>,
     pods: Api<Pod>,
     client: kube::Client,
-    event_namespace: String,
+    /// The Events this process wrote, by what makes two of them the same, for aggregation.
+    events: std::sync::Mutex<EventCache>,
     /// `timeoutSeconds` of the node watch.
     watch_timeout_secs: u32,
 }
@@ -61,12 +62,7 @@ impl KubeNodeApi {
     /// account, then `$KUBECONFIG` / `~/.kube/config`).
     /// `request_timeout` bounds the wait for any bytes of an answer (see
     /// `ApiConfig::request_timeout`).
-    pub async fn connect(
-        node: &str,
-        kubeconfig: Option<&Path>,
-        event_namespace: &str,
-        request_timeout: Duration,
-    ) -> Result<Self, ApiError> {
+    pub async fn connect(node: &str, kubeconfig: Option<&Path>, request_timeout: Duration) -> Result<Self, ApiError> {
         let op = "load kube config";
         let mut config = match kubeconfig {
             Some(p) => {
@@ -83,7 +79,7 @@ impl KubeNodeApi {
         config.read_timeout = Some(request_timeout);
         let client =
             kube::Client::try_from(config).map_err(|e| ApiError::from_code("build kube client", 0, e.to_string()))?;
-        let mut api = Self::from_client(node, client, event_namespace);
+        let mut api = Self::from_client(node, client);
         // The server closes a watch after `timeoutSeconds`; asked for less than the read
         // timeout, a quiet watch ends that way instead of as a timeout.
         api.watch_timeout_secs = watch_timeout(request_timeout);
@@ -91,13 +87,13 @@ impl KubeNodeApi {
     }
 
     /// Wrap an existing client.
-    pub fn from_client(node: &str, client: kube::Client, event_namespace: &str) -> Self {
+    pub fn from_client(node: &str, client: kube::Client) -> Self {
         Self {
             name: node.to_string(),
             nodes: Api::all(client.clone()),
             pods: Api::all(client.clone()),
             client,
-            event_namespace: event_namespace.to_string(),
+            events: Default::default(),
             watch_timeout_secs: 290,
         }
     }
@@ -212,12 +208,43 @@ impl NodeApi for KubeNodeApi {
             .map_err(|e| to_api_error(&format!("merge-patch node {}", self.name), e))
     }
 
+    /// Events are aggregated the way the kubelet's recorder does: an Event equal to one this
+    /// process wrote (same object, type, reason and message) raises that Event's `count`
+    /// and `lastTimestamp` with a merge patch instead of adding an object per retry. One
+    /// that expired meanwhile (the API server keeps Events for an hour) is created again.
     async fn create_event(&self, event: &Event) -> Result<(), ApiError> {
-        let api: Api<Event> = Api::namespaced(self.client.clone(), &self.event_namespace);
-        api.create(&PostParams::default(), event)
+        let ns = event
+            .metadata
+            .namespace
+            .as_deref()
+            .unwrap_or(crate::node::report::NODE_EVENT_NAMESPACE);
+        let api: Api<Event> = Api::namespaced(self.client.clone(), ns);
+        let key = EventKey::of(event);
+        let seen = self.events.lock().ok().and_then(|c| c.get(&key));
+        if let Some((name, count)) = seen {
+            let patch = serde_json::json!({
+                "count": count + 1,
+                "lastTimestamp": event.last_timestamp,
+            });
+            match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                Ok(_) => {
+                    if let Ok(mut c) = self.events.lock() {
+                        c.put(key, name, count + 1);
+                    }
+                    return Ok(());
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(to_api_error(&format!("patch event {ns}/{name}"), e)),
+            }
+        }
+        let created = api
+            .create(&PostParams::default(), event)
             .await
-            .map(|_| ())
-            .map_err(|e| to_api_error(&format!("create event in {}", self.event_namespace), e))
+            .map_err(|e| to_api_error(&format!("create event in {ns}"), e))?;
+        if let (Some(name), Ok(mut c)) = (created.metadata.name, self.events.lock()) {
+            c.put(key, name, 1);
+        }
+        Ok(())
     }
 
     fn workload_source(&self) -> Option<&dyn crate::node::workload::WorkloadSource> {
@@ -262,6 +289,57 @@ impl crate::node::workload::WorkloadSource for KubeNodeApi {
         let api: Api<k8s_openapi::api::discovery::v1::EndpointSlice> = Api::namespaced(self.client.clone(), namespace);
         let cfg = kube::runtime::watcher::Config::default().timeout(self.watch_timeout_secs);
         seen(kube::runtime::watcher(api, cfg))
+    }
+}
+
+/// What makes two Events the same for aggregation (the kubelet's key less the source,
+/// which is always this agent).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct EventKey {
+    namespace: Option<String>,
+    object: (Option<String>, Option<String>, Option<String>),
+    type_: Option<String>,
+    reason: Option<String>,
+    message: Option<String>,
+}
+
+impl EventKey {
+    fn of(e: &Event) -> Self {
+        let o = &e.involved_object;
+        Self {
+            namespace: e.metadata.namespace.clone(),
+            object: (o.kind.clone(), o.name.clone(), o.uid.clone()),
+            type_: e.type_.clone(),
+            reason: e.reason.clone(),
+            message: e.message.clone(),
+        }
+    }
+}
+
+/// The Events this process wrote: name and count by [`EventKey`], bounded (the oldest
+/// half is dropped when full), so a long-lived agent holds at most this many.
+#[derive(Debug, Default)]
+struct EventCache {
+    entries: std::collections::HashMap<EventKey, (String, i32, u64)>,
+    tick: u64,
+}
+
+impl EventCache {
+    const MAX: usize = 256;
+
+    fn get(&self, k: &EventKey) -> Option<(String, i32)> {
+        self.entries.get(k).map(|(n, c, _)| (n.clone(), *c))
+    }
+
+    fn put(&mut self, k: EventKey, name: String, count: i32) {
+        self.tick += 1;
+        if self.entries.len() >= Self::MAX && !self.entries.contains_key(&k) {
+            let mut ages: Vec<u64> = self.entries.values().map(|(_, _, t)| *t).collect();
+            ages.sort_unstable();
+            let cut = ages[ages.len() / 2];
+            self.entries.retain(|_, (_, _, t)| *t > cut);
+        }
+        self.entries.insert(k, (name, count, self.tick));
     }
 }
 

@@ -20,6 +20,44 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use std::sync::Arc;
 
+/// Karpenter finished registration: label `karpenter.sh/registered=true` and no
+/// `karpenter.sh/unregistered` taint. Before that, Karpenter would re-add our startup
+/// taint after we removed it (karpenter #1772).
+pub fn is_registered(node: &Node) -> bool {
+    let labelled = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get("karpenter.sh/registered"))
+        .is_some_and(|v| v == "true");
+    let unregistered_taint = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == "karpenter.sh/unregistered"));
+    let sync_disabled = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get("karpenter.sh/do-not-sync-taints"))
+        .is_some_and(|v| v == "true");
+    (labelled || sync_disabled) && !unregistered_taint
+}
+
+/// Told of every Event write the API server refused, so a lost Event is counted instead
+/// of vanishing (the agent's metrics implement it).
+pub trait EventObserver: Send + Sync {
+    /// A write of an Event was refused with this HTTP status (0: no answer).
+    fn event_refused(&self, code: u16);
+}
+
+/// An [`EventObserver`] that counts nothing (tests, tools).
+pub struct NoEventObserver;
+
+impl EventObserver for NoEventObserver {
+    fn event_refused(&self, _code: u16) {}
+}
+
 /// A failed API call, classified by what the caller should do about it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{op}: {kind:?} (HTTP {code}): {message}")]

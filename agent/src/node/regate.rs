@@ -4,10 +4,15 @@
 //! validated under (annotation `<prefix>/released-boot-id`); when it starts under a
 //! different boot ID and the startup taint is gone, it puts the taint back before running
 //! any stage, then removes it again when the evidence is in.
+//!
+//! The same record decides what a starting agent does at all ([`start_state`]): a node
+//! that is already released under this boot is serving, and a restart or a rollout must
+//! not put its GPUs on trial (no CUDA context, no allocation, no bandwidth test); it goes
+//! straight to resident mode.
 
 use crate::config::{ApiConfig, ReportingConfig, TaintConfig};
 use crate::node::untaint::{Retry, taint_index};
-use crate::node::{ApiError, NodeApi};
+use crate::node::{ApiError, NodeApi, is_registered};
 use json_patch::{AddOperation, Patch, PatchOperation, TestOperation};
 use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
@@ -42,6 +47,65 @@ pub fn needs_regate(node: &Node, taint: &TaintConfig, reporting: &ReportingConfi
         .as_ref()
         .and_then(|a| a.get(&boot_annotation(reporting)));
     matches!(released_under, Some(b) if b != boot_id) && taint_index(node, taint).is_none()
+}
+
+/// What a starting agent finds on its Node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartState {
+    /// A new node, or one gated again: the startup taint is on, Karpenter has not finished
+    /// registering it (its startup taints may not be synced yet), or the Node does not
+    /// exist yet (a systemd agent before the kubelet). The whole graph runs.
+    Gated,
+    /// Released earlier (by this agent, an older one or a person: no annotation is needed)
+    /// and not rebooted since: the node may be serving. No stage that touches a GPU runs;
+    /// the agent goes to resident mode.
+    Released,
+    /// Released under another boot and `regate_on_boot` is on: the taint goes back on and
+    /// the whole graph runs again.
+    Rebooted,
+}
+
+/// Decide [`StartState`] from the Node, this machine's boot ID and `regate_on_boot`. A
+/// node counts as released when registration is complete (`karpenter.sh/registered=true`
+/// or `karpenter.sh/do-not-sync-taints=true`, no `karpenter.sh/unregistered` taint) and
+/// the startup taint is absent.
+pub fn start_state(
+    node: &Node,
+    taint: &TaintConfig,
+    reporting: &ReportingConfig,
+    boot_id: Option<&str>,
+    regate_on_boot: bool,
+) -> StartState {
+    if taint_index(node, taint).is_some() || !is_registered(node) {
+        return StartState::Gated;
+    }
+    match boot_id {
+        Some(b) if regate_on_boot && needs_regate(node, taint, reporting, b) => StartState::Rebooted,
+        _ => StartState::Released,
+    }
+}
+
+/// Read the Node and decide [`StartState`]. A Node that does not exist yet is
+/// [`StartState::Gated`]; server and transport errors are retried like the re-gate's
+/// (until [`REGATE_DEADLINE`] or `api.untaint_deadline`), a refusal is not.
+pub async fn read_start_state(
+    api: &dyn NodeApi,
+    taint: &TaintConfig,
+    reporting: &ReportingConfig,
+    settings: &ApiConfig,
+    regate_on_boot: bool,
+) -> Result<StartState, ApiError> {
+    let mut retry = Retry::for_api(settings, REGATE_DEADLINE, "the start-up read deadline");
+    loop {
+        match api.get().await {
+            Ok(node) => {
+                let boot = current_boot_id(&node);
+                return Ok(start_state(&node, taint, reporting, boot.as_deref(), regate_on_boot));
+            }
+            Err(e) if e.kind == crate::node::ApiErrorKind::NotFound => return Ok(StartState::Gated),
+            Err(e) => retry.after(e, "read the node at start").await?,
+        }
+    }
 }
 
 /// JSON Patch adding the startup taint, guarded by the resourceVersion it was built from.
@@ -176,6 +240,41 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(api.gets.load(Ordering::SeqCst), 1);
+    }
+
+    /// The start rule, case by case: only a registered node without the startup taint is
+    /// released; a reboot since the recorded release re-gates it when `regate_on_boot`.
+    #[test]
+    fn start_state_table() {
+        let (t, r) = (TaintConfig::default(), ReportingConfig::default());
+        let startup = json!({"key": t.key, "effect": "NoSchedule"});
+        let unregistered = json!({"key": "karpenter.sh/unregistered", "effect": "NoExecute"});
+        let other = json!({"key": "nvidia.com/gpu", "effect": "NoSchedule"});
+        let mk = |labels: serde_json::Value, taints: serde_json::Value, boot: Option<&str>| -> Node {
+            let mut n = json!({"metadata": {"name": "n", "labels": labels}, "spec": {"taints": taints}});
+            if let Some(b) = boot {
+                n["metadata"]["annotations"] = json!({"taintgate.io/released-boot-id": b});
+            }
+            serde_json::from_value(n).unwrap()
+        };
+        let registered = json!({"karpenter.sh/registered": "true"});
+        let no_sync = json!({"karpenter.sh/do-not-sync-taints": "true"});
+        use StartState::*;
+        #[rustfmt::skip]
+        let table: Vec<(&str, Node, Option<&str>, bool, StartState)> = vec![
+            ("released by a person, no annotation", mk(registered.clone(), json!([other]), None), Some("b1"), true, Released),
+            ("released by us under this boot", mk(registered.clone(), json!([]), Some("b1")), Some("b1"), true, Released),
+            ("do-not-sync-taints counts as registered", mk(no_sync.clone(), json!([]), None), Some("b1"), true, Released),
+            ("startup taint on", mk(registered.clone(), json!([startup]), Some("b1")), Some("b1"), true, Gated),
+            ("not registered: taint not synced yet", mk(json!({}), json!([]), None), Some("b1"), true, Gated),
+            ("unregistered taint still on", mk(registered.clone(), json!([unregistered]), None), Some("b1"), true, Gated),
+            ("released under another boot", mk(registered.clone(), json!([]), Some("b0")), Some("b1"), true, Rebooted),
+            ("another boot, re-gate off", mk(registered.clone(), json!([]), Some("b0")), Some("b1"), false, Released),
+            ("boot unknown", mk(registered.clone(), json!([]), Some("b0")), None, true, Released),
+        ];
+        for (name, node, boot, regate, want) in table {
+            assert_eq!(start_state(&node, &t, &r, boot, regate), want, "{name}");
+        }
     }
 
     #[test]

@@ -101,20 +101,19 @@ pub fn truncate(s: &str, max: usize) -> String {
     format!("{}...", &s[..end])
 }
 
+/// Where Events about the Node live. A core/v1 Event about a cluster-scoped object is
+/// accepted only in `default` (events.k8s.io/v1 also takes `kube-system`); anywhere else
+/// the API server refuses it: "involvedObject.namespace: Invalid value: \"\": does not
+/// match event.namespace". `kubectl events --for node/<name>` reads them there.
+pub const NODE_EVENT_NAMESPACE: &str = "default";
+
 /// A core/v1 Event about the Node.
-pub fn node_event(
-    node: &Node,
-    cfg: &ReportingConfig,
-    warning: bool,
-    reason: &str,
-    message: &str,
-    now: Timestamp,
-) -> Event {
+pub fn node_event(node: &Node, warning: bool, reason: &str, message: &str, now: Timestamp) -> Event {
     let name = node.metadata.name.clone().unwrap_or_default();
     Event {
         metadata: ObjectMeta {
             generate_name: Some(format!("{name}.taintgate.")),
-            namespace: Some(cfg.event_namespace.clone()),
+            namespace: Some(NODE_EVENT_NAMESPACE.into()),
             ..Default::default()
         },
         involved_object: ObjectReference {
@@ -137,6 +136,21 @@ pub fn node_event(
         last_timestamp: Some(Time(now)),
         count: Some(1),
         ..Default::default()
+    }
+}
+
+/// Write one Event about the Node. A refused write never fails the caller (the verdict is
+/// already made): it is logged as a warning with its status code and told to `observer`
+/// (`taintgate_event_writes_refused_total{code}`). `what` names the Event in the log.
+pub async fn emit_event(api: &dyn NodeApi, event: &Event, observer: &dyn crate::node::EventObserver, what: &str) {
+    if let Err(e) = api.create_event(event).await {
+        observer.event_refused(e.code);
+        tracing::warn!(
+            error = %e,
+            code = e.code,
+            reason = event.reason.as_deref().unwrap_or(""),
+            "writing the {what} Event was refused; it is lost (counted in taintgate_event_writes_refused_total)"
+        );
     }
 }
 

@@ -168,7 +168,12 @@ async fn endpoint_ready(src: &dyn WorkloadSource, pods: &[PodRef], wait: std::ti
 /// Run the readiness chain for the resident agent: follow the workload, record it in the
 /// annotation, export its trace. Returns what was recorded (`None` when turned off, when
 /// the API offers no workload source, or when cancelled).
-pub async fn run(api: &dyn NodeApi, config: &Config, cancel: &CancellationToken) -> Option<Record> {
+pub async fn run(
+    api: &dyn NodeApi,
+    config: &Config,
+    events: &dyn crate::node::EventObserver,
+    cancel: &CancellationToken,
+) -> Option<Record> {
     let cfg = &config.readiness;
     if !cfg.enabled {
         return None;
@@ -189,15 +194,12 @@ pub async fn run(api: &dyn NodeApi, config: &Config, cancel: &CancellationToken)
                 // A Normal Event: `kubectl get events` shows how the chain ended.
                 let ev = crate::node::report::node_event(
                     &node,
-                    &config.reporting,
                     false,
                     &rec.workload.outcome,
                     &summary(&rec),
                     Timestamp::now(),
                 );
-                if let Err(e) = api.create_event(&ev).await {
-                    tracing::warn!(error = %e, "writing the readiness event failed");
-                }
+                crate::node::report::emit_event(api, &ev, events, "readiness").await;
             }
             released_at(&node, &config.reporting.annotation_prefix).unwrap_or(started)
         }

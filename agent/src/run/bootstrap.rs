@@ -3,7 +3,7 @@
 //! while any required, enabled stage lacks evidence, and never in dry-run.
 
 use crate::node::NodeApi;
-use crate::node::report::{ConditionValue, node_event, set_condition, write_annotation};
+use crate::node::report::{ConditionValue, emit_event, node_event, set_condition, write_annotation};
 use crate::node::untaint::remove_startup_taint;
 use crate::run::graph::run_graph;
 use crate::stage::{Stage, XID_WATCH};
@@ -80,37 +80,40 @@ pub async fn bootstrap(ctx: Arc<Context>, dry_run: bool, node_name: &str) -> Boo
                     Err(_) => "re-gate failed",
                 }
             ));
-            let (outcome, reason, message, summary) = match r {
-                Ok(true) => (
+            // A record only when the re-gate acted or failed: "nothing to do" is every
+            // start's answer and says nothing on the timeline.
+            let acted = match r {
+                Ok(false) => None,
+                Ok(true) => Some((
                     Outcome::Passed,
                     None,
                     None,
                     "released under another boot: startup taint re-added".to_string(),
-                ),
-                Ok(false) => (Outcome::Passed, None, None, "no re-gate needed".to_string()),
-                Err(e) => (
+                )),
+                Err(e) => Some((
                     Outcome::Failed,
                     Some("RegateFailed".to_string()),
                     Some(e.to_string()),
                     String::new(),
-                ),
+                )),
             };
-            pre.push(StageRecord {
-                stage: "regate".into(),
-                start: clock.wall(t0),
-                start_ms: clock.offset(t0).as_millis() as u64,
-                duration_ms: t0.elapsed().as_millis() as u64,
-                outcome,
-                required: true,
-                attempts: 1,
-                reason,
-                message,
-                summary,
-                evidence: serde_json::Value::Null,
-            });
+            if let Some((outcome, reason, message, summary)) = acted {
+                pre.push(StageRecord {
+                    stage: "regate".into(),
+                    start: clock.wall(t0),
+                    start_ms: clock.offset(t0).as_millis() as u64,
+                    duration_ms: t0.elapsed().as_millis() as u64,
+                    outcome,
+                    required: true,
+                    attempts: 1,
+                    reason,
+                    message,
+                    summary,
+                    evidence: serde_json::Value::Null,
+                });
+            }
         }
-    }
-    if pre.is_empty() {
+    } else {
         // READY=1 means "the gate is in place" (the unit orders kubelet after us, and the
         // kubelet must run for the allocatable and device-plugin stages to pass).
         crate::systemd::ready("gate in place: no re-gate configured");
@@ -359,8 +362,11 @@ async fn report(
         Err(e) => tracing::warn!(error = %e, "writing the node condition failed"),
     }
     if !cfg.hardware_condition_type.is_empty() {
-        let hw_failed =
-            failed_stage.is_some_and(|s| s == XID_WATCH || Stage::from_name(s).is_some_and(Stage::is_hardware));
+        // Only evidence that contention on a serving GPU cannot produce condemns the
+        // hardware (node repair replaces the node on it); the rest holds without condemning.
+        let hw_failed = failed_stage
+            .is_some_and(|s| s == XID_WATCH || Stage::from_name(s).is_some_and(Stage::is_hardware))
+            && crate::reasons::condemns_hardware(&v.reason);
         let hw_passed = Stage::ALL.iter().filter(|s| s.is_hardware()).all(|s| {
             t.stage(s.name())
                 .is_some_and(|r| r.outcome == Outcome::Passed || r.outcome == Outcome::Disabled)
@@ -396,14 +402,7 @@ async fn report(
             Ok(node) => {
                 // One Event for the verdict (the release, or the first blocking failure),
                 // and one for each other failed stage.
-                let mut events = vec![node_event(
-                    &node,
-                    cfg,
-                    !v.released,
-                    &v.reason,
-                    &v.message,
-                    Timestamp::now(),
-                )];
+                let mut events = vec![node_event(&node, !v.released, &v.reason, &v.message, Timestamp::now())];
                 for s in t
                     .stages
                     .iter()
@@ -411,12 +410,10 @@ async fn report(
                 {
                     let reason = s.reason.as_deref().unwrap_or("StageFailed");
                     let msg = format!("stage {}: {}", s.stage, s.message.as_deref().unwrap_or(""));
-                    events.push(node_event(&node, cfg, true, reason, &msg, Timestamp::now()));
+                    events.push(node_event(&node, true, reason, &msg, Timestamp::now()));
                 }
                 for ev in events {
-                    if let Err(e) = api.create_event(&ev).await {
-                        tracing::warn!(error = %e, "writing the event failed");
-                    }
+                    emit_event(api, &ev, ctx.events_observer.as_ref(), "verdict").await;
                 }
             }
             Err(e) => tracing::warn!(error = %e, "reading the node for the event failed"),

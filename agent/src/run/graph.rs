@@ -297,6 +297,7 @@ mod tests {
             cancel: CancellationToken::new(),
             node: Default::default(),
             prefetch_observer: Arc::new(taintgate_prefetch::NoopObserver),
+            events_observer: Arc::new(crate::node::NoEventObserver),
             publication: Default::default(),
             dry_run: true,
         })

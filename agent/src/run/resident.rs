@@ -16,9 +16,9 @@
 
 use crate::config::Config;
 use crate::node::NodeApi;
+use crate::node::is_registered;
 use crate::node::report::{ConditionValue, node_event, set_condition};
 use crate::node::untaint::{add_taint, remove_startup_taint, taint_index};
-use crate::stages::is_registered;
 use crate::telemetry::metrics::Metrics;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Node;
@@ -65,7 +65,7 @@ pub async fn run(r: &Resident, cancel: &CancellationToken) {
         // The readiness chain ends on its own (bounded by `readiness.deadline`); resident
         // mode goes on without it.
         _ = async {
-            crate::readiness::run(r.api.as_ref(), &r.config, cancel).await;
+            crate::readiness::run(r.api.as_ref(), &r.config, r.metrics.as_ref(), cancel).await;
             cancel.cancelled().await;
         } => {}
     }
@@ -345,10 +345,8 @@ async fn emit_event(r: &Resident, node: Option<Node>, reason: &str, message: &st
             }
         },
     };
-    let ev = node_event(&node, cfg, true, reason, message, Timestamp::now());
-    if let Err(e) = r.api.create_event(&ev).await {
-        tracing::warn!(error = %e, "writing the XID event failed");
-    }
+    let ev = node_event(&node, true, reason, message, Timestamp::now());
+    crate::node::report::emit_event(r.api.as_ref(), &ev, r.metrics.as_ref(), "XID").await;
     Some(node)
 }
 

@@ -4,34 +4,11 @@
 
 use super::context::{Context, Evidence, Progress, StageFailure};
 use super::kubelet::expected_allocatable;
+use crate::node::is_registered;
 use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
 use taintgate_validators::dra::evidence::{DraFailure, PublicationMode};
 use taintgate_validators::kubelet;
-
-/// Karpenter finished registration: label `karpenter.sh/registered=true` and no
-/// `karpenter.sh/unregistered` taint. Before that, Karpenter would re-add our startup
-/// taint after we removed it (karpenter #1772).
-pub fn is_registered(node: &Node) -> bool {
-    let labelled = node
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get("karpenter.sh/registered"))
-        .is_some_and(|v| v == "true");
-    let unregistered_taint = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|ts| ts.iter().any(|t| t.key == "karpenter.sh/unregistered"));
-    let sync_disabled = node
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get("karpenter.sh/do-not-sync-taints"))
-        .is_some_and(|v| v == "true");
-    (labelled || sync_disabled) && !unregistered_taint
-}
 
 /// The `register` stage: waits on the Node watch until Karpenter registered the node.
 pub async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {

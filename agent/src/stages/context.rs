@@ -109,6 +109,8 @@ pub struct Context {
     pub node: Mutex<Option<Node>>,
     /// Receives the `models` stage's byte counts as they happen (the agent's metrics).
     pub prefetch_observer: Arc<dyn taintgate_prefetch::PrefetchObserver>,
+    /// Told of every refused Event write (the agent's metrics).
+    pub events_observer: Arc<dyn crate::node::EventObserver>,
     /// Dry-run (`check`, `run --dry-run`): nothing is removed or written outside the
     /// model cache's downloads (the cache's garbage collection does not run).
     pub dry_run: bool,

@@ -12,7 +12,7 @@ pub mod gpu;
 pub mod kubelet;
 pub mod prefetch;
 
-pub use cluster::is_registered;
+pub use crate::node::is_registered;
 pub use context::{Context, Evidence, Progress, StageFailure};
 
 use crate::stage::Stage;

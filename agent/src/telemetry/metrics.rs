@@ -22,6 +22,8 @@
 //!   (`fatal`, `warn`, `ignore`) and XID.
 //! - `taintgate_xid_watch_errors_total`: failed waits on the XID subscription after
 //!   release (each is retried with backoff; reason `XidWatchError` in the log).
+//! - `taintgate_event_writes_refused_total{code}`: Event writes the API server refused, by
+//!   HTTP status (`0`: no answer); each is also a warning in the log. The Event is lost.
 //!
 //! Endpoints: `/metrics` (OpenMetrics text), `/healthz` (200 while the process serves),
 //! `/readyz` (200 only once the shared `ready` flag is set, i.e. after release; 503
@@ -113,6 +115,12 @@ pub struct XidLabels {
     pub xid: String,
 }
 
+impl crate::node::EventObserver for Metrics {
+    fn event_refused(&self, code: u16) {
+        self.events_refused.get_or_create(&CodeLabels { code }).inc();
+    }
+}
+
 /// Metrics server failures.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -159,6 +167,14 @@ pub struct Metrics {
     released: Gauge,
     xids: Family<XidLabels, Counter>,
     xid_watch_errors: Counter,
+    events_refused: Family<CodeLabels, Counter>,
+}
+
+/// An HTTP status label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabels {
+    /// The status code (`0`: no answer).
+    pub code: u16,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -190,6 +206,12 @@ impl Metrics {
         let released = Gauge::default();
         let xids = Family::<XidLabels, Counter>::default();
         let xid_watch_errors = Counter::default();
+        let events_refused = Family::<CodeLabels, Counter>::default();
+        registry.register(
+            "taintgate_event_writes_refused",
+            "Event writes the API server refused, by HTTP status (0: no answer); the Event is lost",
+            events_refused.clone(),
+        );
         registry.register(
             "taintgate_xid_watch_errors",
             "Failed waits on the XID subscription after release (retried with backoff)",
@@ -259,7 +281,14 @@ impl Metrics {
             released,
             xids,
             xid_watch_errors,
+            events_refused,
         }
+    }
+
+    /// A node found released at start (this process removed nothing): `taintgate_released`
+    /// is 1, as the node is.
+    pub fn observe_already_released(&self) {
+        self.released.set(1);
     }
 
     /// Count one failed wait on the XID subscription (retried with backoff).

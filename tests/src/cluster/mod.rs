@@ -840,6 +840,17 @@ impl ApiServer {
         Ok(list["items"].as_array().cloned().unwrap_or_default())
     }
 
+    /// The Events the agent wrote (source component `taintgate`). The API server writes
+    /// its own into `default` (`ClusterIPNotAllocated` from its service-IP repair loop at
+    /// start-up, for one), so a test that counts Events counts only these.
+    pub fn agent_events(&self) -> anyhow::Result<Vec<Value>> {
+        Ok(self
+            .list_objects("events")?
+            .into_iter()
+            .filter(|e| e["source"]["component"] == "taintgate" || e["reportingComponent"] == "taintgate")
+            .collect())
+    }
+
     /// Patch an object as another client would (`content_type` e.g.
     /// `application/merge-patch+json`; `status` targets `/status`). Not recorded.
     pub fn patch_object_direct(
