@@ -22,6 +22,10 @@ pub const COMPONENT: &str = "taintgate";
 /// The namespace Events about a Node must live in.
 pub const EVENTS_NAMESPACE: &str = "default";
 
+/// The admission policy's refusal of an Event about another object
+/// (`daemonset/admission-policy.yaml`, taintgate-own-node-events).
+pub const FOREIGN_EVENT: &str = "taintgate may write only Events about the Node its credential was issued for";
+
 /// An Event about Node `node` in namespace `ns`, shaped as the agent writes it.
 pub fn node_event(ns: &str, name: &str, node: &str, reason: &str) -> Value {
     let now = "2026-01-01T00:00:00Z";
@@ -90,8 +94,8 @@ pub fn agent_events(admin: &Client, base: &str, node: &str) -> anyhow::Result<Ve
 
 /// Check, against the API server itself, that `agent` (a client with the identity under
 /// test, and `token` as bearer if given) can create and patch an Event about `node` in
-/// `default`, cannot read or delete it, and is refused (403) creating one in each of
-/// `other_namespaces`. The admin reads the result back. `tag` keeps this call's Event apart
+/// `default`, cannot read or delete it, cannot create or patch one about another Node (the
+/// admission policy), and is refused (403) creating one in each of `other_namespaces`. The admin reads the result back. `tag` keeps this call's Event apart
 /// from others'.
 pub fn check_event_rbac(
     api: &ApiServer,
@@ -140,6 +144,64 @@ pub fn check_event_rbac(
     match ours.as_slice() {
         [e] if e["count"] == 2 && e["reason"] == "RbacCheck" => {}
         other => bail!("admin reads back {other:?}, expected one Event {name} with count 2"),
+    }
+    // The admission policy taintgate-own-node-events: an Event about another Node is
+    // refused, created or patched. The server enforces a new policy only once its
+    // informers have seen it (about a second), so the first refusal is waited for.
+    let other = format!("{node}-not-mine");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    for i in 0.. {
+        let ev = node_event(
+            EVENTS_NAMESPACE,
+            &format!("{other}.taintgate.{tag}.{i}"),
+            &other,
+            "Forged",
+        );
+        let resp = as_agent(client.post(format!("{base}/api/v1/namespaces/{EVENTS_NAMESPACE}/events")))
+            .header("content-type", "application/json")
+            .body(ev.to_string())
+            .send()?;
+        let code = resp.status().as_u16();
+        let body = resp.text().unwrap_or_default();
+        if code == 403 && body.contains(FOREIGN_EVENT) {
+            break;
+        }
+        if code != 201 || std::time::Instant::now() > deadline {
+            bail!("create an Event about another Node: expected 403 {FOREIGN_EVENT:?}, got {code}: {body}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Someone else's Event about another Node: the agent may not rewrite it, not even to
+    // make it about its own Node.
+    let theirs = format!("{other}.kubelet.{tag}");
+    let mut ev = node_event(EVENTS_NAMESPACE, &theirs, &other, "NodeReady");
+    ev["source"] = json!({"component": "kubelet", "host": other});
+    ev["reportingComponent"] = json!("kubelet");
+    let resp = admin
+        .post(format!("{base}/api/v1/namespaces/{EVENTS_NAMESPACE}/events"))
+        .header("content-type", "application/json")
+        .body(ev.to_string())
+        .send()?;
+    if resp.status().as_u16() != 201 {
+        bail!(
+            "admin creates an Event: {}: {}",
+            resp.status(),
+            resp.text().unwrap_or_default()
+        );
+    }
+    for patch in [
+        json!({"message": "rewritten"}),
+        json!({"involvedObject": {"name": node}, "message": "rewritten"}),
+    ] {
+        let resp = as_agent(client.patch(format!("{base}/api/v1/namespaces/{EVENTS_NAMESPACE}/events/{theirs}")))
+            .header("content-type", "application/merge-patch+json")
+            .body(patch.to_string())
+            .send()?;
+        let code = resp.status().as_u16();
+        let body = resp.text().unwrap_or_default();
+        if code != 403 || !body.contains(FOREIGN_EVENT) {
+            bail!("patch another Node's Event with {patch}: expected 403 {FOREIGN_EVENT:?}, got {code}: {body}");
+        }
     }
     for ns in other_namespaces {
         let ev = node_event(ns, &format!("{name}.elsewhere"), node, "RbacCheck");

@@ -711,12 +711,18 @@ fn every_host_path_the_config_names_is_mounted() {
     }
 }
 
-/// The username in the admission policy's match condition.
+/// The username in the admission policies' match conditions (the same in each).
 fn policy_username(docs: &[Value]) -> String {
-    let vap = docs
+    let names: BTreeSet<String> = docs
         .iter()
-        .find(|d| d["kind"] == "ValidatingAdmissionPolicy")
-        .expect("a ValidatingAdmissionPolicy");
+        .filter(|d| d["kind"] == "ValidatingAdmissionPolicy")
+        .map(one_policy_username)
+        .collect();
+    assert_eq!(names.len(), 1, "every policy names the same identity: {names:?}");
+    names.into_iter().next().unwrap()
+}
+
+fn one_policy_username(vap: &Value) -> String {
     let cond = vap["spec"]["matchConditions"]
         .as_array()
         .unwrap()

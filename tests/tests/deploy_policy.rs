@@ -735,3 +735,101 @@ fn a_broken_expression_denies_under_fail() {
     let e = AdmissionPolicy::from_document(&vap).err().unwrap();
     assert_eq!(e.reason(), "CelCompileFailed");
 }
+
+// ----- Events --------------------------------------------------------------------------
+
+const FOREIGN_EVENT: &str = "taintgate may write only Events about the Node its credential was issued for";
+
+/// The second policy: Events only about the agent's own Node.
+fn events_policy() -> AdmissionPolicy {
+    let docs = yaml_documents(&repo_root().join("daemonset/admission-policy.yaml")).unwrap();
+    let vap = docs
+        .iter()
+        .find(|d| d["kind"] == "ValidatingAdmissionPolicy" && d["metadata"]["name"] == "taintgate-own-node-events")
+        .unwrap();
+    AdmissionPolicy::from_document(vap).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// An Event about `kind`/`name`, as the agent writes it (agent/src/node/report.rs).
+fn event(kind: &str, name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": format!("{name}.taintgate.1"), "namespace": "default"},
+        "involvedObject": {"apiVersion": "v1", "kind": kind, "name": name},
+        "reason": "Released", "message": "m", "type": "Normal",
+        "source": {"component": "taintgate", "host": name},
+        "reportingComponent": "taintgate", "reportingInstance": name, "count": 1})
+}
+
+fn admit_event(user: Value, op: &str, old: Option<&Value>, new: &Value) -> Decision {
+    let req = AdmissionRequest {
+        request: json!({
+            "uid": "req-2",
+            "kind": {"group": "", "version": "v1", "kind": "Event"},
+            "resource": {"group": "", "version": "v1", "resource": "events"},
+            "subResource": "",
+            "namespace": "default",
+            "name": new["metadata"]["name"],
+            "operation": op,
+            "userInfo": user
+        }),
+        object: new.clone(),
+        old_object: old.cloned().unwrap_or(Value::Null),
+    };
+    events_policy().admit(&req).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn agents_write_events_about_their_own_node() {
+    let own = event("Node", NODE);
+    for user in [pod_identity(NODE), systemd_identity(NODE)] {
+        assert_eq!(
+            admit_event(user.clone(), "CREATE", None, &own),
+            Decision::Allowed,
+            "{user}"
+        );
+        // The count aggregation: the same Event, count raised.
+        let mut again = own.clone();
+        again["count"] = json!(2);
+        assert_eq!(admit_event(user, "UPDATE", Some(&own), &again), Decision::Allowed);
+    }
+}
+
+#[test]
+fn agents_may_not_write_events_about_anything_else() {
+    let denied_event = Decision::Denied(vec![FOREIGN_EVENT.to_string()]);
+    for user in [pod_identity(NODE), systemd_identity(NODE)] {
+        for ev in [event("Node", OTHER), event("Pod", NODE), event("Namespace", "default")] {
+            assert_eq!(
+                admit_event(user.clone(), "CREATE", None, &ev),
+                denied_event,
+                "{user} {ev}"
+            );
+        }
+        // Rewriting another Node's Event, even into one about its own Node.
+        let theirs = event("Node", OTHER);
+        let mut rewritten = theirs.clone();
+        rewritten["message"] = json!("rewritten");
+        assert_eq!(
+            admit_event(user.clone(), "UPDATE", Some(&theirs), &rewritten),
+            denied_event
+        );
+        let mut moved = theirs.clone();
+        moved["involvedObject"]["name"] = json!(NODE);
+        assert_eq!(admit_event(user.clone(), "UPDATE", Some(&theirs), &moved), denied_event);
+        // An Event without an involved object's name or kind.
+        let mut bare = event("Node", NODE);
+        bare["involvedObject"].as_object_mut().unwrap().remove("name");
+        assert_eq!(admit_event(user.clone(), "CREATE", None, &bare), denied_event);
+    }
+    // A token without the node-name claim names no Node at all.
+    let mut unbound = pod_identity(NODE);
+    unbound.as_object_mut().unwrap().remove("extra");
+    assert_eq!(admit_event(unbound, "CREATE", None, &event("Node", NODE)), denied_event);
+    // Everyone else is not this policy's business.
+    let controller = json!({"username": "system:serviceaccount:kube-system:node-controller",
+        "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"]});
+    assert_eq!(
+        admit_event(controller, "CREATE", None, &event("Node", OTHER)),
+        Decision::NotMatched
+    );
+}
