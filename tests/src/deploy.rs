@@ -231,6 +231,7 @@ pub fn check_document(path: &str, doc: &Value) -> Result<String, DeployError> {
         "karpenter.sh/v1/NodePool" => typed::<NodePool>(path, doc).map(drop),
         "karpenter.k8s.aws/v1/EC2NodeClass" => typed::<Ec2NodeClass>(path, doc).map(drop),
         "kustomize.config.k8s.io/v1beta1/Kustomization" => typed::<Kustomization>(path, doc).map(drop),
+        "kustomize.config.k8s.io/v1alpha1/Component" => typed::<Component>(path, doc).map(drop),
         _ => Err(DeployError::UnknownKind {
             path: path.to_string(),
             kind: kind.clone(),
@@ -476,6 +477,27 @@ pub struct Kustomization {
     /// Image overrides.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub images: Vec<BTreeMap<String, String>>,
+}
+
+/// A kustomize `Component` (`daemonset/components/*`), the fields this repository uses.
+/// Patches and replacements are kept as kustomize's own YAML: rendering them with a real
+/// kubectl is what checks them.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Component {
+    /// `kustomize.config.k8s.io/v1alpha1`.
+    pub api_version: String,
+    /// `Component`.
+    pub kind: String,
+    /// The namespace its transformer sets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// Patches (target and inline patch).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub patches: Vec<Value>,
+    /// Replacements (source and targets).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replacements: Vec<Value>,
 }
 
 /// A `configMapGenerator` entry.
@@ -788,4 +810,84 @@ fn cel_to_json(v: &cel::Value) -> Result<Value, String> {
         }
         other => return Err(format!("unsupported CEL value {other:?}")),
     })
+}
+
+// ---------------------------------------------------------------------------------------
+// Rendering the kustomize base with its components
+// ---------------------------------------------------------------------------------------
+
+/// How [`render_overlay`] installs the base into another namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NamespaceBy {
+    /// The shipped base as it is (`taintgate-system`).
+    Base,
+    /// `daemonset/components/namespace/` with its `namespace:` set (what
+    /// `kustomize edit set namespace` writes there).
+    Component,
+    /// A plain `namespace:` in the overlay itself, which the component's comment warns
+    /// against.
+    OverlayField,
+}
+
+/// Render, with `kubectl kustomize`, an overlay of a copy of `daemonset/` that lists
+/// `components` (names under `daemonset/components/`) and installs into `ns` as `by` says.
+/// kustomize refuses absolute and out-of-tree paths, so base and overlay are copied side by
+/// side into a temporary directory.
+pub fn render_overlay(kubectl: &Path, ns: &str, by: NamespaceBy, components: &[&str]) -> anyhow::Result<Vec<Value>> {
+    use anyhow::{Context, bail};
+    let tmp = tempfile::tempdir()?;
+    let base = tmp.path().join("daemonset");
+    let out = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(repo_root().join("daemonset"))
+        .arg(&base)
+        .output()
+        .context("copying daemonset/")?;
+    if !out.status.success() {
+        bail!("cp -r daemonset/: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let mut comps: Vec<String> = components
+        .iter()
+        .map(|c| format!("../daemonset/components/{c}"))
+        .collect();
+    let mut field = String::new();
+    match by {
+        NamespaceBy::Base => {}
+        NamespaceBy::Component => {
+            let k = base.join("components/namespace/kustomization.yaml");
+            let text = std::fs::read_to_string(&k)?;
+            let edited = text.replacen("\nnamespace: taintgate-system\n", &format!("\nnamespace: {ns}\n"), 1);
+            if edited == text {
+                bail!("components/namespace/kustomization.yaml has no `namespace: taintgate-system` line");
+            }
+            std::fs::write(&k, edited)?;
+            comps.push("../daemonset/components/namespace".into());
+        }
+        NamespaceBy::OverlayField => field = format!("namespace: {ns}\n"),
+    }
+    let overlay = tmp.path().join("overlay");
+    std::fs::create_dir(&overlay)?;
+    std::fs::write(
+        overlay.join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [../daemonset]\n{field}components: [{}]\n",
+            comps.join(", ")
+        ),
+    )?;
+    let out = std::process::Command::new(kubectl)
+        .arg("kustomize")
+        .arg(&overlay)
+        .output()
+        .with_context(|| format!("running {} kustomize", kubectl.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} kustomize (namespace {ns}, {by:?}, components {components:?}): {}",
+            kubectl.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(yaml_documents_str(
+        "kustomize output",
+        &String::from_utf8_lossy(&out.stdout),
+    )?)
 }

@@ -12,6 +12,7 @@ pub mod bundles;
 pub mod cluster;
 pub mod continuous;
 pub mod deploy;
+pub mod event_rbac;
 pub mod faults;
 pub mod kubelet;
 pub mod mounts;

@@ -12,11 +12,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{Value, json};
 use taintgate_tests::agent::{NODE, TAINT, output_text, profile, reference_node, register_like_karpenter, taint_keys};
 use taintgate_tests::cluster::ApiServer;
+use taintgate_tests::event_rbac;
 use taintgate_tests::faults::others_view;
 use taintgate_tests::services::service_or_skip;
 
@@ -25,7 +24,7 @@ const HEALTH: &str = "taintgate.io/gpu-unhealthy";
 
 const OWN_NODE: &str = "taintgate may modify only the Node its credential was issued for";
 const OTHER_TAINTS: &str = "taintgate may not add, change or remove any taint other than its startup taint";
-const OUR_TAINT: &str = "taintgate may only remove its startup taint (only a systemd agent may re-add it, on boot)";
+const OUR_TAINT: &str = "taintgate may only remove its startup taint (re-adding it needs a reboot since the release)";
 const LABELS: &str = "taintgate may not change Node labels";
 const ANNOTATIONS: &str = "taintgate may change only annotations under taintgate.io/";
 const HEALTH_RULE: &str = "taintgate may only add its GPU-unhealthy taint, once, never remove or change it";
@@ -39,17 +38,17 @@ fn deployed() -> Option<ApiServer> {
     api.apply_kustomize("daemonset").unwrap();
     api.apply_file(&taintgate_tests::cluster::repo_root().join("systemd/rbac.yaml"))
         .unwrap();
-    wait_for_policy(&api);
+    wait_for_policy(&api, "taintgate-system");
     Some(api)
 }
 
 /// The server enforces a new admission policy only once its informers have seen it
 /// (about a second): wait until a write the policy forbids is denied, on a probe node.
-fn wait_for_policy(api: &ApiServer) {
+fn wait_for_policy(api: &ApiServer, ns: &str) {
     const PROBE: &str = "policy-probe";
     api.put_object(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": PROBE, "labels": {"a": "1"}}}))
         .unwrap();
-    let token = api.bound_token("taintgate-system", "taintgate", PROBE, 600).unwrap();
+    let token = api.bound_token(ns, "taintgate", PROBE, 600).unwrap();
     let client = tls_client(api, None);
     let url = format!("{}/api/v1/nodes/{PROBE}", api.control_plane().url().unwrap());
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -223,14 +222,23 @@ fn daemonset_identity_in_cluster_releases_a_healthy_node_and_changes_nothing_els
         .find(|c| c["type"] == "TaintgateVerified")
         .unwrap();
     assert_eq!(verified["status"], "True");
-    // Every request the agent made reached the server through TLS with its own token.
+    // Every request the agent made reached the server through TLS with its own token, and
+    // no Event write was refused (a Node's Events are accepted in `default` only).
     let refused: Vec<String> = api
         .requests()
         .iter()
-        .filter(|r| r.status == 401 || r.status == 403)
+        .filter(|r| r.status == 401 || r.status == 403 || (r.path.contains("/events") && r.status >= 400))
         .map(|r| format!("{} {} -> {}", r.method, r.path, r.status))
         .collect();
     assert!(refused.is_empty(), "{refused:?}");
+    // The agent's Events, as an operator reads them (admin, `default`, this Node, written
+    // by taintgate: the API server writes Events of its own there).
+    let admin = event_rbac::admin_client(&api).unwrap();
+    let events = event_rbac::agent_events(&admin, api.control_plane().url().unwrap(), NODE).unwrap();
+    assert!(
+        events.iter().any(|e| e["type"] == "Normal"),
+        "the release (a Normal Event) in default: {events:#?}"
+    );
 }
 
 /// What one identity may and may not write, as the real server answers it.
@@ -341,28 +349,7 @@ fn check_cases(api: &ApiServer, client: &reqwest::blocking::Client, auth: Option
 }
 
 fn tls_client(api: &ApiServer, identity: Option<(&Path, &Path)>) -> reqwest::blocking::Client {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(api.control_plane().ca_path().unwrap()).unwrap() {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let b = rustls::ClientConfig::builder().with_root_certificates(roots);
-    let cfg = match identity {
-        Some((cert, key)) => {
-            let certs = CertificateDer::pem_file_iter(cert)
-                .unwrap()
-                .collect::<Result<Vec<_>, _>>()
-                .unwrap();
-            b.with_client_auth_cert(certs, PrivateKeyDer::from_pem_file(key).unwrap())
-                .unwrap()
-        }
-        None => b.with_no_client_auth(),
-    };
-    reqwest::blocking::Client::builder()
-        .tls_backend_preconfigured(cfg)
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap()
+    event_rbac::tls_client(api, identity).unwrap()
 }
 
 fn common_denials(node: &Value) -> Vec<Case> {
@@ -479,8 +466,20 @@ fn the_server_enforces_the_policy_for_the_daemonset_token() {
         )
     });
     check_cases(&api, &client, Some(&token), cases);
+    daemonset_regate_needs_a_reboot(&api, &client, &token);
 
-    // RBAC: reads of its own node and Events are allowed; Secrets and deleting Nodes are not.
+    // Events: create and patch about its Node in `default`, nothing elsewhere.
+    event_rbac::check_event_rbac(
+        &api,
+        &client,
+        Some(&token),
+        NODE,
+        "ds",
+        &["taintgate-system", "kube-system"],
+    )
+    .unwrap();
+
+    // RBAC: reads of its own node are allowed; Secrets and deleting Nodes are not.
     let base = api.control_plane().url().unwrap().to_string();
     let get = |path: &str| {
         client
@@ -581,6 +580,68 @@ fn the_server_enforces_the_policy_for_the_systemd_identity() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200, "{}", r.text().unwrap_or_default());
     assert!(taint_keys(&api.get_object("nodes", NODE).unwrap().unwrap()).contains(&TAINT.to_string()));
+
+    // Events (systemd/rbac.yaml binds the group to the Role in `default`).
+    event_rbac::check_event_rbac(
+        &api,
+        &client,
+        None,
+        NODE,
+        "systemd",
+        &["taintgate-system", "kube-system"],
+    )
+    .unwrap();
+}
+
+/// The DaemonSet agent may put the startup taint back on its own Node only after a
+/// reboot: the Node's boot ID differs from the one recorded at release.
+fn daemonset_regate_needs_a_reboot(api: &ApiServer, client: &reqwest::blocking::Client, token: &str) {
+    let base = api.control_plane().url().unwrap().to_string();
+    let add = json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": TAINT, "effect": "NoSchedule"}}]);
+    let released = |node: &str, recorded: Option<&str>, boot: &str| {
+        let mut n = full_node(node);
+        n["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|t| t["key"] != TAINT);
+        if let Some(r) = recorded {
+            n["metadata"]["annotations"]["taintgate.io/released-boot-id"] = json!(r);
+        }
+        n["status"]["nodeInfo"]["bootID"] = json!(boot);
+        api.put_object(n).unwrap();
+    };
+    let send = |node: &str| {
+        let r = client
+            .patch(format!("{base}/api/v1/nodes/{node}"))
+            .bearer_auth(token)
+            .header("content-type", "application/json-patch+json")
+            .body(add.to_string())
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.text().unwrap_or_default())
+    };
+    // Same boot as the release: refused.
+    released(NODE, Some("boot-1"), "boot-1");
+    let (code, body) = send(NODE);
+    assert!(code == 403 && body.contains(OUR_TAINT), "same boot: {code} {body}");
+    // No release recorded: refused.
+    released(NODE, None, "boot-2");
+    let (code, body) = send(NODE);
+    assert!(
+        code == 403 && body.contains(OUR_TAINT),
+        "no release recorded: {code} {body}"
+    );
+    // Another node rebooted: refused, it is not its own.
+    released(OTHER, Some("boot-1"), "boot-2");
+    let (code, body) = send(OTHER);
+    assert!(code == 403 && body.contains(OWN_NODE), "other node: {code} {body}");
+    // Its own Node, rebooted since the release: allowed. (A second copy never reaches
+    // admission: the server refuses duplicate taints as invalid; deploy_policy.rs checks
+    // the policy refuses it too.)
+    released(NODE, Some("boot-1"), "boot-2");
+    let (code, body) = send(NODE);
+    assert_eq!(code, 200, "rebooted: {body}");
+    assert!(taint_keys(&api.get_object("nodes", NODE).unwrap().unwrap()).contains(&TAINT.to_string()));
 }
 
 #[test]
@@ -659,4 +720,32 @@ fn a_node_deleted_while_waiting_for_registration_is_a_named_outcome() {
     );
     // Nothing was written for a node that is gone.
     assert!(api.get_object("nodes", NODE).unwrap().is_none());
+}
+
+#[test]
+fn the_namespace_component_moves_the_agent_and_keeps_policy_and_events_in_step() {
+    // `daemonset/` with components/namespace set to another namespace, rendered by the
+    // control plane's kubectl and applied to the real server: the policy holds the agent's
+    // service account there (and only it), and its Events still land in `default`.
+    let Some(api) = service_or_skip("kube-apiserver", ApiServer::start_blocking()) else {
+        return;
+    };
+    const NS: &str = "gpu-ops";
+    let kubectl = taintgate_tests::cluster::kubectl().unwrap();
+    let docs =
+        taintgate_tests::deploy::render_overlay(&kubectl, NS, taintgate_tests::deploy::NamespaceBy::Component, &[])
+            .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("rendered.yaml");
+    let text: Vec<String> = docs.iter().map(|d| serde_json::to_string(d).unwrap()).collect();
+    std::fs::write(&f, text.join("\n---\n")).unwrap();
+    api.apply_file(&f).unwrap();
+    wait_for_policy(&api, NS);
+    let node = api.put_object(full_node(NODE)).unwrap();
+    let token = api.bound_token(NS, "taintgate", NODE, 3600).unwrap();
+    let client = tls_client(&api, None);
+    let mut cases = common_denials(&node);
+    cases.extend(agent_allowed(&node));
+    check_cases(&api, &client, Some(&token), cases);
+    event_rbac::check_event_rbac(&api, &client, Some(&token), NODE, "ns", &[NS, "taintgate-system"]).unwrap();
 }

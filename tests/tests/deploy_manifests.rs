@@ -3,12 +3,15 @@
 //! the kubectl found here (Debian's `kubernetes-client` included, see
 //! `scripts/install-test-deps-deploy.sh`), and the facts that must agree across files do:
 //! the startup taint (config = DaemonSet toleration = NodePool startupTaints), the GPU
-//! taint, the node label, the Events namespace, the RBAC verbs.
+//! taint, the agent's own GPU-unhealthy taint, the node label, the Events namespace
+//! (`default`) and its Role, the RBAC verbs, the policy's username. The components
+//! (`daemonset/components/`) are rendered too: `namespace` moves the agent and keeps the
+//! policy's username and the Events Role in step, `images` alone mounts containerd.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Toleration};
-use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
+use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role, RoleBinding};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -24,6 +27,11 @@ use taintgate_tests::services::{in_ci, taintgate_bin, which};
 struct ShippedConfig {
     taint: ShippedTaint,
     reporting: ShippedReporting,
+    continuous: ShippedContinuous,
+}
+#[derive(Debug, serde::Deserialize)]
+struct ShippedContinuous {
+    taint: ShippedTaint,
 }
 #[derive(Debug, serde::Deserialize)]
 struct ShippedTaint {
@@ -112,14 +120,21 @@ fn the_type_check_catches_a_misspelt_field() {
 }
 
 /// The shipped configs and the one-line changes each makes to the example config.
+/// Neither changes `event_namespace`: the default, `default`, is the only namespace the API
+/// server accepts a Node's Events in.
 const SHIPPED_CONFIGS: [(&str, &[(&str, &str)]); 2] = [
-    ("daemonset/config.yaml", &[("event_namespace", "taintgate-system")]),
-    (
-        "systemd/config.yaml",
-        // In the example's (alphabetical) key order.
-        &[("regate_on_boot", "true"), ("event_namespace", "taintgate-system")],
-    ),
+    ("daemonset/config.yaml", &[]),
+    ("systemd/config.yaml", &[("regate_on_boot", "true")]),
 ];
+
+#[test]
+fn shipped_configs_write_events_to_default() {
+    for (file, _) in SHIPPED_CONFIGS {
+        let cfg: ShippedConfig =
+            serde_yaml_ng::from_str(&std::fs::read_to_string(repo_root().join(file)).unwrap()).unwrap();
+        assert_eq!(cfg.reporting.event_namespace, "default", "{file}");
+    }
+}
 
 #[test]
 fn shipped_configs_are_valid_for_the_agent() {
@@ -220,10 +235,25 @@ fn daemonset_tolerates_exactly_the_configured_startup_taint() {
     assert_eq!(startup[0].operator.as_deref(), Some("Exists"));
 
     // Nothing broader: no key-less toleration, and exactly the taints the node carries
-    // before release (startup, the pool's permanent taints, Karpenter's registration).
+    // before release (startup, the pool's permanent taints, Karpenter's registration) and
+    // the one the agent itself may add after release (continuous.taint).
+    let health: Vec<&Toleration> = tolerations
+        .iter()
+        .filter(|t| t.key.as_deref() == Some(cfg.continuous.taint.key.as_str()))
+        .collect();
+    assert_eq!(
+        health.len(),
+        1,
+        "one toleration for {}: {tolerations:?}",
+        cfg.continuous.taint.key
+    );
+    assert_eq!(health[0].effect.as_deref(), Some(cfg.continuous.taint.effect.as_str()));
+    assert_eq!(health[0].operator.as_deref(), Some("Exists"));
     let np = nodepool();
     let mut expected: BTreeSet<(String, String)> = BTreeSet::new();
     expected.insert((cfg.taint.key.clone(), cfg.taint.effect.clone()));
+    // The agent's own GPU-unhealthy taint: a node it marked keeps its agent.
+    expected.insert((cfg.continuous.taint.key.clone(), cfg.continuous.taint.effect.clone()));
     for t in &np.spec.template.spec.taints {
         expected.insert((t.key.clone(), t.effect.clone()));
     }
@@ -297,12 +327,7 @@ fn daemonset_lands_only_on_the_pools_nodes() {
 #[test]
 fn daemonset_pod_shape() {
     let ds = daemonset();
-    let ns = ds.metadata.namespace.clone().unwrap();
-    assert_eq!(
-        ns,
-        shipped_config().reporting.event_namespace,
-        "Events go to the agent's namespace"
-    );
+    assert_eq!(ds.metadata.namespace.as_deref(), Some("taintgate-system"));
     let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
     assert_eq!(pod.service_account_name.as_deref(), Some("taintgate"));
@@ -365,7 +390,9 @@ fn daemonset_pod_shape() {
         .unwrap();
     assert_eq!(port.container_port, 9464);
 
-    // Host paths: exactly the ones the stages use, read-only except the cache.
+    // Host paths: exactly the ones the stages use, read-only except the cache. Not
+    // containerd's socket: the shipped config has no images, and that socket is node root
+    // (components/images/ adds it).
     let host_paths: BTreeMap<String, String> = pod
         .volumes
         .as_ref()
@@ -378,7 +405,6 @@ fn daemonset_pod_shape() {
         "/var/lib/kubelet/pod-resources",
         // The dra stage: the DRA driver's registration socket (publication.plugins_registry).
         "/var/lib/kubelet/plugins_registry",
-        "/run/containerd",
         "/etc/cdi",
         "/var/run/cdi",
         "/var/lib/taintgate",
@@ -444,9 +470,46 @@ fn rbac_grants_only_the_verbs_the_agent_uses() {
         Some(shipped_config().reporting.event_namespace.as_str()),
         "events are created where the agent writes them"
     );
+    // create, and patch for the count aggregation of a repeated Event; no read, no delete.
     assert_eq!(
         rules(role.rules.as_deref().unwrap()),
-        [("/events".to_string(), "create".to_string())].into()
+        [
+            ("/events".to_string(), "create".to_string()),
+            ("/events".to_string(), "patch".to_string())
+        ]
+        .into()
+    );
+    let sa = docs_of_kind("daemonset/serviceaccount.yaml", "ServiceAccount");
+    let (sa_name, sa_ns) = (
+        sa[0]["metadata"]["name"].as_str().unwrap(),
+        sa[0]["metadata"]["namespace"].as_str().unwrap(),
+    );
+    let rb: RoleBinding = typed("rbac.yaml", docs.iter().find(|d| d["kind"] == "RoleBinding").unwrap()).unwrap();
+    assert_eq!(rb.metadata.namespace, role.metadata.namespace);
+    assert_eq!(rb.role_ref.name, role.metadata.name.clone().unwrap());
+    let subjects = rb.subjects.unwrap();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(
+        (
+            subjects[0].kind.as_str(),
+            subjects[0].name.as_str(),
+            subjects[0].namespace.as_deref()
+        ),
+        ("ServiceAccount", sa_name, Some(sa_ns))
+    );
+    // The systemd agents' group is bound to the same Role, in the same namespace.
+    let sd: Vec<Value> = docs_of_kind("systemd/rbac.yaml", "RoleBinding");
+    assert_eq!(sd.len(), 1);
+    let sd: RoleBinding = typed("systemd/rbac.yaml", &sd[0]).unwrap();
+    assert_eq!(sd.metadata.namespace, role.metadata.namespace);
+    assert_eq!(
+        (sd.role_ref.kind.as_str(), sd.role_ref.name.as_str()),
+        ("Role", "taintgate-events")
+    );
+    let s = sd.subjects.unwrap();
+    assert_eq!(
+        (s.len(), s[0].kind.as_str(), s[0].name.as_str()),
+        (1, "Group", "taintgate:agents")
     );
 }
 
@@ -542,9 +605,11 @@ fn kustomize_base_renders() {
                     | "ValidatingAdmissionPolicy"
                     | "ValidatingAdmissionPolicyBinding"
             );
+            // The Events Role and its binding live in `default`, where Node Events go.
+            let events_rbac = matches!(kind, "Role" | "RoleBinding");
             assert_eq!(
                 d.pointer("/metadata/namespace").and_then(Value::as_str),
-                namespaced.then_some("taintgate-system"),
+                namespaced.then_some(if events_rbac { "default" } else { "taintgate-system" }),
                 "{kind} {}",
                 d["metadata"]["name"]
             );
@@ -591,7 +656,7 @@ fn kustomization_lists_every_manifest_and_they_exist() {
         .unwrap()
         .iter()
         .map(|p| p.strip_prefix(&dir).unwrap().display().to_string())
-        .filter(|n| n != "kustomization.yaml")
+        .filter(|n| n != "kustomization.yaml" && !n.starts_with("components/"))
         .collect();
     let used: BTreeSet<String> = listed.union(&generated).cloned().collect();
     assert_eq!(
@@ -609,10 +674,16 @@ fn every_host_path_the_config_names_is_mounted() {
     let cfg: Value =
         serde_yaml_ng::from_str(&std::fs::read_to_string(repo_root().join("daemonset/config.yaml")).unwrap()).unwrap();
     let mut paths: Vec<String> = Vec::new();
+    // The images socket only where images are configured (components/images/, checked in
+    // images_component_alone_mounts_containerd).
+    assert_eq!(
+        cfg.pointer("/images/images").and_then(Value::as_array).map(Vec::len),
+        Some(0),
+        "the shipped config now names images: the base must mount the CRI socket"
+    );
     for ptr in [
         "/kubelet/paths/device_plugin_dir",
         "/kubelet/paths/pod_resources_socket",
-        "/images/socket",
         "/publication/plugins_registry",
     ] {
         if let Some(p) = cfg.pointer(ptr).and_then(Value::as_str) {
@@ -637,5 +708,171 @@ fn every_host_path_the_config_names_is_mounted() {
             mounts.iter().any(|m| Path::new(&p).starts_with(m)),
             "{p} (from config.yaml) is not under any mount: {mounts:?}"
         );
+    }
+}
+
+/// The username in the admission policies' match conditions (the same in each).
+fn policy_username(docs: &[Value]) -> String {
+    let names: BTreeSet<String> = docs
+        .iter()
+        .filter(|d| d["kind"] == "ValidatingAdmissionPolicy")
+        .map(one_policy_username)
+        .collect();
+    assert_eq!(names.len(), 1, "every policy names the same identity: {names:?}");
+    names.into_iter().next().unwrap()
+}
+
+fn one_policy_username(vap: &Value) -> String {
+    let cond = vap["spec"]["matchConditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "taintgate-identity")
+        .expect("the taintgate-identity match condition")["expression"]
+        .as_str()
+        .unwrap();
+    // Never a whole namespace's group: in kube-system that holds every controller.
+    assert!(!cond.contains("system:serviceaccounts:"), "{cond}");
+    let rest = cond
+        .split("request.userInfo.username == '")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no username comparison in {cond}"));
+    rest.split('\'').next().unwrap().to_string()
+}
+
+fn find_doc<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+#[test]
+fn the_policy_binds_the_service_accounts_username() {
+    let sa = &docs_of_kind("daemonset/serviceaccount.yaml", "ServiceAccount")[0];
+    let vap = docs_of_kind("daemonset/admission-policy.yaml", "ValidatingAdmissionPolicy");
+    assert_eq!(
+        policy_username(&vap),
+        format!(
+            "system:serviceaccount:{}:{}",
+            sa["metadata"]["namespace"].as_str().unwrap(),
+            sa["metadata"]["name"].as_str().unwrap()
+        )
+    );
+}
+
+/// Every kubectl here but Debian's 1.20, whose kustomize v2 knows no components.
+fn component_kubectls() -> Vec<PathBuf> {
+    kubectls()
+        .into_iter()
+        .filter(|k| {
+            let o = Command::new(k)
+                .args(["version", "--client", "-o", "json"])
+                .output()
+                .unwrap();
+            let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+            let minor: u32 = v["clientVersion"]["minor"]
+                .as_str()
+                .unwrap_or("0")
+                .trim_end_matches('+')
+                .parse()
+                .unwrap_or(0);
+            minor >= 27
+        })
+        .collect()
+}
+
+#[test]
+fn the_namespace_component_keeps_username_and_events_rbac_in_step() {
+    use taintgate_tests::deploy::{NamespaceBy, render_overlay};
+    let ks = component_kubectls();
+    if ks.is_empty() {
+        assert!(!in_ci(), "a kubectl with kustomize components is required under CI");
+        eprintln!("SKIP: no kubectl >= 1.27 here");
+        return;
+    }
+    const NS: &str = "gpu-ops";
+    for k in ks {
+        let docs = render_overlay(&k, NS, NamespaceBy::Component, &[]).unwrap();
+        let sa = find_doc(&docs, "ServiceAccount", "taintgate");
+        assert_eq!(sa["metadata"]["namespace"], NS, "{}", k.display());
+        assert_eq!(policy_username(&docs), format!("system:serviceaccount:{NS}:taintgate"));
+        for d in &docs {
+            let (kind, name) = (d["kind"].as_str().unwrap(), d["metadata"]["name"].as_str().unwrap());
+            let ns = d.pointer("/metadata/namespace").and_then(Value::as_str);
+            match kind {
+                "Namespace" => assert_eq!(name, NS),
+                "Role" | "RoleBinding" => assert_eq!(ns, Some("default"), "{kind} {name}"),
+                "ClusterRole" | "ClusterRoleBinding" => assert_eq!(ns, None, "{kind} {name}"),
+                // kustomize does not know these kinds are cluster-scoped and stamps them;
+                // the API server drops it (deploy_cluster.rs applies this render).
+                "ValidatingAdmissionPolicy" | "ValidatingAdmissionPolicyBinding" => {
+                    assert!(ns.is_none() || ns == Some(NS), "{kind} {name}: {ns:?}")
+                }
+                _ => assert_eq!(ns, Some(NS), "{kind} {name}"),
+            }
+            // Every ServiceAccount subject follows the ServiceAccount.
+            for s in d["subjects"].as_array().into_iter().flatten() {
+                if s["kind"] == "ServiceAccount" {
+                    assert_eq!(s["namespace"], NS, "{kind} {name}: {s}");
+                }
+            }
+        }
+        // The warning in the component holds: a plain `namespace:` in the overlay leaves
+        // the Events Role or the policy's username behind.
+        let plain = render_overlay(&k, NS, NamespaceBy::OverlayField, &[]).unwrap();
+        let role_ns = find_doc(&plain, "Role", "taintgate-events")["metadata"]["namespace"].clone();
+        assert!(
+            role_ns != "default" || policy_username(&plain) != format!("system:serviceaccount:{NS}:taintgate"),
+            "a plain namespace: now works too; simplify components/namespace/ and its docs"
+        );
+    }
+}
+
+#[test]
+fn the_images_component_alone_mounts_containerd() {
+    use taintgate_tests::deploy::{NamespaceBy, render_overlay};
+    let ks = component_kubectls();
+    if ks.is_empty() {
+        assert!(!in_ci(), "a kubectl with kustomize components is required under CI");
+        eprintln!("SKIP: no kubectl >= 1.27 here");
+        return;
+    }
+    let cfg: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(repo_root().join("daemonset/config.yaml")).unwrap()).unwrap();
+    let socket = cfg
+        .pointer("/images/socket")
+        .and_then(Value::as_str)
+        .unwrap()
+        .to_string();
+    let cri = |docs: &[Value]| -> Vec<(String, String, bool)> {
+        let ds: DaemonSet = serde_json::from_value(find_doc(docs, "DaemonSet", "taintgate").clone()).unwrap();
+        let pod = ds.spec.unwrap().template.spec.unwrap();
+        let vols: BTreeMap<String, String> = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .filter_map(|v| v.host_path.map(|h| (v.name, h.path)))
+            .collect();
+        pod.containers[0]
+            .volume_mounts
+            .clone()
+            .unwrap()
+            .into_iter()
+            .filter(|m| Path::new(&socket).starts_with(&m.mount_path))
+            .map(|m| (vols[&m.name].clone(), m.mount_path, m.read_only.unwrap_or(false)))
+            .collect()
+    };
+    for k in ks {
+        let base = render_overlay(&k, "", NamespaceBy::Base, &[]).unwrap();
+        assert_eq!(cri(&base), vec![], "{}: the base mounts no CRI socket", k.display());
+        let with = render_overlay(&k, "", NamespaceBy::Base, &["images"]).unwrap();
+        assert_eq!(
+            cri(&with),
+            vec![("/run/containerd".to_string(), "/run/containerd".to_string(), true)],
+            "{}: the images component mounts containerd's directory, read-only",
+            k.display()
+        );
+        // And nothing else changes.
+        assert_eq!(with.len(), base.len());
     }
 }

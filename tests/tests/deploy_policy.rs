@@ -1,7 +1,8 @@
 //! The admission policy (`daemonset/admission-policy.yaml`) evaluated with a CEL
 //! interpreter against sample admission requests. The allowed cases apply the agent's own
 //! patches (the JSON Patch that tests and removes the taint, the annotation merge patch,
-//! the condition JSON Patch on `nodes/status`, the systemd re-gate); the denied cases are
+//! the condition JSON Patch on `nodes/status`, the systemd re-gate, the DaemonSet re-gate
+//! after a reboot); the denied cases are
 //! what a stolen agent credential might try. Each denial must come from exactly the rule
 //! meant to catch it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -16,7 +17,7 @@ const OTHER: &str = "ip-10-0-9-9.ec2.internal";
 
 const OWN_NODE: &str = "taintgate may modify only the Node its credential was issued for";
 const OTHER_TAINTS: &str = "taintgate may not add, change or remove any taint other than its startup taint";
-const OUR_TAINT: &str = "taintgate may only remove its startup taint (only a systemd agent may re-add it, on boot)";
+const OUR_TAINT: &str = "taintgate may only remove its startup taint (re-adding it needs a reboot since the release)";
 const LABELS: &str = "taintgate may not change Node labels";
 const ANNOTATIONS: &str = "taintgate may change only annotations under taintgate.io/";
 const META: &str = "taintgate may not change Node finalizers or owner references";
@@ -265,6 +266,105 @@ fn systemd_agent_regates_its_own_node_after_reboot() {
     );
 }
 
+/// A released Node that has rebooted (boot ID `now`) since the release recorded under
+/// `recorded` (`None`: no annotation).
+fn rebooted(name: &str, recorded: Option<&str>, now: Option<&str>) -> Value {
+    let mut n = remove_taint_at(&node(name), 1);
+    if let Some(r) = recorded {
+        n["metadata"]["annotations"]["taintgate.io/released-boot-id"] = json!(r);
+    }
+    match now {
+        Some(b) => n["status"]["nodeInfo"]["bootID"] = json!(b),
+        None => {
+            n["status"]["nodeInfo"].as_object_mut().unwrap().remove("bootID");
+        }
+    }
+    n
+}
+
+fn regate(old: &Value) -> Value {
+    json_patched(
+        old,
+        json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": "taintgate.io/unverified", "effect": "NoSchedule"}}]),
+    )
+}
+
+#[test]
+fn daemonset_agent_regates_its_own_node_only_after_a_reboot() {
+    // Allowed: its own Node, no startup taint, boot ID differs from the recorded release.
+    let old = rebooted(NODE, Some("boot-1"), Some("boot-2"));
+    assert_eq!(admit(pod_identity(NODE), &old, &regate(&old), ""), Decision::Allowed);
+    // The same for a systemd agent (which may re-gate anyway).
+    assert_eq!(
+        admit(systemd_identity(NODE), &old, &regate(&old), ""),
+        Decision::Allowed
+    );
+    // A Node with no taints list at all.
+    let mut bare = old.clone();
+    bare["spec"].as_object_mut().unwrap().remove("taints");
+    let first = json_patched(
+        &bare,
+        json!([{"op": "add", "path": "/spec/taints", "value": [{"key": "taintgate.io/unverified", "effect": "NoSchedule"}]}]),
+    );
+    assert_eq!(admit(pod_identity(NODE), &bare, &first, ""), Decision::Allowed);
+}
+
+#[test]
+fn daemonset_agent_may_not_regate_without_a_reboot() {
+    for (what, old) in [
+        (
+            "same boot as the release",
+            rebooted(NODE, Some("boot-1"), Some("boot-1")),
+        ),
+        ("no release recorded", rebooted(NODE, None, Some("boot-2"))),
+        ("no boot ID reported", rebooted(NODE, Some("boot-1"), None)),
+        ("empty boot ID", rebooted(NODE, Some("boot-1"), Some(""))),
+    ] {
+        assert_eq!(
+            admit(pod_identity(NODE), &old, &regate(&old), ""),
+            denied(&[OUR_TAINT]),
+            "{what}"
+        );
+    }
+    let old = rebooted(NODE, Some("boot-1"), Some("boot-2"));
+    // Another Node, rebooted or not.
+    let other = rebooted(OTHER, Some("boot-1"), Some("boot-2"));
+    assert_eq!(
+        admit(pod_identity(NODE), &other, &regate(&other), ""),
+        denied(&[OWN_NODE])
+    );
+    // Two copies at once, or a second while one is present.
+    let two = json_patched(
+        &regate(&old),
+        json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": "taintgate.io/unverified", "effect": "NoSchedule"}}]),
+    );
+    assert_eq!(admit(pod_identity(NODE), &old, &two, ""), denied(&[OUR_TAINT]));
+    let gated = regate(&old);
+    assert_eq!(
+        admit(pod_identity(NODE), &gated, &regate(&gated), ""),
+        denied(&[OUR_TAINT])
+    );
+    // Another effect under our key is a foreign taint.
+    let noexec = json_patched(
+        &old,
+        json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": "taintgate.io/unverified", "effect": "NoExecute"}}]),
+    );
+    assert_eq!(admit(pod_identity(NODE), &old, &noexec, ""), denied(&[OTHER_TAINTS]));
+    // The recorded boot ID rewritten in the same request does not count: the policy reads
+    // the stored Node's.
+    let mut forged = regate(&rebooted(NODE, Some("boot-2"), Some("boot-2")));
+    forged["metadata"]["annotations"]["taintgate.io/released-boot-id"] = json!("boot-0");
+    assert_eq!(
+        admit(
+            pod_identity(NODE),
+            &rebooted(NODE, Some("boot-2"), Some("boot-2")),
+            &forged,
+            ""
+        ),
+        denied(&[OUR_TAINT])
+    );
+}
+
 #[test]
 fn other_identities_and_operations_are_not_this_policys_business() {
     let old = node(NODE);
@@ -274,6 +374,25 @@ fn other_identities_and_operations_are_not_this_policys_business() {
     assert_eq!(admit(kubelet, &old, &relabelled, ""), Decision::NotMatched);
     let admin = json!({"username": "kubernetes-admin", "groups": ["system:masters", "system:authenticated"]});
     assert_eq!(admit(admin, &old, &relabelled, ""), Decision::NotMatched);
+    // Other service accounts, in kube-system (the node lifecycle controller, were the chart
+    // installed there) and in the agent's own namespace: only the agent's username matches.
+    for (user, ns) in [
+        ("system:serviceaccount:kube-system:node-controller", "kube-system"),
+        ("system:serviceaccount:taintgate-system:default", "taintgate-system"),
+        (
+            "system:serviceaccount:taintgate-system:taintgate-other",
+            "taintgate-system",
+        ),
+    ] {
+        let sa = json!({"username": user,
+            "groups": ["system:serviceaccounts", format!("system:serviceaccounts:{ns}"), "system:authenticated"]});
+        assert_eq!(admit(sa, &old, &relabelled, ""), Decision::NotMatched, "{user}");
+    }
+    // The agent's username without any groups still matches.
+    assert_eq!(
+        admit(json!({"username": SA}), &old, &relabelled, ""),
+        denied(&[OWN_NODE, LABELS])
+    );
     // No groups at all (an odd authenticator): not matched, and no evaluation error.
     assert_eq!(
         admit(json!({"username": "x"}), &old, &relabelled, ""),
@@ -364,7 +483,8 @@ fn adding_or_changing_taints_is_denied() {
         json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": "evil", "effect": "NoExecute"}}]),
     );
     assert_eq!(admit(pod_identity(NODE), &old, &added, ""), denied(&[OTHER_TAINTS]));
-    // The startup taint re-added by the DaemonSet agent (only systemd agents may re-gate).
+    // The startup taint re-added by the DaemonSet agent on a Node with no release recorded
+    // (no reboot known): denied.
     let released = remove_taint_at(&old, 1);
     let readded = json_patched(
         &released,
@@ -530,7 +650,6 @@ fn policy_literals_match_the_shipped_config() {
         annotation_prefix: String,
         condition_type: String,
         hardware_condition_type: String,
-        event_namespace: String,
     }
     let cfg: Cfg =
         serde_yaml_ng::from_str(&std::fs::read_to_string(repo_root().join("daemonset/config.yaml")).unwrap()).unwrap();
@@ -552,9 +671,24 @@ fn policy_literals_match_the_shipped_config() {
     );
     assert_eq!(vars["nodeClaim"], json!([NODE]));
     assert_eq!(vars["ownNode"], json!(true));
-    // The match condition names the agent's namespace.
+    assert_eq!(vars["releasedBootKey"], json!("taintgate.io/released-boot-id"));
+    assert_eq!(vars["rebootedSinceRelease"], json!(false));
+    // The match condition names the agent's service account, by its username (SA).
+    let sa = &yaml_documents(&repo_root().join("daemonset/serviceaccount.yaml")).unwrap()[0];
+    assert_eq!(
+        SA,
+        format!(
+            "system:serviceaccount:{}:{}",
+            sa["metadata"]["namespace"].as_str().unwrap(),
+            sa["metadata"]["name"].as_str().unwrap()
+        )
+    );
     let text = std::fs::read_to_string(repo_root().join("daemonset/admission-policy.yaml")).unwrap();
-    assert!(text.contains(&format!("'system:serviceaccounts:{}'", cfg.reporting.event_namespace)));
+    assert!(text.contains(&format!("request.userInfo.username == '{SA}'")));
+    assert!(
+        !text.contains("'system:serviceaccounts:"),
+        "never a namespace's whole group"
+    );
 }
 
 #[test]
@@ -600,4 +734,102 @@ fn a_broken_expression_denies_under_fail() {
     vap["spec"]["validations"][0]["expression"] = json!("object.spec.(");
     let e = AdmissionPolicy::from_document(&vap).err().unwrap();
     assert_eq!(e.reason(), "CelCompileFailed");
+}
+
+// ----- Events --------------------------------------------------------------------------
+
+const FOREIGN_EVENT: &str = "taintgate may write only Events about the Node its credential was issued for";
+
+/// The second policy: Events only about the agent's own Node.
+fn events_policy() -> AdmissionPolicy {
+    let docs = yaml_documents(&repo_root().join("daemonset/admission-policy.yaml")).unwrap();
+    let vap = docs
+        .iter()
+        .find(|d| d["kind"] == "ValidatingAdmissionPolicy" && d["metadata"]["name"] == "taintgate-own-node-events")
+        .unwrap();
+    AdmissionPolicy::from_document(vap).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// An Event about `kind`/`name`, as the agent writes it (agent/src/node/report.rs).
+fn event(kind: &str, name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": format!("{name}.taintgate.1"), "namespace": "default"},
+        "involvedObject": {"apiVersion": "v1", "kind": kind, "name": name},
+        "reason": "Released", "message": "m", "type": "Normal",
+        "source": {"component": "taintgate", "host": name},
+        "reportingComponent": "taintgate", "reportingInstance": name, "count": 1})
+}
+
+fn admit_event(user: Value, op: &str, old: Option<&Value>, new: &Value) -> Decision {
+    let req = AdmissionRequest {
+        request: json!({
+            "uid": "req-2",
+            "kind": {"group": "", "version": "v1", "kind": "Event"},
+            "resource": {"group": "", "version": "v1", "resource": "events"},
+            "subResource": "",
+            "namespace": "default",
+            "name": new["metadata"]["name"],
+            "operation": op,
+            "userInfo": user
+        }),
+        object: new.clone(),
+        old_object: old.cloned().unwrap_or(Value::Null),
+    };
+    events_policy().admit(&req).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn agents_write_events_about_their_own_node() {
+    let own = event("Node", NODE);
+    for user in [pod_identity(NODE), systemd_identity(NODE)] {
+        assert_eq!(
+            admit_event(user.clone(), "CREATE", None, &own),
+            Decision::Allowed,
+            "{user}"
+        );
+        // The count aggregation: the same Event, count raised.
+        let mut again = own.clone();
+        again["count"] = json!(2);
+        assert_eq!(admit_event(user, "UPDATE", Some(&own), &again), Decision::Allowed);
+    }
+}
+
+#[test]
+fn agents_may_not_write_events_about_anything_else() {
+    let denied_event = Decision::Denied(vec![FOREIGN_EVENT.to_string()]);
+    for user in [pod_identity(NODE), systemd_identity(NODE)] {
+        for ev in [event("Node", OTHER), event("Pod", NODE), event("Namespace", "default")] {
+            assert_eq!(
+                admit_event(user.clone(), "CREATE", None, &ev),
+                denied_event,
+                "{user} {ev}"
+            );
+        }
+        // Rewriting another Node's Event, even into one about its own Node.
+        let theirs = event("Node", OTHER);
+        let mut rewritten = theirs.clone();
+        rewritten["message"] = json!("rewritten");
+        assert_eq!(
+            admit_event(user.clone(), "UPDATE", Some(&theirs), &rewritten),
+            denied_event
+        );
+        let mut moved = theirs.clone();
+        moved["involvedObject"]["name"] = json!(NODE);
+        assert_eq!(admit_event(user.clone(), "UPDATE", Some(&theirs), &moved), denied_event);
+        // An Event without an involved object's name or kind.
+        let mut bare = event("Node", NODE);
+        bare["involvedObject"].as_object_mut().unwrap().remove("name");
+        assert_eq!(admit_event(user.clone(), "CREATE", None, &bare), denied_event);
+    }
+    // A token without the node-name claim names no Node at all.
+    let mut unbound = pod_identity(NODE);
+    unbound.as_object_mut().unwrap().remove("extra");
+    assert_eq!(admit_event(unbound, "CREATE", None, &event("Node", NODE)), denied_event);
+    // Everyone else is not this policy's business.
+    let controller = json!({"username": "system:serviceaccount:kube-system:node-controller",
+        "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"]});
+    assert_eq!(
+        admit_event(controller, "CREATE", None, &event("Node", OTHER)),
+        Decision::NotMatched
+    );
 }

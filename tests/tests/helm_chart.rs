@@ -217,7 +217,11 @@ fn non_default_values_reach_config_tolerations_and_policy() {
             "--set",
             "config.reporting.condition_type=GateVerified",
             "--set",
-            "config.reporting.event_namespace=gpu-ops",
+            "config.continuous.taint.key=example.com/sick",
+            "--set",
+            "config.images.images[0]=registry.test/model-server@sha256:0000000000000000000000000000000000000000000000000000000000000000",
+            "--set",
+            "config.images.socket=/var/run/crio/crio.sock",
             "--set",
             &format!("image.digest={digest}"),
             "--set",
@@ -250,6 +254,43 @@ fn non_default_values_reach_config_tolerations_and_policy() {
         pod["tolerations"][0],
         json!({"key": "example.com/gate", "operator": "Exists", "effect": "NoExecute"})
     );
+    // The agent's own GPU-unhealthy taint, from config.continuous.taint.
+    assert_eq!(
+        pod["tolerations"][1],
+        json!({"key": "example.com/sick", "operator": "Exists", "effect": "NoSchedule"})
+    );
+    // Images configured: the CRI socket's directory is mounted (read-only), and only then.
+    let cri = |pod: &Value| -> Vec<(Value, Value, Value)> {
+        let vols = pod["volumes"].as_array().unwrap();
+        pod["containers"][0]["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["name"] == "cri-runtime")
+            .map(|m| {
+                let v = vols.iter().find(|v| v["name"] == m["name"]).unwrap();
+                (
+                    v["hostPath"]["path"].clone(),
+                    m["mountPath"].clone(),
+                    m["readOnly"].clone(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        cri(pod),
+        vec![(json!("/var/run/crio"), json!("/var/run/crio"), json!(true))]
+    );
+    let default_pod = &find(&default, "DaemonSet")["spec"]["template"]["spec"];
+    assert_eq!(cri(default_pod), vec![], "no images configured: no CRI socket");
+    assert!(
+        !default_pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["hostPath"]["path"] == "/run/containerd"),
+        "{default_pod}"
+    );
     assert_eq!(pod["nodeSelector"], json!({"pool": "gpu"}));
     assert_eq!(pod["volumes"][0]["configMap"]["name"], cm["metadata"]["name"]);
     let policy = find(&docs, "ValidatingAdmissionPolicy");
@@ -261,14 +302,25 @@ fn non_default_values_reach_config_tolerations_and_policy() {
         "['GateVerified', 'AcceleratedHardwareReady']"
     );
     let cond = policy["spec"]["matchConditions"][0]["expression"].as_str().unwrap();
-    assert!(cond.contains("'system:serviceaccounts:gpu-ops'"), "{cond}");
+    assert!(
+        cond.contains("request.userInfo.username == 'system:serviceaccount:gpu-ops:taintgate'"),
+        "{cond}"
+    );
+    assert!(
+        !cond.contains("system:serviceaccounts:"),
+        "never the namespace's group: {cond}"
+    );
     for d in &docs {
         if let Some(ns) = d["metadata"]["namespace"].as_str() {
-            assert_eq!(ns, "gpu-ops", "{}", d["kind"]);
+            // The Events Role and its binding stay in `default`, where Node Events go.
+            let events_rbac = d["metadata"]["name"] == "taintgate-events";
+            assert_eq!(ns, if events_rbac { "default" } else { "gpu-ops" }, "{}", d["kind"]);
         }
     }
-    let binding = docs.iter().find(|d| d["kind"] == "ClusterRoleBinding").unwrap();
-    assert_eq!(binding["subjects"][0]["namespace"], "gpu-ops");
+    for kind in ["ClusterRoleBinding", "RoleBinding"] {
+        let binding = docs.iter().find(|d| d["kind"] == kind).unwrap();
+        assert_eq!(binding["subjects"][0]["namespace"], "gpu-ops", "{kind}");
+    }
 }
 
 /// `kubectl get` of one object as JSON, as admin.
@@ -393,4 +445,153 @@ fn helm_install_upgrade_and_install_from_an_oci_registry() {
     ]);
     assert!(ok, "helm install from OCI: {t}");
     get(&api, &kubectl, &["daemonset", "-n", "taintgate-oci", "taintgate"]);
+}
+
+/// The chart installed into kube-system: the policy binds the agent's service account only,
+/// so the node lifecycle controller (a kube-system service account) still taints and
+/// untaints Nodes, while the agent's token is held to its own Node; and the agent's Events
+/// about its Node land in `default`.
+#[test]
+fn installed_into_kube_system_the_policy_holds_only_the_agent() {
+    let helm = require_service!("helm (scripts/install-test-deps-helm.sh)", helm());
+    let kubectl = require_service!("kubectl (scripts/install-test-deps-kube.sh)", kubectl());
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    let home = tempfile::tempdir().unwrap();
+    let o = helm_cmd(&helm, home.path())
+        .args(["install", "taintgate"])
+        .arg(chart())
+        .args([
+            "--namespace",
+            "kube-system",
+            "--set",
+            "namespace=kube-system",
+            "--set",
+            "createNamespace=false",
+        ])
+        .arg("--kubeconfig")
+        .arg(api.kubeconfig_path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "helm install: {}", text(&o));
+    const NODE: &str = "gpu-node-a";
+    const OTHER: &str = "gpu-node-b";
+    let node = |name: &str| {
+        json!({"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+            "spec": {"taints": [{"key": "taintgate.io/unverified", "effect": "NoSchedule"}]}})
+    };
+    for n in [NODE, OTHER] {
+        api.put_object(node(n)).unwrap();
+    }
+    let client = taintgate_tests::event_rbac::tls_client(&api, None).unwrap();
+    let base = api.control_plane().url().unwrap().to_string();
+    let patch = |token: &str, name: &str, body: Value| {
+        let r = client
+            .patch(format!("{base}/api/v1/nodes/{name}"))
+            .bearer_auth(token)
+            .header("content-type", "application/json-patch+json")
+            .body(body.to_string())
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.text().unwrap_or_default())
+    };
+    // The agent's token, bound to a Pod on NODE; wait until the server enforces the new
+    // policy (its informers see it within a second or so): a write to OTHER is refused.
+    let agent = api.bound_token("kube-system", "taintgate", NODE, 3600).unwrap();
+    let untaint = json!([{"op": "test", "path": "/spec/taints/0/key", "value": "taintgate.io/unverified"},
+                         {"op": "remove", "path": "/spec/taints/0"}]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (code, body) = patch(&agent, OTHER, untaint.clone());
+        if code == 403 {
+            assert!(
+                body.contains("taintgate may modify only the Node its credential was issued for"),
+                "{body}"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the policy never held the agent's token: {code} {body}"
+        );
+        api.put_object(node(OTHER)).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    // Its own Node it may untaint.
+    let (code, body) = patch(&agent, NODE, untaint.clone());
+    assert_eq!(code, 200, "the agent untaints its own Node: {body}");
+
+    // The node lifecycle controller's identity: its service account in kube-system, bound
+    // by the API server's bootstrap RBAC to system:controller:node-controller. Without a
+    // controller-manager nobody creates the account: create it, then ask for a token.
+    let o = api
+        .control_plane()
+        .kubectl(&["-n", "kube-system", "create", "serviceaccount", "node-controller"])
+        .unwrap();
+    assert!(o.status.success(), "create serviceaccount: {}", text(&o));
+    let o = api
+        .control_plane()
+        .kubectl(&["-n", "kube-system", "create", "token", "node-controller"])
+        .unwrap();
+    assert!(o.status.success(), "create token: {}", text(&o));
+    let controller = String::from_utf8(o.stdout).unwrap().trim().to_string();
+    // Taint (the node went unreachable) and untaint (it came back), replacing the whole
+    // list as a controller does: NODE has no taints left, OTHER still has the startup taint.
+    let unreachable = json!({"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"});
+    for n in [NODE, OTHER] {
+        let before = api.get_object("nodes", n).unwrap().unwrap()["spec"]["taints"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let mut tainted = before.clone();
+        tainted.push(unreachable.clone());
+        for (what, list) in [("taints", tainted), ("untaints", before)] {
+            let (code, body) = patch(
+                &controller,
+                n,
+                json!([{"op": "add", "path": "/spec/taints", "value": list}]),
+            );
+            assert_eq!(code, 200, "node-controller {what} {n}: {body}");
+            let now = api.get_object("nodes", n).unwrap().unwrap();
+            assert_eq!(
+                now["spec"]["taints"].as_array().cloned().unwrap_or_default(),
+                list,
+                "{n}"
+            );
+        }
+    }
+
+    // The agent's Events about its Node: created and patched in `default`, nowhere else.
+    taintgate_tests::event_rbac::check_event_rbac(
+        &api,
+        &client,
+        Some(&agent),
+        NODE,
+        "chart",
+        &["kube-system", "taintgate-system"],
+    )
+    .unwrap();
+    let o = Command::new(&kubectl)
+        .arg("--kubeconfig")
+        .arg(api.kubeconfig_path())
+        .args([
+            "events",
+            "-n",
+            "default",
+            "--for",
+            &format!("node/{NODE}"),
+            "-o",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "kubectl events: {}", text(&o));
+    let list: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ours: Vec<&Value> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["reportingComponent"] == "taintgate")
+        .collect();
+    assert_eq!(ours.len(), 1, "kubectl events --for node/{NODE}: {list}");
 }

@@ -17,3 +17,11 @@ taintgate-config-{{ include "taintgate.config" . | sha256sum | trunc 10 }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 {{- end -}}
+
+{{/* Non-empty when the images stage has images to check: only then is the CRI runtime's
+     socket directory mounted (containerd's socket is node root). */}}
+{{- define "taintgate.imagesMount" -}}
+{{- if and .Values.config.stages.images.enabled .Values.config.images.images -}}
+true
+{{- end -}}
+{{- end -}}
