@@ -15,6 +15,7 @@ mod fetch;
 pub mod gc;
 pub mod manifest;
 pub mod progress;
+pub mod redact;
 mod slots;
 mod source;
 mod view_copy;
@@ -439,6 +440,8 @@ async fn prefetch_here(
 
 /// The options are in range and no two bundles share a name.
 fn validate_request(bundles: &[BundleRef], opts: &PrefetchOptions) -> Result<(), PrefetchError> {
+    // First: from here on, no message may carry a secret option's value.
+    redact::register_source_options(&opts.source_options);
     opts.validate()?;
     let mut names = std::collections::HashSet::new();
     for b in bundles {
@@ -710,7 +713,8 @@ async fn bundle_view(
             sha256: digest.clone(),
             size: f.size,
             local_path,
-            source: m.source_uri(f, &b.manifest_uri)?,
+            // Reports reach the agent's output and evidence: no credential in them.
+            source: redact::redact(&m.source_uri(f, &b.manifest_uri)?).into_owned(),
             bytes_fetched: fetched,
             bytes_resumed: resumed,
             cache_hit,
@@ -724,7 +728,7 @@ async fn bundle_view(
     tracing::info!(bundle = %b.name, files = files.len(), bytes_total, bytes_fetched, bytes_from_cache, cache_hits, "bundle verified");
     Ok(BundleReport {
         name: b.name.clone(),
-        manifest_uri: b.manifest_uri.clone(),
+        manifest_uri: redact::redact(&b.manifest_uri).into_owned(),
         manifest_sha256: b.manifest_sha256.clone(),
         path: cache.bundles_dir().join(&b.name),
         files,
