@@ -337,7 +337,7 @@ impl Cache {
         if let Some(chunks) = chunks {
             match verify_chunks(&blob, size, chunks)? {
                 None => {
-                    self.write_marker(digest)?;
+                    self.mark_rehashed(digest)?;
                     return Ok(BlobState::Rehashed);
                 }
                 Some(bad) => tracing::warn!(
@@ -347,7 +347,7 @@ impl Cache {
         } else {
             let (n, actual) = hash_file(&blob)?;
             if n == size && actual == digest {
-                self.write_marker(digest)?;
+                self.mark_rehashed(digest)?;
                 return Ok(BlobState::Rehashed);
             }
             tracing::warn!(
@@ -366,6 +366,24 @@ impl Cache {
         match serde_json::from_slice::<Marker>(&bytes) {
             Ok(m) => m == Marker::of(digest, meta),
             Err(_) => false,
+        }
+    }
+
+    /// Record a blob that was just re-hashed and matched. A cache this process cannot
+    /// write (a read-only image, another user's cache) cannot record it, and need not
+    /// fail: the bytes were verified; the next start hashes them again (a marker written
+    /// by an older version, without the ctime, is never trusted).
+    fn mark_rehashed(&self, digest: &str) -> Result<(), PrefetchError> {
+        match self.write_marker(digest) {
+            Err(PrefetchError::Io { source, .. })
+                if [rustix::io::Errno::ROFS, rustix::io::Errno::ACCESS]
+                    .iter()
+                    .any(|c| source.raw_os_error() == Some(c.raw_os_error())) =>
+            {
+                tracing::debug!(blob = digest, error = %source, "verified, but the marker cannot be written here");
+                Ok(())
+            }
+            other => other,
         }
     }
 

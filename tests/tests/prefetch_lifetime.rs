@@ -12,6 +12,8 @@
 //!   times while a reader (holding the view as `taintgate_prefetch::view` says) reads
 //!   every file and checks its digest: never two versions in one read, never a file
 //!   missing; a generation the reader holds outlives the switch and goes once released.
+//! - `a_cache_from_an_older_version_is_rehashed_once_and_served_read_only`: markers
+//!   without the ctime are never trusted; a read-only such cache is still served.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -25,6 +27,7 @@ use std::time::{Duration, SystemTime};
 use taintgate_prefetch::view::ViewHandle;
 use taintgate_prefetch::{BundleRef, CancellationToken, Manifest, PrefetchOptions, gc, prefetch_bundles, sha256_hex};
 use taintgate_tests::bundles::{self, test_prefetch_options as opts, write_origin_file};
+use taintgate_tests::mounts::Mount;
 use taintgate_tests::require_service;
 use taintgate_tests::services::nginx::Nginx;
 
@@ -318,5 +321,59 @@ async fn a_view_switch_is_never_seen_half_done() {
     assert!(std::fs::symlink_metadata(&view).unwrap().is_dir());
     for p in &paths {
         assert_eq!(version_of[&bundles::sha256_file(&view.join(p)).unwrap()], 1, "{p}");
+    }
+}
+
+/// A cache written by a version before the ctime was recorded (markers without it, blobs
+/// writable) is re-hashed once, never trusted; on a read-only mount (an image-baked node)
+/// the re-hash cannot be recorded, and the bundle is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_from_an_older_version_is_rehashed_once_and_served_read_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let origin = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let (v1, _, paths, _) = two_versions(origin.path(), 4);
+    prefetch_bundles(std::slice::from_ref(&v1), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    // As the older version left it: no ctime in the markers, writable blobs.
+    for m in bundles::files_under(&cache.path().join("verified/sha256")).unwrap() {
+        let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&m).unwrap()).unwrap();
+        assert!(v.as_object_mut().unwrap().remove("ctime_ns").is_some(), "{v}");
+        std::fs::write(&m, serde_json::to_vec(&v).unwrap()).unwrap();
+    }
+    for b in bundles::files_under(&cache.path().join("blobs/sha256")).unwrap() {
+        std::fs::set_permissions(&b, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let ro = require_service!("read-only bind mount", Mount::read_only_bind(cache.path()));
+    let r = prefetch_bundles(std::slice::from_ref(&v1), &opts(ro.path()), CancellationToken::new())
+        .await
+        .unwrap_or_else(|e| panic!("a read-only cache of an older version was refused: {e}"));
+    assert_eq!(r.bytes_fetched, 0);
+    assert!(
+        r.bundles[0].files.iter().all(|f| f.cache_hit && f.rehashed),
+        "{:?}",
+        r.bundles[0].files
+    );
+    assert_eq!(r.bundles[0].files.len(), paths.len());
+    drop(ro);
+    // Writable: re-hashed once, then trusted (read-only blobs, markers with the ctime).
+    let r = prefetch_bundles(std::slice::from_ref(&v1), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(r.bundles[0].files.iter().all(|f| f.rehashed));
+    let r = prefetch_bundles(std::slice::from_ref(&v1), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(r.bundles[0].files.iter().all(|f| f.cache_hit && !f.rehashed));
+    // The files' blobs are read-only again (the manifest's is hashed on every read anyway).
+    for f in &r.bundles[0].files {
+        let b = cache.path().join("blobs/sha256").join(&f.sha256);
+        assert_eq!(
+            std::fs::metadata(&b).unwrap().permissions().mode() & 0o777,
+            0o444,
+            "{}",
+            f.path
+        );
     }
 }
