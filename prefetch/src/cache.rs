@@ -2,14 +2,22 @@
 //!
 //! ```text
 //! <cache>/blobs/sha256/<digest>      verified content (written to tmp/, fsynced, renamed)
-//! <cache>/verified/sha256/<digest>   marker: digest, size, mtime, inode, device of the blob
+//! <cache>/verified/sha256/<digest>   marker: digest, size, mtime, ctime, inode, device of the blob
 //! <cache>/tmp/<digest>.part|.state   partial download and its persisted chunk map
 //! <cache>/bundles/<name>/<path>      bundle views: hard links to blobs
+//! <cache>/bundles/.gen-<name>-…/      a view generation being built, or an old one a
+//!                                     reader still holds (see `Cache::switch_view`)
 //! ```
 //!
 //! A blob is only ever renamed into `blobs/` after its sha256 matched, so nothing
-//! unverified is visible there. The marker lets a warm boot skip re-hashing when the blob's
-//! inode, size and mtime are unchanged; anything else (or `verify_cache`) forces a re-hash.
+//! unverified is visible there. Blobs are read-only (mode 0444; their views are the same
+//! inodes). The marker lets a warm boot skip re-hashing when the blob cannot have changed
+//! since it was verified: same inode, size, mtime and ctime. The ctime is what a careful
+//! writer cannot put back (a write restoring the mtime with `utimes`, a `chmod` to make it
+//! writable again, all set the ctime to now); anything else (or `verify_cache`) forces a
+//! re-hash. A hard link the cache makes or removes changes the ctime too: `link_view`
+//! re-marks a blob whose marker matched just before its own link, and a blob that lost a
+//! view to GC or pruning is re-hashed once on the next run.
 //!
 //! One process at a time writes a cache: `<cache>/.lock` is held (`flock`) for a whole
 //! prefetch run, so the agent and a `taintgate bundle fetch` by hand never truncate each
@@ -53,6 +61,7 @@ struct Marker {
     digest: String,
     size: u64,
     mtime_ns: i128,
+    ctime_ns: i128,
     inode: u64,
     dev: u64,
 }
@@ -63,6 +72,7 @@ impl Marker {
             digest: digest.to_string(),
             size: meta.len(),
             mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
             inode: meta.ino(),
             dev: meta.dev(),
         }
@@ -327,7 +337,7 @@ impl Cache {
         if let Some(chunks) = chunks {
             match verify_chunks(&blob, size, chunks)? {
                 None => {
-                    self.write_marker(digest)?;
+                    self.mark_rehashed(digest)?;
                     return Ok(BlobState::Rehashed);
                 }
                 Some(bad) => tracing::warn!(
@@ -337,7 +347,7 @@ impl Cache {
         } else {
             let (n, actual) = hash_file(&blob)?;
             if n == size && actual == digest {
-                self.write_marker(digest)?;
+                self.mark_rehashed(digest)?;
                 return Ok(BlobState::Rehashed);
             }
             tracing::warn!(
@@ -359,10 +369,35 @@ impl Cache {
         }
     }
 
+    /// Record a blob that was just re-hashed and matched. A cache this process cannot
+    /// write (a read-only image, another user's cache) cannot record it, and need not
+    /// fail: the bytes were verified; the next start hashes them again (a marker written
+    /// by an older version, without the ctime, is never trusted).
+    fn mark_rehashed(&self, digest: &str) -> Result<(), PrefetchError> {
+        match self.write_marker(digest) {
+            Err(PrefetchError::Io { source, .. })
+                if [rustix::io::Errno::ROFS, rustix::io::Errno::ACCESS]
+                    .iter()
+                    .any(|c| source.raw_os_error() == Some(c.raw_os_error())) =>
+            {
+                tracing::debug!(blob = digest, error = %source, "verified, but the marker cannot be written here");
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
     /// Record that the blob, as it is now on disk, was verified.
     pub fn write_marker(&self, digest: &str) -> Result<(), PrefetchError> {
+        use std::os::unix::fs::PermissionsExt;
         let blob = self.blob_path(digest);
-        let meta = fs::metadata(&blob).map_err(io("stat", &blob))?;
+        let mut meta = fs::metadata(&blob).map_err(io("stat", &blob))?;
+        // A blob made writable (by hand, or by an older version of the cache) is made
+        // read-only again before its ctime is recorded. Best effort: a cache on a
+        // read-only filesystem cannot change, which is as good.
+        if meta.mode() & 0o222 != 0 && fs::set_permissions(&blob, fs::Permissions::from_mode(0o444)).is_ok() {
+            meta = fs::metadata(&blob).map_err(io("stat", &blob))?;
+        }
         let marker = Marker::of(digest, &meta);
         let bytes = serde_json::to_vec(&marker)
             .map_err(|e| PrefetchError::io("encode marker", &blob, std::io::Error::other(e)))?;
@@ -452,7 +487,12 @@ impl Cache {
     /// Move a fully written and verified temp file into the blob store: fsync the data,
     /// rename, fsync the directory, then write the marker.
     pub fn commit_blob(&self, digest: &str, tmp: &Path) -> Result<(), PrefetchError> {
+        use std::os::unix::fs::PermissionsExt;
         let f = fs::OpenOptions::new().write(true).open(tmp).map_err(io("open", tmp))?;
+        // Read-only from here on: nothing of ours writes a verified blob, and making it
+        // writable again changes its ctime, which the marker holds.
+        f.set_permissions(fs::Permissions::from_mode(0o444))
+            .map_err(io("chmod", tmp))?;
         f.sync_all().map_err(io("fsync", tmp))?;
         drop(f);
         let dst = self.blob_path(digest);
@@ -539,69 +579,242 @@ impl Cache {
         let seq = LINK_SEQ.fetch_add(1, Ordering::Relaxed);
         let tmp = self.tmp_dir().join(format!("link-{}-{seq}", std::process::id()));
         let _ = fs::remove_file(&tmp);
+        // The new link changes the blob's ctime: a blob whose marker matched right before
+        // it (unchanged since verified; the cache lock is held) is re-marked after it, so
+        // the next boot does not re-hash it for our own link.
+        let was_marked = self.marker_matches(digest, &blob_meta);
         crate::view_copy::link_or_copy(&blob, &tmp, digest, link)?;
         if let Err(e) = fs::rename(&tmp, &target) {
             let _ = fs::remove_file(&tmp);
             return Err(PrefetchError::io("rename", &target, e));
         }
+        if was_marked {
+            self.write_marker(digest)?;
+        }
         Ok(target)
     }
+}
 
-    /// Remove every entry of `<cache>/bundles/<bundle>` that is not one of `paths` (or a
-    /// directory above one): files of an earlier manifest, or anything planted there, so
-    /// the view holds exactly the verified files. Symlinks are removed, never followed.
-    /// Returns the removed paths.
-    pub fn prune_view(&self, bundle: &str, paths: &[&str]) -> Result<Vec<PathBuf>, PrefetchError> {
-        let files: std::collections::HashSet<&str> = paths.iter().copied().collect();
-        let mut dirs = std::collections::HashSet::new();
-        for p in paths {
-            let mut rest = *p;
+/// Prefix of a view generation's directory under `bundles/`. A bundle name cannot start
+/// with `.` (`BundleRef::validate`), so no bundle's view is ever named like one.
+pub(crate) const GEN_PREFIX: &str = ".gen-";
+
+/// A view's files: path inside the bundle, and the digest of its blob.
+pub(crate) type ViewFiles = [(String, String)];
+
+/// Bundle views switched by generation.
+///
+/// A view that must change is never edited in place, where a reader could see old and new
+/// files together. A new generation is built in a directory of its own
+/// (`bundles/.gen-<bundle>-<pid>-<seq>`), then exchanged with the view's directory in one
+/// step (`renameat2(RENAME_EXCHANGE)`): a reader that resolved `bundles/<bundle>` once
+/// (opened the directory and reads relative to it) sees one generation only. The old
+/// generation, now under the `.gen-` name, is removed unless a reader holds it: readers
+/// take a shared `flock` on the view directory they opened (and check it is still the one
+/// at `bundles/<bundle>`), the cache removes an old generation only when it gets the
+/// exclusive lock at once. One in use is kept; the next prefetch or GC tries again.
+/// Nothing here follows a symlink: one found where a view should be is removed.
+impl Cache {
+    /// Whether `bundles/<bundle>` is a real directory that holds exactly `files` (each a
+    /// link to its blob, or a verified copy past the link limit) and nothing else.
+    pub fn view_matches(&self, bundle: &str, files: &ViewFiles) -> bool {
+        let base = self.bundles_dir().join(bundle);
+        if !fs::symlink_metadata(&base).is_ok_and(|m| m.is_dir()) {
+            return false;
+        }
+        let want: std::collections::HashMap<&str, &str> = files.iter().map(|(p, d)| (p.as_str(), d.as_str())).collect();
+        let mut parents = std::collections::HashSet::new();
+        for (p, _) in files {
+            let mut rest = p.as_str();
             while let Some((parent, _)) = rest.rsplit_once('/') {
-                dirs.insert(parent);
+                parents.insert(parent);
                 rest = parent;
             }
         }
-        let mut removed = Vec::new();
-        let base = self.bundles_dir().join(bundle);
-        // The bundle's own directory first: `read_dir` would follow a symlink planted there
-        // and prune the directory it points to, outside the cache. Anything but a real
-        // directory goes, as any other entry would; `link_view` then makes the directory.
-        match fs::symlink_metadata(&base) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                remove_any(&base, false)?;
-                removed.push(base);
-                return Ok(removed);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
-            Err(e) => return Err(PrefetchError::io("stat", &base, e)),
-        }
+        let mut seen = 0usize;
         let mut todo = vec![(base, String::new())];
         while let Some((dir, rel)) = todo.pop() {
-            let entries = match fs::read_dir(&dir) {
-                Ok(e) => e,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(PrefetchError::io("list", &dir, e)),
-            };
+            let Ok(entries) = fs::read_dir(&dir) else { return false };
             for entry in entries {
-                let entry = entry.map_err(io("list", &dir))?;
-                let path = entry.path();
+                let Ok(entry) = entry else { return false };
                 let Some(name) = entry.file_name().to_str().map(str::to_string) else {
-                    // Not UTF-8: no manifest path can name it.
-                    remove_any(&path, entry.file_type().is_ok_and(|t| t.is_dir()))?;
-                    removed.push(path);
-                    continue;
+                    return false;
                 };
                 let r = if rel.is_empty() { name } else { format!("{rel}/{name}") };
-                let kind = entry.file_type().map_err(io("stat", &path))?;
-                if kind.is_dir() && dirs.contains(r.as_str()) {
-                    todo.push((path, r));
-                } else if kind.is_file() && files.contains(r.as_str()) {
+                // Neither `file_type` nor `metadata` of a `DirEntry` follows a symlink.
+                let Ok(kind) = entry.file_type() else { return false };
+                if kind.is_dir() && parents.contains(r.as_str()) {
+                    todo.push((entry.path(), r));
                     continue;
-                } else {
-                    remove_any(&path, kind.is_dir())?;
-                    removed.push(path);
                 }
+                let Some(digest) = want.get(r.as_str()) else {
+                    return false;
+                };
+                let (Ok(m), Ok(blob)) = (entry.metadata(), fs::metadata(self.blob_path(digest))) else {
+                    return false;
+                };
+                let linked = m.is_file() && (m.dev(), m.ino()) == (blob.dev(), blob.ino());
+                if !linked && !crate::view_copy::is_verified_copy(&m, &entry.path(), &blob, digest) {
+                    return false;
+                }
+                seen += 1;
+            }
+        }
+        seen == want.len()
+    }
+
+    /// Bring `bundles/<bundle>` to exactly `files`: nothing is written when it already is;
+    /// else a new generation is built and switched in. Returns whether it switched.
+    ///
+    /// A read-only cache cannot switch, and need not: nothing there changed since it was
+    /// built. Its view is served as it is when every file is linked right (extra entries
+    /// cannot be removed there), and is an error naming the file otherwise.
+    pub fn update_view(&self, bundle: &str, files: &ViewFiles) -> Result<bool, PrefetchError> {
+        if self.view_matches(bundle, files) {
+            return Ok(false);
+        }
+        let generation = match self.build_view_generation(bundle, files) {
+            Ok(g) => g,
+            Err(PrefetchError::Io { source, .. })
+                if source.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) =>
+            {
+                tracing::debug!(bundle, "read-only cache: the bundle view is served as it is");
+                for (rel, digest) in files {
+                    self.link_view(bundle, rel, digest)?;
+                }
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        };
+        // Retiring the old generation unlinks its files, which changes the ctime of the
+        // blobs it shares with the new one. Those still marked right before (unchanged
+        // since verified; the cache lock is held) are marked again after, so the next
+        // boot does not re-hash them for our own unlink.
+        let mut marked = std::collections::BTreeSet::new();
+        for (_, digest) in files {
+            if !marked.contains(digest.as_str())
+                && fs::metadata(self.blob_path(digest)).is_ok_and(|m| self.marker_matches(digest, &m))
+            {
+                marked.insert(digest.as_str());
+            }
+        }
+        self.switch_view(bundle, &generation)?;
+        for digest in marked {
+            self.write_marker(digest)?;
+        }
+        Ok(true)
+    }
+
+    /// Build a new generation of `bundle`'s view holding exactly `files`; returns its
+    /// directory's name under `bundles/`.
+    pub fn build_view_generation(&self, bundle: &str, files: &ViewFiles) -> Result<String, PrefetchError> {
+        let seq = LINK_SEQ.fetch_add(1, Ordering::Relaxed);
+        let generation = format!("{GEN_PREFIX}{bundle}-{}-{seq}", std::process::id());
+        let dir = self.bundles_dir().join(&generation);
+        let _ = remove_any(&dir, true);
+        fs::create_dir(&dir).map_err(io("create directory", &dir))?;
+        for (rel, digest) in files {
+            if let Err(e) = self.link_view(&generation, rel, digest) {
+                let _ = remove_any(&dir, true);
+                return Err(e);
+            }
+        }
+        Ok(generation)
+    }
+
+    /// Make `generation` the view of `bundle` in one step, then retire the generation it
+    /// replaced (see the `impl` block's documentation).
+    pub fn switch_view(&self, bundle: &str, generation: &str) -> Result<(), PrefetchError> {
+        let dir = self.bundles_dir();
+        let (view, new) = (dir.join(bundle), dir.join(generation));
+        let exchanged = match fs::symlink_metadata(&view) {
+            Ok(m) if m.is_dir() => {
+                let d = fs::File::open(&dir).map_err(io("open", &dir))?;
+                match rustix::fs::renameat_with(&d, generation, &d, bundle, rustix::fs::RenameFlags::EXCHANGE) {
+                    Ok(()) => true,
+                    // A filesystem without the exchange (older overlayfs, some FUSE): the
+                    // old view is moved aside, then the new one in. A reader can find no
+                    // view for that instant, never a mix.
+                    Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP) => {
+                        let seq = LINK_SEQ.fetch_add(1, Ordering::Relaxed);
+                        let aside = format!("{GEN_PREFIX}{bundle}-old-{}-{seq}", std::process::id());
+                        fs::rename(&view, dir.join(&aside)).map_err(io("rename", &view))?;
+                        fs::rename(&new, &view).map_err(io("rename", &view))?;
+                        self.retire_generation(&aside)?;
+                        false
+                    }
+                    Err(e) => return Err(PrefetchError::io("exchange", &view, e.into())),
+                }
+            }
+            // Anything else there (a symlink, a file) is removed, never followed.
+            Ok(_) => {
+                remove_any(&view, false)?;
+                fs::rename(&new, &view).map_err(io("rename", &view))?;
+                false
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                fs::rename(&new, &view).map_err(io("rename", &view))?;
+                false
+            }
+            Err(e) => return Err(PrefetchError::io("stat", &view, e)),
+        };
+        fs::File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("fsync directory", &dir))?;
+        if exchanged {
+            // The old view now sits under the generation's name.
+            self.retire_generation(generation)?;
+        }
+        Ok(())
+    }
+
+    /// Remove the old generation `bundles/<generation>` unless a reader holds its shared
+    /// lock. Returns whether it is gone.
+    pub fn retire_generation(&self, generation: &str) -> Result<bool, PrefetchError> {
+        use rustix::fs::{FlockOperation, Mode, OFlags};
+        let path = self.bundles_dir().join(generation);
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = match rustix::fs::open(&path, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(true),
+            // Not a directory (something planted under our prefix): removed, not followed.
+            Err(rustix::io::Errno::NOTDIR | rustix::io::Errno::LOOP) => {
+                remove_any(&path, false)?;
+                return Ok(true);
+            }
+            Err(e) => return Err(PrefetchError::io("open", &path, e.into())),
+        };
+        match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+            // Removed while the lock is held: a reader cannot take it meanwhile.
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                tracing::info!(view = %path.display(), "an old generation of a bundle view is in use by a reader; kept until it is released");
+                return Ok(false);
+            }
+            // No flock on this filesystem: readers cannot be seen; removed as before.
+            Err(rustix::io::Errno::NOLCK | rustix::io::Errno::OPNOTSUPP) => {}
+            Err(e) => return Err(PrefetchError::io("lock", &path, e.into())),
+        }
+        remove_any(&path, true)?;
+        Ok(true)
+    }
+
+    /// Retire every generation left under `bundles/` (a run killed mid-switch, an old one
+    /// that was in use). Returns the names removed. Call with the cache lock held.
+    pub fn sweep_generations(&self) -> Result<Vec<String>, PrefetchError> {
+        let dir = self.bundles_dir();
+        let mut removed = Vec::new();
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+            Err(e) => return Err(PrefetchError::io("list", &dir, e)),
+        };
+        for entry in entries.flatten() {
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if name.starts_with(GEN_PREFIX) && self.retire_generation(&name)? {
+                removed.push(name);
             }
         }
         Ok(removed)
@@ -700,10 +913,12 @@ pub(crate) mod tests {
         d
     }
 
-    /// Rewrite a file in place (same inode) and put its mtime back, as bit rot or a careful
-    /// tamperer would leave it: its verified-marker still matches.
+    /// Rewrite a file in place (same inode) and put its mtime back, as a careful tamperer
+    /// would leave it (made writable first: blobs are read-only). Only its ctime tells.
     pub(crate) fn rewrite_keeping_mtime(path: &Path, bytes: &[u8]) {
+        use std::os::unix::fs::PermissionsExt;
         let mtime = fs::metadata(path).unwrap().modified().unwrap();
+        fs::set_permissions(path, fs::Permissions::from_mode(0o644)).unwrap();
         fs::write(path, bytes).unwrap();
         fs::File::options()
             .write(true)
@@ -724,12 +939,73 @@ pub(crate) mod tests {
         c.commit_blob(&d, &tmp).unwrap();
         assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Marked);
         assert_eq!(c.check_blob(&d, 5, true).unwrap(), BlobState::Rehashed);
-        // Same-size corruption with the mtime restored: only a forced re-hash sees it.
+        // Blobs are read-only.
         let blob = c.blob_path(&d);
+        assert_eq!(fs::metadata(&blob).unwrap().mode() & 0o777, 0o444);
+        // Same-size corruption with the mtime restored: the ctime moved, so the marker is
+        // not trusted and the re-hash finds it.
         rewrite_keeping_mtime(&blob, b"jello");
-        assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Marked);
-        assert_eq!(c.check_blob(&d, 5, true).unwrap(), BlobState::Corrupt);
+        assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Corrupt);
         assert!(!blob.exists());
+        // A chmod alone (content intact) is enough to lose the marker's trust: re-hashed.
+        let d = committed(&c, b"hello");
+        fs::set_permissions(c.blob_path(&d), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Rehashed);
+        assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Marked);
+        // Our own hard links (a view) keep it trusted: re-marked after the link.
+        c.link_view("v", "w.bin", &d).unwrap();
+        assert_eq!(c.check_blob(&d, 5, false).unwrap(), BlobState::Marked);
+    }
+
+    fn gens(c: &Cache) -> Vec<String> {
+        fs::read_dir(c.bundles_dir())
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| n.starts_with(GEN_PREFIX))
+            .collect()
+    }
+
+    #[test]
+    fn a_view_changes_by_generation_and_a_held_one_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::open(dir.path()).unwrap();
+        let (a1, a2, b) = (committed(&c, b"a1"), committed(&c, b"a2"), committed(&c, b"bb"));
+        let files = |a: &str| vec![("x/a.bin".to_string(), a.to_string()), ("b.bin".to_string(), b.clone())];
+        let (v1, v2) = (files(&a1), files(&a2));
+        assert!(c.update_view("m", &v1).unwrap(), "created");
+        assert!(!c.update_view("m", &v1).unwrap(), "already right: nothing written");
+        assert!(gens(&c).is_empty());
+        // A reader holds v1 while the view switches to v2: the old generation is kept and
+        // still reads v1; the view reads v2; the shared blob keeps its marker.
+        let held = crate::view::ViewHandle::open(dir.path(), "m").unwrap();
+        assert!(c.update_view("m", &v2).unwrap());
+        assert_eq!(gens(&c).len(), 1, "the held generation is kept");
+        let mut got = Vec::new();
+        std::io::Read::read_to_end(&mut held.open_file("x/a.bin").unwrap(), &mut got).unwrap();
+        assert_eq!(got, b"a1");
+        assert_eq!(fs::read(c.bundles_dir().join("m/x/a.bin")).unwrap(), b"a2");
+        assert_eq!(c.check_blob(&b, 2, false).unwrap(), BlobState::Marked);
+        drop(held);
+        assert_eq!(c.sweep_generations().unwrap().len(), 1);
+        assert!(gens(&c).is_empty());
+        // An entry planted in the view (a symlink out of the cache) makes it wrong: a new
+        // generation replaces it, and the link is removed, never followed.
+        let outside = tempfile::tempdir().unwrap();
+        fs::write(outside.path().join("keep"), b"k").unwrap();
+        std::os::unix::fs::symlink(outside.path(), c.bundles_dir().join("m/evil")).unwrap();
+        assert!(!c.view_matches("m", &v2));
+        assert!(c.update_view("m", &v2).unwrap());
+        assert!(fs::symlink_metadata(c.bundles_dir().join("m/evil")).is_err());
+        assert_eq!(fs::read(outside.path().join("keep")).unwrap(), b"k");
+        // A symlink in place of the view itself: removed, a real directory made.
+        remove_any(&c.bundles_dir().join("m"), true).unwrap();
+        std::os::unix::fs::symlink(outside.path(), c.bundles_dir().join("m")).unwrap();
+        assert!(!c.view_matches("m", &v2));
+        assert!(c.update_view("m", &v2).unwrap());
+        assert!(fs::symlink_metadata(c.bundles_dir().join("m")).unwrap().is_dir());
+        assert_eq!(fs::read(outside.path().join("keep")).unwrap(), b"k");
+        assert!(c.view_matches("m", &v2) && gens(&c).is_empty());
     }
 
     /// Processes opening one new cache at once (the lock comes after `open`): each must
@@ -846,7 +1122,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn prune_keeps_exactly_the_manifest_paths() {
+    fn a_new_generation_holds_exactly_the_manifest_paths() {
         let dir = tempfile::tempdir().unwrap();
         let c = Cache::open(dir.path()).unwrap();
         let d = committed(&c, b"x");
@@ -857,57 +1133,66 @@ pub(crate) mod tests {
         let outside = tempfile::tempdir().unwrap();
         fs::write(outside.path().join("precious"), b"p").unwrap();
         std::os::unix::fs::symlink(outside.path(), view.join("keep/link")).unwrap();
-        let mut removed = c.prune_view("b", &["keep/a.bin", "top.bin", "x/y"]).unwrap();
-        removed.sort();
-        assert_eq!(
-            removed,
-            [
-                view.join("keep/link"),
-                view.join("keep/old.bin"),
-                view.join("old"),
-                view.join("x")
-            ]
-        );
-        assert!(view.join("keep/a.bin").is_file() && view.join("top.bin").is_file());
-        // The symlink went, not what it pointed to; and a file stands no more where the
-        // manifest needs a directory.
-        assert!(outside.path().join("precious").exists());
-        c.link_view("b", "x/y", &d).unwrap();
-        assert!(c.prune_view("b", &["keep/a.bin", "top.bin", "x/y"]).unwrap().is_empty());
-        assert!(c.prune_view("missing", &["a"]).unwrap().is_empty());
-        // A directory whose name is not UTF-8 (no manifest path can name it) goes too.
+        // A directory whose name is not UTF-8 (no manifest path can name it).
         let odd = view.join(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(
             b"old-\xff",
         ));
         fs::create_dir(&odd).unwrap();
-        fs::write(odd.join("f"), b"").unwrap();
-        assert_eq!(
-            c.prune_view("b", &["keep/a.bin", "top.bin", "x/y"]).unwrap(),
-            std::slice::from_ref(&odd)
-        );
-        assert!(!odd.exists());
+        let files: Vec<(String, String)> = ["keep/a.bin", "top.bin", "x/y"]
+            .iter()
+            .map(|p| (p.to_string(), d.clone()))
+            .collect();
+        assert!(!c.view_matches("b", &files));
+        assert!(c.update_view("b", &files).unwrap());
+        let mut left = Vec::new();
+        let mut todo = vec![view.clone()];
+        while let Some(d) = todo.pop() {
+            for e in fs::read_dir(&d).unwrap().flatten() {
+                if e.file_type().unwrap().is_dir() {
+                    todo.push(e.path());
+                } else {
+                    left.push(e.path().strip_prefix(&view).unwrap().to_string_lossy().into_owned());
+                }
+            }
+        }
+        left.sort();
+        assert_eq!(left, ["keep/a.bin", "top.bin", "x/y"]);
+        // The symlink went, not what it pointed to; a file stands no more where the
+        // manifest needs a directory; the old generation is gone.
+        assert!(outside.path().join("precious").exists());
+        assert!(c.view_matches("b", &files) && gens(&c).is_empty());
+        assert!(!c.update_view("b", &files).unwrap());
     }
 
     #[test]
-    fn prune_does_not_follow_a_symlinked_bundle_directory() {
+    fn a_symlinked_bundle_directory_is_replaced_not_followed() {
         let dir = tempfile::tempdir().unwrap();
         let c = Cache::open(dir.path()).unwrap();
         let d = committed(&c, b"x");
+        let files = vec![("a.bin".to_string(), d.clone())];
         let outside = tempfile::tempdir().unwrap();
         fs::write(outside.path().join("precious"), b"p").unwrap();
         fs::create_dir(outside.path().join("tree")).unwrap();
         fs::write(outside.path().join("tree/f"), b"f").unwrap();
         let view = c.bundles_dir().join("b");
         std::os::unix::fs::symlink(outside.path(), &view).unwrap();
-        // Nothing under the link's target is a manifest path: followed, all of it would go.
-        assert_eq!(c.prune_view("b", &["a.bin"]).unwrap(), std::slice::from_ref(&view));
+        assert!(c.update_view("b", &files).unwrap());
         assert!(outside.path().join("precious").exists() && outside.path().join("tree/f").exists());
-        assert!(fs::symlink_metadata(&view).is_err(), "the planted link itself goes");
-        // A file where the bundle's directory belongs goes too, and the view is then built.
-        fs::write(&view, b"planted").unwrap();
-        assert_eq!(c.prune_view("b", &["a.bin"]).unwrap(), std::slice::from_ref(&view));
-        c.link_view("b", "a.bin", &d).unwrap();
+        assert!(!outside.path().join("a.bin").exists());
         assert!(fs::symlink_metadata(&view).unwrap().is_dir() && view.join("a.bin").is_file());
+        // A file where the bundle's directory belongs goes too, and the view is built.
+        remove_any(&view, true).unwrap();
+        fs::write(&view, b"planted").unwrap();
+        assert!(c.update_view("b", &files).unwrap());
+        assert!(fs::symlink_metadata(&view).unwrap().is_dir() && view.join("a.bin").is_file());
+        // Held by a reader, the generation `ViewHandle` opened is the real one.
+        let h = crate::view::ViewHandle::open(dir.path(), "b").unwrap();
+        assert!(h.open_file("a.bin").is_ok());
+        // A symlink at the view's path is never opened by a reader either.
+        drop(h);
+        remove_any(&view, true).unwrap();
+        std::os::unix::fs::symlink(outside.path(), &view).unwrap();
+        assert!(crate::view::ViewHandle::open(dir.path(), "b").is_err());
     }
 
     /// Run `f` on a thread and fail if it has not returned within 10 s: a read that blocks

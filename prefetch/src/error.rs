@@ -4,6 +4,9 @@
 
 use std::path::PathBuf;
 
+use crate::redact::redact;
+use taintgate_validators::text_bounds::clip_message;
+
 /// "bytes" or "bytes a..b": what a digest covered, for [`PrefetchError::DigestMismatch`].
 fn bytes_named(range: &Option<Box<std::ops::Range<u64>>>) -> String {
     match range {
@@ -13,14 +16,19 @@ fn bytes_named(range: &Option<Box<std::ops::Range<u64>>>) -> String {
 }
 
 /// Why a bundle prefetch (or a manifest creation) failed.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Display` and `Debug` pass every URI and every text a store wrote through
+/// [`redact`]: a message never carries a credential, whoever formats it. The fields keep
+/// what was given, for the code that matches on them.
+#[derive(thiserror::Error)]
 pub enum PrefetchError {
     /// The downloaded bytes hashed to something other than the pinned digest, on every
     /// attempt of the retry budget.
     #[error(
         "{file}: sha256 of downloaded {} is {actual}, manifest pins {expected} \
-         (after {attempts} attempt(s) from {uri})",
-        bytes_named(.range)
+         (after {attempts} attempt(s) from {})",
+        bytes_named(.range),
+        redact(.uri)
     )]
     DigestMismatch {
         /// `bundle/path` of (the first) file referencing the blob.
@@ -38,7 +46,7 @@ pub enum PrefetchError {
         range: Option<Box<std::ops::Range<u64>>>,
     },
     /// The object at the source has a different size than the manifest says.
-    #[error("{file}: source {uri} has {actual} bytes, manifest says {expected}")]
+    #[error("{file}: source {} has {actual} bytes, manifest says {expected}", redact(.uri))]
     SizeMismatch {
         /// `bundle/path` of the file.
         file: String,
@@ -51,7 +59,7 @@ pub enum PrefetchError {
     },
     /// The manifest (or a bundle reference) is malformed or unsafe.
     // Cut again here: a detail may quote a long path or value from the manifest.
-    #[error("manifest {manifest}: {}", taintgate_validators::text_bounds::clip_message(.detail))]
+    #[error("manifest {}: {}", redact(.manifest), clip_message(&redact(.detail)))]
     ManifestInvalid {
         /// Manifest URI, bundle name or directory concerned.
         manifest: String,
@@ -59,7 +67,7 @@ pub enum PrefetchError {
         detail: String,
     },
     /// The manifest's bytes do not hash to the digest the configuration pins.
-    #[error("manifest {uri}: sha256 is {actual}, configuration pins {expected}")]
+    #[error("manifest {}: sha256 is {actual}, configuration pins {expected}", redact(.uri))]
     ManifestDigestMismatch {
         /// Manifest URI.
         uri: String,
@@ -69,7 +77,7 @@ pub enum PrefetchError {
         actual: String,
     },
     /// The source object does not exist (HTTP 404, missing key or file).
-    #[error("source {uri} not found: {detail}")]
+    #[error("source {} not found: {}", redact(.uri), redact(.detail))]
     SourceNotFound {
         /// Source URI.
         uri: String,
@@ -77,7 +85,7 @@ pub enum PrefetchError {
         detail: String,
     },
     /// The store refused access (HTTP 401/403).
-    #[error("source {uri} refused access: {detail}")]
+    #[error("source {} refused access: {}", redact(.uri), redact(.detail))]
     SourceForbidden {
         /// Source URI.
         uri: String,
@@ -85,7 +93,7 @@ pub enum PrefetchError {
         detail: String,
     },
     /// The object changed while it was being downloaded (ETag / version no longer matches).
-    #[error("source {uri} changed during download: {detail}")]
+    #[error("source {} changed during download: {}", redact(.uri), redact(.detail))]
     SourceChanged {
         /// Source URI.
         uri: String,
@@ -93,7 +101,7 @@ pub enum PrefetchError {
         detail: String,
     },
     /// The source could not be reached or kept failing after the retry budget.
-    #[error("source {uri} unavailable: {detail}")]
+    #[error("source {} unavailable: {}", redact(.uri), redact(.detail))]
     SourceUnavailable {
         /// Source URI.
         uri: String,
@@ -101,7 +109,7 @@ pub enum PrefetchError {
         detail: String,
     },
     /// The URI is not one this build can fetch from.
-    #[error("source {uri}: {detail}")]
+    #[error("source {}: {}", redact(.uri), redact(.detail))]
     SourceUnsupported {
         /// Offending URI.
         uri: String,
@@ -123,7 +131,7 @@ pub enum PrefetchError {
         reserve_from: String,
     },
     /// A local file operation on the cache failed.
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}: {}", path.display(), redact(&source.to_string()))]
     Io {
         /// What was being done.
         op: &'static str,
@@ -134,7 +142,7 @@ pub enum PrefetchError {
         source: std::io::Error,
     },
     /// The options are out of range.
-    #[error("prefetch option {key}: {detail}")]
+    #[error("prefetch option {key}: {}", redact(.detail))]
     OptionsInvalid {
         /// The option key.
         key: &'static str,
@@ -144,6 +152,15 @@ pub enum PrefetchError {
     /// The caller cancelled the prefetch; partial downloads are kept for resume.
     #[error("prefetch cancelled")]
     Cancelled,
+}
+
+/// The variant's reason code and its (redacted) message: the derived `Debug` would print
+/// the raw fields, credentials included.
+impl std::fmt::Debug for PrefetchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use taintgate_validators::reason::ReasonCode;
+        f.debug_tuple(self.reason()).field(&format_args!("{self}")).finish()
+    }
 }
 
 impl PrefetchError {

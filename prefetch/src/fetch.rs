@@ -46,6 +46,7 @@ use crate::cache::Cache;
 use crate::error::PrefetchError;
 use crate::manifest::ChunkDigests;
 use crate::progress::Progress;
+use crate::redact::redact;
 use crate::slots::{Slot, Slots};
 use crate::source::{SourceObject, Sources, map_store_error};
 use taintgate_validators::reason::ReasonCode;
@@ -260,7 +261,7 @@ impl Engine {
                     return Ok(out);
                 }
                 Err(AttemptError::Digest(actual)) => {
-                    tracing::warn!(file = %job.label, uri = %job.uri, expected = %job.digest, %actual, attempt = out.attempts, "digest mismatch; discarding download");
+                    tracing::warn!(file = %job.label, uri = %redact(&job.uri), expected = %job.digest, %actual, attempt = out.attempts, "digest mismatch; discarding download");
                     self.progress.observer.retry("DigestMismatch");
                     self.discard(&job.digest)?;
                     fetched_here.clear();
@@ -277,7 +278,7 @@ impl Engine {
                     Duration::ZERO
                 }
                 Err(AttemptError::Restart(why)) => {
-                    tracing::info!(file = %job.label, uri = %job.uri, %why, "partial download is stale; starting over");
+                    tracing::info!(file = %job.label, uri = %redact(&job.uri), why = %redact(&why), "partial download is stale; starting over");
                     self.discard(&job.digest)?;
                     fetched_here.clear();
                     if out.attempts > self.retries + 1 {
@@ -619,7 +620,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
         {
             mismatches += 1;
             ctx.progress.observer.retry("DigestMismatch");
-            tracing::warn!(file = %ctx.label, uri = %ctx.src.uri, bytes = ?(start..end), expected = %want, actual = %have, mismatches, "chunk digest mismatch");
+            tracing::warn!(file = %ctx.label, uri = %redact(&ctx.src.uri), bytes = ?(start..end), expected = %want, actual = %have, mismatches, "chunk digest mismatch");
             if mismatches > ctx.retries {
                 return Err(PrefetchError::DigestMismatch {
                     file: ctx.label.clone(),
@@ -809,7 +810,7 @@ async fn receive_chunk(
         let Some(d) = delays.next() else {
             return Err(transient_err);
         };
-        tracing::debug!(uri = %uri, chunk = i, failures, error = %transient_err, "retrying the missing part of the chunk");
+        tracing::debug!(uri = %redact(uri), chunk = i, failures, error = %transient_err, "retrying the missing part of the chunk");
         tokio::select! {
             _ = ctx.cancel.cancelled() => return Err(PrefetchError::Cancelled),
             _ = tokio::time::sleep(d) => {}

@@ -6,6 +6,14 @@
 //!
 //! When a view was first seen orphaned is kept in `<cache>/gc-state.json` (name → Unix
 //! seconds), since nothing on the view itself says when its bundle left the config.
+//!
+//! What a configured bundle needs is never collected: the blobs its manifest lists and
+//! its manifest's own blob (a warm restart reads the manifest from the cache, so a node
+//! restarted with the origin down still verifies from disk; see
+//! [`crate::PrefetchReport::needed_blobs`]). Partial downloads in `<cache>/tmp/` are
+//! collected by the same rule as blobs: a partial (and its chunk map) of a digest no
+//! configured bundle needs goes once it has not been written for the grace period; one a
+//! configured bundle needs is resumed by the next prefetch.
 
 use crate::cache::{Cache, remove_any};
 use crate::error::PrefetchError;
@@ -24,7 +32,9 @@ pub struct GcReport {
     pub views_removed: Vec<String>,
     /// Blobs removed (sha256 digests): no view links them and no configured bundle needs them.
     pub blobs_removed: Vec<String>,
-    /// Bytes the removed blobs held.
+    /// Partial downloads removed (sha256 digests): no configured bundle needs them.
+    pub partials_removed: Vec<String>,
+    /// Bytes the removed blobs and partial downloads held.
     pub bytes_freed: u64,
     /// Views no longer configured, kept until their grace period ends: (name, seconds left).
     pub pending: Vec<(String, u64)>,
@@ -100,7 +110,12 @@ pub fn collect_garbage(
         .filter_map(Result::ok)
         .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
         .filter_map(|e| e.file_name().into_string().ok())
+        // Old generations of a view are not bundles: retired below, when no reader holds them.
+        .filter(|name| !name.starts_with(crate::cache::GEN_PREFIX))
         .collect();
+    for g in cache.sweep_generations()? {
+        tracing::info!(view = %g, cache = %root.display(), "removed an old generation of a bundle view");
+    }
     let now_s = now_secs(now);
     let (remove, next) = decide_views(&views, keep, &since, now_s, grace);
     for v in &remove {
@@ -136,11 +151,61 @@ pub fn collect_garbage(
             }
         }
     }
+    collect_partials(&cache, needed, grace, now, &mut report)?;
     let text = serde_json::to_vec(&next).unwrap_or_default();
     if let Err(e) = crate::cache::write_nofollow(&state_path, &text) {
         tracing::warn!(file = %state_path.display(), error = %e, "cannot write the cache GC state");
     }
     Ok(report)
+}
+
+/// Remove the partial downloads (`tmp/<digest>.part` and its chunk map `.state`) of
+/// digests not in `needed` whose newest file is older than `grace`. Call with the lock
+/// held: no download is writing them then.
+fn collect_partials(
+    cache: &Cache,
+    needed: &BTreeSet<String>,
+    grace: Duration,
+    now: SystemTime,
+    report: &mut GcReport,
+) -> Result<(), PrefetchError> {
+    let Ok(entries) = std::fs::read_dir(cache.tmp_dir()) else {
+        return Ok(());
+    };
+    // digest -> (bytes, newest mtime) over its `.part` and `.state`.
+    let mut partials: BTreeMap<String, (u64, Option<SystemTime>)> = BTreeMap::new();
+    for e in entries.filter_map(Result::ok) {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        let Some(digest) = name.strip_suffix(".part").or_else(|| name.strip_suffix(".state")) else {
+            continue;
+        };
+        // Names the engine made are lower-case hex digests; anything else is not a partial.
+        if !crate::manifest::is_sha256_hex(digest) {
+            continue;
+        }
+        let Ok(m) = std::fs::symlink_metadata(e.path()) else {
+            continue;
+        };
+        let entry = partials.entry(digest.to_string()).or_insert((0, None));
+        // Allocated bytes: a partial is pre-allocated at its full size.
+        entry.0 += m.blocks() * 512;
+        entry.1 = entry.1.max(m.modified().ok());
+    }
+    for (digest, (bytes, newest)) in partials {
+        let old = newest.is_none_or(|t| now.duration_since(t).is_ok_and(|age| age >= grace));
+        if needed.contains(&digest) || !old {
+            continue;
+        }
+        for p in [cache.part_path(&digest), cache.state_path(&digest)] {
+            remove_any(&p, std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()))?;
+        }
+        tracing::info!(blob = %digest, bytes, cache = %cache.root().display(), "removed a partial download no configured bundle needs");
+        report.bytes_freed += bytes;
+        report.partials_removed.push(digest);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

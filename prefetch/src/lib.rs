@@ -15,8 +15,10 @@ mod fetch;
 pub mod gc;
 pub mod manifest;
 pub mod progress;
+pub mod redact;
 mod slots;
 mod source;
+pub mod view;
 mod view_copy;
 
 use std::collections::{BTreeMap, HashMap};
@@ -243,6 +245,21 @@ pub struct PrefetchReport {
     pub duration_ms: u64,
 }
 
+impl PrefetchReport {
+    /// Every blob the reported bundles need kept in the cache: the files their manifests
+    /// list and each manifest's own blob. What cache GC must never collect while these
+    /// bundles are configured: without its manifest blob, a restart needs the object store
+    /// even with every file on disk.
+    pub fn needed_blobs(&self) -> std::collections::BTreeSet<String> {
+        self.bundles
+            .iter()
+            .flat_map(|b| {
+                std::iter::once(b.manifest_sha256.to_ascii_lowercase()).chain(b.files.iter().map(|f| f.sha256.clone()))
+            })
+            .collect()
+    }
+}
+
 /// Prefetch every bundle into `opts.cache_dir`: verify what is cached, fetch what is
 /// missing, link bundle views. Returns per-bundle, per-file evidence, or the first failure.
 pub async fn prefetch_bundles(
@@ -439,6 +456,8 @@ async fn prefetch_here(
 
 /// The options are in range and no two bundles share a name.
 fn validate_request(bundles: &[BundleRef], opts: &PrefetchOptions) -> Result<(), PrefetchError> {
+    // First: from here on, no message may carry a secret option's value.
+    redact::register_source_options(&opts.source_options);
     opts.validate()?;
     let mut names = std::collections::HashSet::new();
     for b in bundles {
@@ -469,6 +488,11 @@ async fn open_cache(
     let c = cache.clone();
     blocking(move || {
         c.sweep_tmp();
+        // Old view generations a reader held at their switch, or a killed run's half-built
+        // one. Best effort: one still in use stays for the next run.
+        if let Err(e) = c.sweep_generations() {
+            tracing::debug!(error = %e, "cannot sweep old bundle view generations");
+        }
         Ok(())
     })
     .await?;
@@ -665,31 +689,23 @@ async fn bundle_view(
     let mut bytes_from_cache = 0;
     let mut cache_hits = 0;
     let mut duration = Duration::ZERO;
-    // The view holds exactly this manifest's files: a file an earlier manifest listed
-    // (an old shard a loader's glob would pick up) or anything else found there goes,
-    // first, so a leftover file cannot stand where this manifest needs a directory.
+    // The view holds exactly this manifest's files, switched in as one generation when it
+    // must change (see `Cache::switch_view`): a reader never sees two manifests' files
+    // mixed, nor a leftover a loader's glob would pick up.
+    let view_files: Vec<(String, String)> = m
+        .files
+        .iter()
+        .map(|f| (f.path.clone(), f.sha256.to_ascii_lowercase()))
+        .collect();
     let (c2, name) = (cache.clone(), b.name.clone());
-    let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
-    let pruned =
-        match blocking(move || c2.prune_view(&name, &paths.iter().map(String::as_str).collect::<Vec<_>>())).await {
-            // A read-only cache cannot be pruned, and need not be: nothing there changed
-            // since it was built. Its view is served as it is.
-            Err(PrefetchError::Io { source, .. })
-                if source.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) =>
-            {
-                tracing::debug!(bundle = %b.name, "read-only cache: the bundle view is not pruned");
-                Vec::new()
-            }
-            other => other?,
-        };
-    for p in &pruned {
-        tracing::info!(bundle = %b.name, path = %p.display(), "removed an entry the manifest does not list from the bundle view");
+    if blocking(move || c2.update_view(&name, &view_files)).await? {
+        tracing::info!(bundle = %b.name, files = m.files.len(), "bundle view switched to a new generation");
     }
+    let base = cache.bundles_dir().join(&b.name);
     for f in &m.files {
         let digest = f.sha256.to_ascii_lowercase();
         let plan = planned.get(digest.as_str()).copied();
-        let (c2, name, rel, d2) = (cache.clone(), b.name.clone(), f.path.clone(), digest.clone());
-        let local_path = blocking(move || c2.link_view(&name, &rel, &d2)).await?;
+        let local_path = base.join(&f.path);
         let outcome = outcomes.get(&digest);
         let first_use = counted.insert(digest.clone());
         let (fetched, resumed, attempts, at) = match outcome {
@@ -710,7 +726,8 @@ async fn bundle_view(
             sha256: digest.clone(),
             size: f.size,
             local_path,
-            source: m.source_uri(f, &b.manifest_uri)?,
+            // Reports reach the agent's output and evidence: no credential in them.
+            source: redact::redact(&m.source_uri(f, &b.manifest_uri)?).into_owned(),
             bytes_fetched: fetched,
             bytes_resumed: resumed,
             cache_hit,
@@ -724,7 +741,7 @@ async fn bundle_view(
     tracing::info!(bundle = %b.name, files = files.len(), bytes_total, bytes_fetched, bytes_from_cache, cache_hits, "bundle verified");
     Ok(BundleReport {
         name: b.name.clone(),
-        manifest_uri: b.manifest_uri.clone(),
+        manifest_uri: redact::redact(&b.manifest_uri).into_owned(),
         manifest_sha256: b.manifest_sha256.clone(),
         path: cache.bundles_dir().join(&b.name),
         files,
@@ -920,11 +937,10 @@ mod tests {
         assert!(read_cached_manifest(&c, &d).unwrap().is_none());
         assert_eq!(cache::tests::committed(&c, text), d);
         assert_eq!(read_cached_manifest(&c, &d).unwrap().unwrap(), text);
-        // Rewritten in place, same size, mtime restored: the marker still matches, the
-        // bytes do not.
+        // Rewritten in place, same size, mtime restored: the bytes do not match (and the
+        // marker no longer either: the ctime moved).
         let blob = c.blob_path(&d);
         cache::tests::rewrite_keeping_mtime(&blob, &b"files: [0]\n"[..text.len()]);
-        assert_eq!(c.check_blob(&d, text.len() as u64, false).unwrap(), BlobState::Marked);
         assert!(read_cached_manifest(&c, &d).unwrap().is_none());
         assert!(!blob.exists(), "the tampered copy is removed so it is fetched again");
         // Planted at the blob's path: each is removed, and none blocks or fills memory.

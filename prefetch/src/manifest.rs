@@ -183,7 +183,8 @@ impl Manifest {
     pub fn parse(bytes: &[u8], origin: &str) -> Result<Self, PrefetchError> {
         let invalid = |detail: String| PrefetchError::ManifestInvalid {
             manifest: origin.to_string(),
-            detail: clip_message(&detail).into_owned(),
+            // Masked before it is clipped (a cut URI hides its userinfo from the redaction).
+            detail: clip_message(&crate::redact::redact(&detail)).into_owned(),
         };
         let text = std::str::from_utf8(bytes).map_err(|e| invalid(format!("not UTF-8: {e}")))?;
         // Refuse deep nesting before a parser spends quadratic time on it.
@@ -204,7 +205,8 @@ impl Manifest {
     pub fn validate(&self, origin: &str) -> Result<(), PrefetchError> {
         let invalid = |detail: String| PrefetchError::ManifestInvalid {
             manifest: origin.to_string(),
-            detail: clip_message(&detail).into_owned(),
+            // Masked before it is clipped (a cut URI hides its userinfo from the redaction).
+            detail: clip_message(&crate::redact::redact(&detail)).into_owned(),
         };
         let mut files = HashSet::new();
         // Keyed by the lowercased path, so two paths that would be one file on a

@@ -291,7 +291,9 @@ pub(crate) fn map_store_error(uri: &str, err: object_store::Error) -> PrefetchEr
                 }
                 cause = c.source();
             }
-            let text = taintgate_validators::text_bounds::clip_message(&text).into_owned();
+            // Masked before it is clipped: a URI cut inside its userinfo has no `@` left
+            // for the redaction to find.
+            let text = taintgate_validators::text_bounds::clip_message(&crate::redact::redact(&text)).into_owned();
             if text.contains("403 Forbidden") || text.contains("401 Unauthorized") {
                 PrefetchError::SourceForbidden { uri, detail: text }
             } else {

@@ -147,7 +147,7 @@ async fn two_bundles_share_a_file_fetched_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn verify_cache_detects_and_repairs_a_corrupted_blob() {
+async fn a_blob_changed_in_place_is_rehashed_and_repaired() {
     let origin = tempfile::tempdir().unwrap();
     let nginx = require_service!("nginx", Nginx::start(origin.path(), "4m"));
     // Both manifest kinds: whole-file digests (one hasher) and 1 MiB chunk digests (every
@@ -176,11 +176,16 @@ async fn verify_cache_repairs(origin: &Path, nginx: &Nginx, chunked: bool) {
         .await
         .unwrap();
 
-    // Bit rot: same size, one byte flipped, mtime restored, so only a re-hash can tell.
+    // Tampered in place: same size, one byte flipped, mtime restored (made writable
+    // first: blobs are read-only). The ctime moved, so the verified-marker is not trusted:
+    // an ordinary run re-hashes the blob, finds it corrupt and fetches it again.
     let blob = cache.path().join("blobs/sha256").join(&digest);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&blob).unwrap().permissions().mode() & 0o777, 0o444);
     let mtime = std::fs::metadata(&blob).unwrap().modified().unwrap();
     let mut data = std::fs::read(&blob).unwrap();
     data[(MIB + 12345) as usize] ^= 0xff;
+    std::fs::set_permissions(&blob, std::fs::Permissions::from_mode(0o644)).unwrap();
     std::fs::write(&blob, &data).unwrap();
     std::fs::File::options()
         .write(true)
@@ -189,24 +194,33 @@ async fn verify_cache_repairs(origin: &Path, nginx: &Nginx, chunked: bool) {
         .set_modified(mtime)
         .unwrap();
 
-    let trusting = prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
+    let repaired = prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
         .await
         .unwrap();
+    let fr = &repaired.bundles[0].files[0];
     assert!(
-        trusting.bundles[0].files[0].cache_hit,
-        "marker should be trusted without --verify-cache"
+        fr.repaired && fr.rehashed && !fr.cache_hit,
+        "chunked {chunked}: a changed ctime must not be trusted: {fr:?}"
     );
+    assert_eq!(fr.bytes_fetched, 2 * MIB + 3);
+    assert_bundle_matches(cache.path(), "m", origin, &m);
+    assert_eq!(sha256_hex(&std::fs::read(&blob).unwrap()), digest);
 
+    // `verify_cache` re-hashes even an untouched blob (what the kernel never saw change,
+    // bit rot on the medium): it verifies, nothing is fetched.
     let mut o = opts(cache.path());
     o.verify_cache = true;
     let checked = prefetch_bundles(std::slice::from_ref(&b), &o, CancellationToken::new())
         .await
         .unwrap();
     let fr = &checked.bundles[0].files[0];
-    assert!(fr.repaired && !fr.cache_hit, "chunked {chunked}: {fr:?}");
-    assert_eq!(fr.bytes_fetched, 2 * MIB + 3);
-    assert_bundle_matches(cache.path(), "m", origin, &m);
-    assert_eq!(sha256_hex(&std::fs::read(&blob).unwrap()), digest);
+    assert!(fr.rehashed && fr.cache_hit && !fr.repaired, "chunked {chunked}: {fr:?}");
+    assert_eq!(fr.bytes_fetched, 0);
+    // And the marker it wrote is trusted again by an ordinary run.
+    let warm = prefetch_bundles(std::slice::from_ref(&b), &opts(cache.path()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(warm.bundles[0].files[0].cache_hit && !warm.bundles[0].files[0].rehashed);
 }
 
 /// nginx's access log once it stopped growing: a line is written just after its response

@@ -160,11 +160,9 @@ async fn collect_garbage(
     }
     let root = ctx.config.models.fetch.cache_dir.clone();
     let keep = report.bundles.iter().map(|b| b.name.clone()).collect();
-    let needed = report
-        .bundles
-        .iter()
-        .flat_map(|b| b.files.iter().map(|f| f.sha256.clone()))
-        .collect();
+    // Files and manifests: a configured bundle's manifest blob is needed for a warm
+    // restart with the origin gone.
+    let needed = report.needed_blobs();
     let grace = gc.grace;
     let done = blocking("cache GC", move || {
         taintgate_prefetch::gc::collect_garbage(&root, &keep, &needed, grace, std::time::SystemTime::now())
