@@ -25,6 +25,7 @@ use taintgate_tests::services::{in_ci, taintgate_bin, which};
 /// The agent config keys the manifests depend on, read from the shipped config itself.
 #[derive(Debug, serde::Deserialize)]
 struct ShippedConfig {
+    regate_on_boot: bool,
     taint: ShippedTaint,
     reporting: ShippedReporting,
     continuous: ShippedContinuous,
@@ -121,11 +122,9 @@ fn the_type_check_catches_a_misspelt_field() {
 
 /// The shipped configs and the one-line changes each makes to the example config.
 /// Neither changes `event_namespace`: the default, `default`, is the only namespace the API
-/// server accepts a Node's Events in.
-const SHIPPED_CONFIGS: [(&str, &[(&str, &str)]); 2] = [
-    ("daemonset/config.yaml", &[]),
-    ("systemd/config.yaml", &[("regate_on_boot", "true")]),
-];
+/// server accepts a Node's Events in; nor `regate_on_boot`, on by default for both (a
+/// rebooted node is gated again, under the DaemonSet as under systemd).
+const SHIPPED_CONFIGS: [(&str, &[(&str, &str)]); 2] = [("daemonset/config.yaml", &[]), ("systemd/config.yaml", &[])];
 
 #[test]
 fn shipped_configs_write_events_to_default() {
@@ -133,6 +132,7 @@ fn shipped_configs_write_events_to_default() {
         let cfg: ShippedConfig =
             serde_yaml_ng::from_str(&std::fs::read_to_string(repo_root().join(file)).unwrap()).unwrap();
         assert_eq!(cfg.reporting.event_namespace, "default", "{file}");
+        assert!(cfg.regate_on_boot, "{file}: a rebooted node must be gated again");
     }
 }
 
