@@ -219,7 +219,22 @@ pub const REASONS: &[Reason] = &[
     r(
         "XidFatal",
         &[In(Stage::Driver), XidWatch],
-        "A fatal XID (default 48, 64, 74, 79, 95, 119, 120) since boot or during validation: the node stays held. After release: a Warning Event, and with `continuous.enabled` the `continuous.taint` is added and both conditions go False. Replace the node.",
+        "A fatal XID (default 46, 48, 64, 74, 79, 95, 119, 120, 149) since boot or during validation: the node stays held. After release: a Warning Event, and with `continuous.enabled` the `continuous.taint` is added and both conditions go False. Replace the node.",
+    ),
+    r(
+        "GpuRecoveryRequired",
+        &[In(Stage::Driver)],
+        "NVML's GPU recovery action (`NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`) asks for a GPU reset, a node reboot or a drain, or XID 154 (recovery action changed) was logged and the action could not be read. Do what the action says, or replace the node.",
+    ),
+    r(
+        "SxidFatal",
+        &[In(Stage::Driver)],
+        "The NVSwitch driver logged an SXid marked `Fatal` in the kernel log since boot (`nvidia-nvswitchN: SXid (PCI:…): N, Fatal, …`): the NVLink fabric is broken. Non-fatal SXids are warnings. Replace the node.",
+    ),
+    r(
+        "NvmlFieldUnreadable",
+        &[In(Stage::Driver)],
+        "An NVML call named in `gpu.expect.required_fields` answered no-permission or not-supported. Unlisted, such a field reads as unknown with a warning. Give the agent's container access to the GPU's health fields (privileged, or the driver's device files), or drop the field from the list.",
     ),
     r(
         "XidWarning",
@@ -611,6 +626,21 @@ pub const HARDWARE_CONTENTION: &[Contention] = &[
         false,
         "the fatal XID list holds hardware and driver faults, not application errors",
     ),
+    c(
+        "GpuRecoveryRequired",
+        false,
+        "the driver sets the recovery action on a fault, not under load",
+    ),
+    c(
+        "SxidFatal",
+        false,
+        "the NVSwitch driver marks a fatal SXid on a hardware fault, not on traffic",
+    ),
+    c(
+        "NvmlFieldUnreadable",
+        true,
+        "a permission the container lacks says nothing about the GPU",
+    ),
     c("FabricNotReady", false, "fabric registration does not depend on load"),
     c("NvlinkInactive", false, "a link is active or not whatever crosses it"),
     c(
@@ -790,6 +820,7 @@ mod tests {
             ("SmokeFailed", false), ("PeerBandwidthLow", false), ("PeerBandwidthFailed", false),
             ("CudaWorkerTimeout", false), ("CudaWorkerCrashed", false), ("DeadlineExceeded", false),
             ("NvmlError", false), ("AllocatableShort", false), ("NoSuchCode", false),
+            ("SxidFatal", true), ("GpuRecoveryRequired", true), ("NvmlFieldUnreadable", false),
         ];
         for (code, condemns) in table {
             assert_eq!(condemns_hardware(code), condemns, "{code}");

@@ -153,6 +153,8 @@ fn each_faulty_profile_is_held_with_its_reason() {
         ("gpu-missing", "GpuCountMismatch", "driver"),
         ("remap-pending", "RowRemapPending", "driver"),
         ("xid-79", "XidFatal", "driver"),
+        ("recovery-reboot", "GpuRecoveryRequired", "driver"),
+        ("sxid-fatal", "SxidFatal", "driver"),
         ("nvlink-down", "NvlinkInactive", "driver"),
         ("smoke-fail", "SmokeFailed", "smoke"),
         ("slow-peer", "PeerBandwidthLow", "peer-bw"),

@@ -783,3 +783,34 @@ nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long
 	*types = nvmlEventTypeXidCriticalError | nvmlEventTypeDoubleBitEccError | nvmlEventTypeSingleBitEccError;
 	return NVML_SUCCESS;
 }
+
+/* Field values: only NVML_FI_DEV_GET_GPU_RECOVERY_ACTION is answered, from
+ * gpu.N.recovery_action = none|reset|reboot|drain_p2p|drain_and_reset (the
+ * nvmlDeviceGpuRecoveryAction_t values), or no_permission (the field answers
+ * NVML_ERROR_NO_PERMISSION, as for an unprivileged container). Absent, or any other field:
+ * that field answers NVML_ERROR_NOT_SUPPORTED, as on a driver older than 12.9. */
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int valuesCount, nvmlFieldValue_t *values) {
+	GPU_GUARD(dev, d);
+	if (valuesCount < 0 || (valuesCount > 0 && !values)) return NVML_ERROR_INVALID_ARGUMENT;
+	for (int i = 0; i < valuesCount; i++) {
+		nvmlFieldValue_t *f = &values[i];
+		f->timestamp = 1700000000000000LL;
+		f->latencyUsec = 0;
+		f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+		if (f->fieldId != NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) continue;
+		const char *v = gget(dev->index, "recovery_action");
+		if (!v) continue;
+		if (strcmp(v, "no_permission") == 0) { f->nvmlReturn = NVML_ERROR_NO_PERMISSION; continue; }
+		unsigned int action;
+		if (strcmp(v, "none") == 0) action = NVML_GPU_RECOVERY_ACTION_NONE;
+		else if (strcmp(v, "reset") == 0) action = NVML_GPU_RECOVERY_ACTION_GPU_RESET;
+		else if (strcmp(v, "reboot") == 0) action = NVML_GPU_RECOVERY_ACTION_NODE_REBOOT;
+		else if (strcmp(v, "drain_p2p") == 0) action = NVML_GPU_RECOVERY_ACTION_DRAIN_P2P;
+		else if (strcmp(v, "drain_and_reset") == 0) action = NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET;
+		else continue;
+		f->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+		f->value.uiVal = action;
+		f->nvmlReturn = NVML_SUCCESS;
+	}
+	return NVML_SUCCESS;
+}

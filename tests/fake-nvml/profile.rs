@@ -119,6 +119,17 @@ pub fn fake_nvml_profile(p: &NodeProfile) -> String {
             k("pending_retirement"),
             u8::from(h.pages_pending_retirement).to_string(),
         );
+        if let Some(a) = h.recovery_action {
+            use taintgate_validators::gpu::RecoveryAction as A;
+            let v = match a {
+                A::None => "none",
+                A::GpuReset => "reset",
+                A::NodeReboot => "reboot",
+                A::DrainP2p => "drain_p2p",
+                A::DrainAndReset => "drain_and_reset",
+            };
+            kv(k("recovery_action"), v.to_string());
+        }
         if !h.xids.is_empty() {
             kv(k("xid_events"), join(&h.xids, ","));
         }

@@ -50,6 +50,7 @@ fn expected(cfg: &str) -> BTreeMap<String, BTreeSet<String>> {
         gpus: p.gpus,
         domains: p.domains,
         nics: p.nics,
+        nvswitch_sxids: Vec::new(),
     };
     expected_device_ids(&inv, &PluginConfig::parse(Path::new("c.yaml"), cfg).unwrap()).unwrap()
 }

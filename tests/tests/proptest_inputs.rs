@@ -479,6 +479,7 @@ proptest! {
                     gpus: p.gpus.clone(),
                     domains: p.domains.clone(),
                     nics: p.nics.clone(),
+                    nvswitch_sxids: Vec::new(),
                 };
                 let _ = taintgate_validators::gpu::decide::evaluate_driver(&inv, &Default::default());
             }
@@ -874,6 +875,7 @@ fn reference_inventory() -> &'static taintgate_validators::gpu::Inventory {
             gpus: p.gpus,
             domains: p.domains,
             nics: p.nics,
+            nvswitch_sxids: Vec::new(),
         }
     })
 }

@@ -3,7 +3,7 @@
 //! latencies. It drives [`crate::gpu::sim::SimGpu`] and the agent's simulated Node, so the
 //! whole evidence chain runs on a machine without a GPU or a cluster.
 
-use crate::gpu::{GpuInfo, Nic, PeerDomain};
+use crate::gpu::{GpuInfo, Nic, PeerDomain, Sxid};
 use crate::input::{InputError, parse_yaml, read_bounded};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,6 +28,10 @@ pub struct NodeProfile {
     /// NICs.
     #[serde(default)]
     pub nics: Vec<Nic>,
+    /// NVSwitch SXids the kernel log holds since boot (the real backend parses them from
+    /// `/dev/kmsg`).
+    #[serde(default)]
+    pub nvswitch_sxids: Vec<Sxid>,
     /// Bandwidths the simulated measurements return.
     #[serde(default)]
     pub bandwidth: SimBandwidth,

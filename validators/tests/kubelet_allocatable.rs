@@ -177,6 +177,7 @@ fn each_sharing_mode_end_to_end() {
         gpus: p.gpus,
         domains: p.domains,
         nics: p.nics,
+        nvswitch_sxids: Vec::new(),
     };
     for (text, resource, n) in [
         ("{}", "nvidia.com/gpu", 8u64),
@@ -277,6 +278,7 @@ fn gfd_labels() {
         gpus: p.gpus,
         domains: p.domains,
         nics: p.nics,
+        nvswitch_sxids: Vec::new(),
     };
     let good = map(&[
         ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),

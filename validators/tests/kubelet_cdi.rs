@@ -45,6 +45,7 @@ fn devices(cfg: &str) -> Vec<ExpectedDevice> {
         gpus: p.gpus,
         domains: p.domains,
         nics: p.nics,
+        nvswitch_sxids: Vec::new(),
     };
     let cfg = PluginConfig::parse(Path::new("c.yaml"), cfg).unwrap();
     expected_devices(&inv, &cfg).unwrap().into_values().flatten().collect()

@@ -17,6 +17,7 @@ fn inventory() -> Inventory {
         gpus: p.gpus,
         domains: p.domains,
         nics: p.nics,
+        nvswitch_sxids: Vec::new(),
     }
 }
 

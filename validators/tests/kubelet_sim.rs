@@ -23,6 +23,7 @@ fn inv(p: &NodeProfile) -> Inventory {
         gpus: p.gpus.clone(),
         domains: p.domains.clone(),
         nics: p.nics.clone(),
+        nvswitch_sxids: Vec::new(),
     }
 }
 

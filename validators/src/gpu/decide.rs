@@ -4,7 +4,9 @@
 //! Figures come from `shared/reference/anchors.md` (DCGM diag thresholds, the device
 //! plugin's XID list, nccl-tests formulas, NVLink/PCIe link rates).
 
-use super::{FabricState, GpuInfo, Interconnect, Inventory, PeerDomain};
+use super::{
+    FabricState, FieldError, GpuInfo, Interconnect, Inventory, PeerDomain, RecoveryAction, Sxid, UnreadableField,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
@@ -20,8 +22,10 @@ pub enum XidClass {
     Ignore,
 }
 
-/// XID classification policy. Defaults: fatal 48, 64, 74, 79, 95, 119, 120 (commonly
-/// treated as fatal); ignored 13, 31, 43, 45, 63, 68, 109 (the device plugin's
+/// XID classification policy. Defaults: fatal 46, 48, 64, 74, 79, 95, 119, 120, 149
+/// (commonly treated as fatal; 46 and GB200's NVLink XID 149 are on the EKS node monitoring
+/// agent's fatal list); XID 154 (recovery action changed) is judged by the GPU's recovery
+/// action instead ([`recovery_hold`]); ignored 13, 31, 43, 45, 63, 68, 109 (the device plugin's
 /// application-level list plus 63, a successful row remap record); everything else warns
 /// (92 included).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -36,7 +40,7 @@ pub struct XidPolicy {
 impl Default for XidPolicy {
     fn default() -> Self {
         Self {
-            fatal: [48, 64, 74, 79, 95, 119, 120].into_iter().collect(),
+            fatal: [46, 48, 64, 74, 79, 95, 119, 120, 149].into_iter().collect(),
             ignore: [13, 31, 43, 45, 63, 68, 109].into_iter().collect(),
         }
     }
@@ -53,6 +57,72 @@ impl XidPolicy {
             XidClass::Warn
         }
     }
+}
+
+/// XID 154: the driver changed the GPU's recovery action (GB200 and NVML 12.9+).
+pub const XID_RECOVERY_ACTION_CHANGED: u32 = 154;
+
+/// Should the GPU's recovery action hold the node? `Some(why)` when it should.
+///
+/// - A reset, reboot or drain (P2P, or drain and reset) holds, with or without XID 154:
+///   the driver itself says the GPU must not take new work as it is.
+/// - `None` (no action pending) passes, XID 154 or not: the action changed back.
+/// - Unknown (NVML could not be asked) after XID 154 holds: the driver announced a change
+///   we cannot see, and releasing on missing evidence is what the gate exists to prevent.
+///   Unknown without XID 154 passes (older drivers have no such field).
+pub fn recovery_hold(action: Option<RecoveryAction>, xid_154_seen: bool) -> Option<String> {
+    match action {
+        Some(RecoveryAction::None) => None,
+        Some(
+            a @ (RecoveryAction::GpuReset
+            | RecoveryAction::NodeReboot
+            | RecoveryAction::DrainP2p
+            | RecoveryAction::DrainAndReset),
+        ) => Some(format!("the driver's GPU recovery action is {a:?}")),
+        None if xid_154_seen => Some(
+            "XID 154 (recovery action changed) was logged but NVML's recovery action field could not be read"
+                .to_string(),
+        ),
+        None => None,
+    }
+}
+
+/// What an unreadable NVML field does to the driver stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnreadableVerdict {
+    /// Hold the node (`NvmlFieldUnreadable`): the config requires this field.
+    Fail,
+    /// Pass with a warning in the driver stage's evidence.
+    Warn,
+    /// Pass silently: the part does not have the feature, which is normal.
+    Silent,
+}
+
+/// The rule for a field NVML would not answer. A field named in
+/// `gpu.expect.required_fields` holds the node either way; otherwise no permission (a
+/// sandboxed or unprivileged container) warns, since health it cannot see is unknown, not
+/// good; not supported is silent (ECC on a part without ECC, the recovery action field on a
+/// driver older than 12.9).
+pub fn judge_unreadable(field: &UnreadableField, required: &BTreeSet<String>) -> UnreadableVerdict {
+    if required.contains(&field.call) {
+        return UnreadableVerdict::Fail;
+    }
+    match field.error {
+        FieldError::NoPermission => UnreadableVerdict::Warn,
+        FieldError::NotSupported => UnreadableVerdict::Silent,
+    }
+}
+
+/// NVSwitch SXids: the driver's own `Fatal` marking holds the node (`SxidFatal`); a
+/// `Non-fatal` one is a warning. Returns the first fatal one and the warnings.
+pub fn judge_sxids(sxids: &[Sxid]) -> (Option<&Sxid>, Vec<String>) {
+    let fatal = sxids.iter().find(|s| s.fatal);
+    let warnings = sxids
+        .iter()
+        .filter(|s| !s.fatal)
+        .map(|s| format!("{} ({}): non-fatal SXid {}: {}", s.switch, s.pci, s.sxid, s.detail))
+        .collect();
+    (fatal, warnings)
 }
 
 /// What the driver stage expects of the node.
@@ -81,6 +151,10 @@ pub struct DriverExpectations {
     /// products (the product table) or when `nvlink_links` is set; a PCIe card with NVLink
     /// but no bridge reports its links present and inactive, which only warns.
     pub nvlink_required: Option<bool>,
+    /// NVML calls whose answer is required (e.g. `nvmlDeviceGetRemappedRows`): when one
+    /// answers no-permission or not-supported the node is held (`NvmlFieldUnreadable`)
+    /// instead of passing with the field unknown and a warning.
+    pub required_fields: BTreeSet<String>,
 }
 
 impl Default for DriverExpectations {
@@ -95,6 +169,7 @@ impl Default for DriverExpectations {
             remap_uncorrectable_limit: 512,
             xid: XidPolicy::default(),
             nvlink_required: None,
+            required_fields: BTreeSet::new(),
         }
     }
 }
@@ -267,9 +342,37 @@ pub fn evaluate_driver(inv: &Inventory, exp: &DriverExpectations) -> Result<Driv
         ));
     }
 
+    // A switch serves every GPU of the fabric: a fatal SXid condemns the node, not one GPU.
+    let (fatal_sxid, sxid_warnings) = judge_sxids(&inv.nvswitch_sxids);
+    if let Some(s) = fatal_sxid {
+        return Err(fail(
+            "SxidFatal",
+            format!("NVSwitch {} ({}): fatal SXid {}: {}", s.switch, s.pci, s.sxid, s.detail),
+        ));
+    }
+    warnings.extend(sxid_warnings);
+
     for g in &inv.gpus {
         let h = &g.health;
         let id = format!("GPU {} ({})", g.index, g.uuid);
+        for u in &h.unreadable {
+            match judge_unreadable(u, &exp.required_fields) {
+                UnreadableVerdict::Fail => {
+                    return Err(fail(
+                        "NvmlFieldUnreadable",
+                        format!(
+                            "{id}: {} answered {:?}, and gpu.expect.required_fields requires it",
+                            u.call, u.error
+                        ),
+                    ));
+                }
+                UnreadableVerdict::Warn => warnings.push(format!(
+                    "{id}: {} answered {:?}; its health field is unknown (not checked)",
+                    u.call, u.error
+                )),
+                UnreadableVerdict::Silent => {}
+            }
+        }
         if h.ecc_uncorrectable > 0 {
             return Err(fail(
                 "EccUncorrectable",
@@ -302,6 +405,9 @@ pub fn evaluate_driver(inv: &Inventory, exp: &DriverExpectations) -> Result<Driv
                     h.retired_pages, exp.retired_pages_limit, h.pages_pending_retirement
                 ),
             ));
+        }
+        if let Some(why) = recovery_hold(h.recovery_action, h.xids.contains(&XID_RECOVERY_ACTION_CHANGED)) {
+            return Err(fail("GpuRecoveryRequired", format!("{id}: {why}")));
         }
         for &x in &h.xids {
             match exp.xid.classify(x) {
@@ -634,7 +740,7 @@ mod tests {
     #[test]
     fn xid_classes() {
         let p = XidPolicy::default();
-        for x in [48, 64, 74, 79, 95, 119, 120] {
+        for x in [46, 48, 64, 74, 79, 95, 119, 120, 149] {
             assert_eq!(p.classify(x), XidClass::Fatal, "{x}");
         }
         for x in [13, 31, 43, 45, 68, 109, 63] {
@@ -680,6 +786,7 @@ mod tests {
             gpus,
             domains: Vec::new(),
             nics: Vec::new(),
+            nvswitch_sxids: Vec::new(),
         }
     }
 
@@ -861,5 +968,115 @@ mod tests {
                 .reason,
             "PeerBandwidthLow"
         );
+    }
+
+    fn one_gpu() -> DriverExpectations {
+        DriverExpectations {
+            gpu_count: Some(1),
+            ..Default::default()
+        }
+    }
+
+    fn verdict(inv: &Inventory, exp: &DriverExpectations) -> Result<Vec<String>, &'static str> {
+        evaluate_driver(inv, exp).map(|e| e.warnings).map_err(|f| f.reason)
+    }
+
+    /// issue 49 §3: XID 154 is judged by the recovery action NVML reports.
+    #[test]
+    fn recovery_action_table() {
+        use RecoveryAction as A;
+        #[rustfmt::skip]
+        let table = [
+            (Some(A::None), false, false), (Some(A::None), true, false),
+            (Some(A::GpuReset), true, true), (Some(A::NodeReboot), true, true),
+            (Some(A::DrainP2p), true, true), (Some(A::DrainAndReset), true, true),
+            // The action alone, without the XID (the log wrapped, or it predates the agent).
+            (Some(A::GpuReset), false, true),
+            // Unreadable: hold only when XID 154 announced a change.
+            (None, true, true), (None, false, false),
+        ];
+        for (action, xid154, hold) in table {
+            assert_eq!(
+                recovery_hold(action, xid154).is_some(),
+                hold,
+                "{action:?} xid154={xid154}"
+            );
+            let mut g = gpu("H100 80GB HBM3");
+            g.health.recovery_action = action;
+            if xid154 {
+                g.health.xids.push(XID_RECOVERY_ACTION_CHANGED);
+            }
+            let want = if hold { Err("GpuRecoveryRequired") } else { Ok(()) };
+            assert_eq!(
+                verdict(&inv(vec![g]), &one_gpu()).map(|_| ()),
+                want,
+                "{action:?} {xid154}"
+            );
+        }
+        for (raw, want) in [
+            (0, Some(A::None)),
+            (1, Some(A::GpuReset)),
+            (2, Some(A::NodeReboot)),
+            (3, Some(A::DrainP2p)),
+            (4, Some(A::DrainAndReset)),
+            (5, None),
+        ] {
+            assert_eq!(RecoveryAction::from_nvml(raw), want, "{raw}");
+        }
+    }
+
+    /// issue 49 §3: a field NVML will not answer is unknown with a warning, unless required.
+    #[test]
+    fn unreadable_field_rule() {
+        let remap = "nvmlDeviceGetRemappedRows";
+        let required: BTreeSet<String> = [remap.to_string()].into_iter().collect();
+        let none = BTreeSet::new();
+        let f = |error| UnreadableField {
+            call: remap.into(),
+            error,
+        };
+        #[rustfmt::skip]
+        let table = [
+            (FieldError::NoPermission, &none, UnreadableVerdict::Warn),
+            (FieldError::NotSupported, &none, UnreadableVerdict::Silent),
+            (FieldError::NoPermission, &required, UnreadableVerdict::Fail),
+            (FieldError::NotSupported, &required, UnreadableVerdict::Fail),
+        ];
+        for (error, req, want) in table {
+            assert_eq!(judge_unreadable(&f(error), req), want, "{error:?} {req:?}");
+        }
+        let mut g = gpu("H100 80GB HBM3");
+        g.health.unreadable.push(f(FieldError::NoPermission));
+        let i = inv(vec![g]);
+        let warnings = verdict(&i, &one_gpu()).unwrap();
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains(remap) && w.contains("NoPermission") && w.contains("unknown")),
+            "{warnings:?}"
+        );
+        let exp = DriverExpectations {
+            required_fields: required,
+            ..one_gpu()
+        };
+        assert_eq!(verdict(&i, &exp), Err("NvmlFieldUnreadable"));
+    }
+
+    /// issue 49 §3: NVSwitch SXids, fatal holds the node, non-fatal warns.
+    #[test]
+    fn sxids_fatal_holds_non_fatal_warns() {
+        let sx = |fatal| Sxid {
+            switch: "nvidia-nvswitch0".into(),
+            pci: "0000:05:00.0".into(),
+            sxid: if fatal { 24007 } else { 12028 },
+            fatal,
+            detail: "Link 32".into(),
+        };
+        let mut i = inv(vec![gpu("H100 80GB HBM3")]);
+        i.nvswitch_sxids = vec![sx(false)];
+        let w = verdict(&i, &one_gpu()).unwrap();
+        assert!(w.iter().any(|w| w.contains("non-fatal SXid 12028")), "{w:?}");
+        i.nvswitch_sxids.push(sx(true));
+        assert_eq!(verdict(&i, &one_gpu()), Err("SxidFatal"));
     }
 }

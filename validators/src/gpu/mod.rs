@@ -144,6 +144,82 @@ pub struct GpuHealth {
     /// XID errors seen since boot (kernel log) or since the agent started (NVML events).
     #[serde(default)]
     pub xids: Vec<u32>,
+    /// What the driver says the GPU needs (`NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`, NVML 12.9;
+    /// XID 154 announces a change). `None`: not read (older driver, no permission).
+    #[serde(default)]
+    pub recovery_action: Option<RecoveryAction>,
+    /// NVML calls that did not answer for this GPU (no permission, not supported): their
+    /// fields read as unknown. [`decide::evaluate_driver`] warns or fails per the config.
+    #[serde(default)]
+    pub unreadable: Vec<UnreadableField>,
+}
+
+/// The driver's GPU recovery action (`nvmlDeviceGpuRecoveryAction_t`, nvml.h 12.9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryAction {
+    /// `NVML_GPU_RECOVERY_ACTION_NONE` (0): nothing to do.
+    None,
+    /// `NVML_GPU_RECOVERY_ACTION_GPU_RESET` (1).
+    GpuReset,
+    /// `NVML_GPU_RECOVERY_ACTION_NODE_REBOOT` (2).
+    NodeReboot,
+    /// `NVML_GPU_RECOVERY_ACTION_DRAIN_P2P` (3): stop peer-to-peer work.
+    DrainP2p,
+    /// `NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET` (4).
+    DrainAndReset,
+}
+
+impl RecoveryAction {
+    /// From NVML's raw field value; `None` for a value this build does not know.
+    pub fn from_nvml(raw: u64) -> Option<Self> {
+        Some(match raw {
+            0 => Self::None,
+            1 => Self::GpuReset,
+            2 => Self::NodeReboot,
+            3 => Self::DrainP2p,
+            4 => Self::DrainAndReset,
+            _ => return None,
+        })
+    }
+}
+
+/// An NVML call that did not answer, so its field is unknown.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnreadableField {
+    /// The NVML function (the name `gpu.expect.required_fields` uses).
+    pub call: String,
+    /// Why it did not answer.
+    pub error: FieldError,
+}
+
+/// Why an NVML field could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FieldError {
+    /// `NVML_ERROR_NO_PERMISSION`: a sandboxed or unprivileged container.
+    NoPermission,
+    /// `NVML_ERROR_NOT_SUPPORTED`: the GPU, driver or virtualisation does not offer it.
+    NotSupported,
+}
+
+/// One NVSwitch SXid record from the kernel log
+/// (`nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 ...`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sxid {
+    /// Switch device name, e.g. `nvidia-nvswitch0` (empty when the line has none).
+    pub switch: String,
+    /// PCI address of the switch, lower case.
+    pub pci: String,
+    /// SXid number.
+    pub sxid: u32,
+    /// The driver marked it `Fatal` (else `Non-fatal`).
+    pub fatal: bool,
+    /// The rest of the line (link and error name).
+    #[serde(default)]
+    pub detail: String,
 }
 
 /// NVSwitch fabric registration state (fabric manager / NVLink5 fabric).
@@ -216,6 +292,9 @@ pub struct Inventory {
     /// NICs with their NUMA nodes.
     #[serde(default)]
     pub nics: Vec<Nic>,
+    /// NVSwitch SXids in the kernel log since boot (node-wide: a switch serves every GPU).
+    #[serde(default)]
+    pub nvswitch_sxids: Vec<Sxid>,
 }
 
 /// Result of running the smoke kernel on one GPU.

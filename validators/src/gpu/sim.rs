@@ -84,6 +84,7 @@ impl Gpu for SimGpu {
             gpus: self.profile.gpus.clone(),
             domains: self.profile.domains.clone(),
             nics: self.profile.nics.clone(),
+            nvswitch_sxids: self.profile.nvswitch_sxids.clone(),
         })
     }
 

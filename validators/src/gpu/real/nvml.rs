@@ -13,6 +13,7 @@ use crate::gpu::decide::group_domains;
 use crate::gpu::{
     FabricState, GpuError, GpuHealth, GpuInfo, Interconnect, Inventory, MigDevice, NvLinkState, PcieLink, PeerDomain,
 };
+use crate::gpu::{FieldError, RecoveryAction, Sxid, UnreadableField};
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, P2pCapabilitiesIndex, P2pStatus, RetirementCause};
 use nvml_wrapper::enums::event::XidError;
@@ -53,6 +54,7 @@ pub(crate) struct NvmlBackend {
     lib_path: PathBuf,
     sysfs_root: PathBuf,
     kmsg_xids: Vec<KmsgXid>,
+    kmsg_sxids: Vec<Sxid>,
     events: Mutex<EventLog>,
     warnings: Vec<String>,
 }
@@ -115,13 +117,15 @@ impl NvmlBackend {
         });
         // Subscribe first, read the log second: an XID in between shows up twice rather than
         // not at all.
-        let kmsg_xids = match kmsg_path {
-            None => Vec::new(),
+        let kernel_log = match kmsg_path {
+            None => kmsg::KernelLog::default(),
             Some(p) => match kmsg::read_log(p) {
-                Ok(text) => kmsg::parse_xids(&text),
+                Ok(text) => kmsg::parse_log(&text),
                 Err(e) => {
-                    warnings.push(format!("{e}; XIDs logged before the agent started are not checked"));
-                    Vec::new()
+                    warnings.push(format!(
+                        "{e}; XIDs and SXids logged before the agent started are not checked"
+                    ));
+                    kmsg::KernelLog::default()
                 }
             },
         };
@@ -132,7 +136,8 @@ impl NvmlBackend {
             cell,
             lib_path: lib.to_path_buf(),
             sysfs_root: sysfs_root.to_path_buf(),
-            kmsg_xids,
+            kmsg_xids: kernel_log.xids,
+            kmsg_sxids: kernel_log.sxids,
             events: Mutex::new(EventLog::default()),
             warnings,
         })
@@ -270,6 +275,7 @@ impl NvmlBackend {
             gpus,
             domains,
             nics: sysfs::discover_nics(&self.sysfs_root),
+            nvswitch_sxids: self.kmsg_sxids.clone(),
         })
     }
 }
@@ -333,19 +339,24 @@ fn subscribe_all(nvml: &Nvml, count: u32) -> Result<(Vec<u32>, EventSet<'_>, Vec
 struct Query {
     label: String,
     lost: bool,
+    /// Calls that answered no-permission or not-supported (see [`Query::unknown`]).
+    unreadable: Vec<UnreadableField>,
 }
 
 impl Query {
     fn get<T>(&mut self, call: &str, r: Result<T, NvmlError>) -> Result<Option<T>, GpuError> {
         match r {
             Ok(v) => Ok(Some(v)),
+            Err(e @ (NvmlError::NoPermission | NvmlError::NotSupported)) => {
+                self.unknown(call, &e);
+                Ok(None)
+            }
             Err(NvmlError::GpuLost) => {
                 self.lost = true;
                 Ok(None)
             }
             Err(
-                NvmlError::NotSupported
-                | NvmlError::NotFound
+                NvmlError::NotFound
                 | NvmlError::NoData
                 | NvmlError::FunctionNotFound
                 | NvmlError::FailedToLoadSymbol(_),
@@ -353,6 +364,47 @@ impl Query {
             Err(e) => Err(nvml_err(call, Some(self.label.clone()), e)),
         }
     }
+}
+
+impl Query {
+    /// Record a field the GPU would not give us: a sandboxed or unprivileged container
+    /// gets `NVML_ERROR_NO_PERMISSION` for some health fields, a GPU or virtual GPU without
+    /// the feature `NOT_SUPPORTED`. The field reads as unknown; whether that warns or holds
+    /// is [`crate::gpu::decide::judge_unreadable`]'s rule, with the config at hand.
+    fn unknown(&mut self, call: &str, e: &NvmlError) {
+        let error = match e {
+            NvmlError::NoPermission => FieldError::NoPermission,
+            _ => FieldError::NotSupported,
+        };
+        if !self.unreadable.iter().any(|u| u.call == call) {
+            self.unreadable.push(UnreadableField {
+                call: call.to_string(),
+                error,
+            });
+        }
+    }
+}
+
+/// `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION` (nvml.h 12.9): what the driver says the GPU needs.
+const FI_GPU_RECOVERY_ACTION: u32 = 230;
+
+/// Read the GPU recovery action field. An unknown raw value reads as `NotSupported` (this
+/// build cannot say what it asks for).
+fn recovery_action(dev: &Device<'_>) -> Result<RecoveryAction, NvmlError> {
+    use nvml_wrapper::enums::device::SampleValue;
+    use nvml_wrapper::structs::device::FieldId;
+    let sample = dev
+        .field_values_for(&[FieldId(FI_GPU_RECOVERY_ACTION)])?
+        .into_iter()
+        .next()
+        .ok_or(NvmlError::NotSupported)??;
+    let raw = match sample.value? {
+        SampleValue::U32(v) => u64::from(v),
+        SampleValue::U64(v) => v,
+        SampleValue::I64(v) => u64::try_from(v).map_err(|_| NvmlError::NotSupported)?,
+        SampleValue::F64(_) => return Err(NvmlError::NotSupported),
+    };
+    RecoveryAction::from_nvml(raw).ok_or(NvmlError::NotSupported)
 }
 
 /// NVML bus ids carry an 8-digit domain (`00000000:18:00.0`); the rest of taintgate uses
@@ -400,6 +452,7 @@ fn read_gpu<'n>(nvml: &'n Nvml, index: u32, sysfs_root: &Path) -> Result<(GpuInf
     let mut q = Query {
         label: index.to_string(),
         lost: false,
+        unreadable: Vec::new(),
     };
     let uuid = q.get("nvmlDeviceGetUUID", dev.uuid())?;
     if let Some(u) = &uuid {
@@ -549,7 +602,9 @@ fn read_gpu<'n>(nvml: &'n Nvml, index: u32, sysfs_root: &Path) -> Result<(GpuInf
             remote_pci_bus_id: remote,
         });
     }
+    health.recovery_action = q.get("nvmlDeviceGetFieldValues (GPU_RECOVERY_ACTION)", recovery_action(&dev))?;
     health.lost = q.lost;
+    health.unreadable = std::mem::take(&mut q.unreadable);
     let info = GpuInfo {
         index,
         uuid,
