@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Build the taintgate OCI image without a Docker engine: buildah (Debian) as root, its own
 # vfs storage under target/image/, chroot isolation, `from scratch`. Contents: the stripped
-# release binary, exactly the shared libraries `ldd` lists for it (and the dynamic loader),
-# the CA certificates, a passwd/group naming root. ENTRYPOINT ["taintgate"], user 0:0 (the
+# release binary, the shared libraries `ldd` lists for it (and the dynamic loader), the
+# glibc libraries NVIDIA's driver libraries need besides those (below), the CA
+# certificates, a passwd/group naming root. ENTRYPOINT ["taintgate"], user 0:0 (the
 # DaemonSet's user: root owns the kubelet and containerd sockets the agent reads; every
 # capability is dropped there), OCI labels source, version, revision.
 #
 # The NVIDIA libraries (libnvidia-ml.so.1, libcuda.so.1) are not in the image: the agent
-# dlopens them, and the NVIDIA container runtime or CDI injects them on a GPU node.
+# dlopens them, and the NVIDIA container runtime or CDI injects them on a GPU node. It
+# injects the driver's libraries only, not glibc's, and those need libpthread.so.0,
+# libdl.so.2 and librt.so.1 besides libc/libm (`readelf -d` on the 535 libraries; glibc
+# 2.34+ keeps them as stubs, so the agent itself never links them): the image carries
+# them, from the same glibc as the libc ldd found. tests/tests/image_containerd.rs loads
+# NVIDIA's real 535 libraries in the image to prove it.
 #
 # Usage: scripts/build-image.sh [OUT.tar]   (default target/image/taintgate-oci.tar)
 # Prints the image digest, the archive's size and the tag. linux/amd64 only (the host's).
@@ -56,6 +62,18 @@ install -D -m 0755 "$work/taintgate" "$mnt/usr/local/bin/taintgate"
 ldd "$work/taintgate" | awk '/=> \//{print $3} /^[[:space:]]*\/[^ ]+ \(/{print $1}' | sort -u | while read -r lib; do
     install -D -m 0755 "$(readlink -f "$lib")" "$mnt$lib"
     echo "build-image: + $lib"
+done
+# glibc's libraries that NVIDIA's libnvidia-ml.so.1 and libcuda.so.1 declare as needed and
+# the agent does not: beside the libc ldd resolved, so they are the same glibc release.
+libc_path=$(ldd "$work/taintgate" | awk '$1 == "libc.so.6" && $3 ~ /^\// {print $3}')
+[ -n "$libc_path" ] || { echo "build-image: ldd names no libc.so.6 for the agent" >&2; exit 1; }
+for soname in libpthread.so.0 libdl.so.2 librt.so.1 libm.so.6; do
+    lib=$(dirname "$libc_path")/$soname
+    [ -e "$lib" ] || { echo "build-image: $lib not found (needed by NVIDIA's driver libraries)" >&2; exit 1; }
+    if [ ! -e "$mnt$lib" ]; then
+        install -D -m 0755 "$(readlink -f "$lib")" "$mnt$lib"
+        echo "build-image: + $lib (for NVIDIA's libraries)"
+    fi
 done
 install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$mnt/etc/ssl/certs/ca-certificates.crt"
 install -d -m 1777 "$mnt/tmp"

@@ -433,15 +433,21 @@ fn check_drives_the_real_nvml_path_against_the_fake_library() {
     let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(t["verdict"]["reason"], "RowRemapPending");
 
+    // NVML loads but the kernel driver is not loaded: the stage asks again until its
+    // deadline (a short one here), then holds.
     std::fs::write(dir.path().join("profile.txt"), "init=driver_not_loaded\n").unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, "stages: {driver: {deadline: 3s}}\n").unwrap();
     let o = bin()
-        .args(["check", "--stages", "driver", "--output", "json"])
+        .args(["check", "--stages", "driver", "--output", "json", "--config"])
+        .arg(&config)
         .env("TAINTGATE_NVML_LIBRARY", &lib)
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(t["verdict"]["reason"], "DriverNotLoaded");
+    assert!(text(&o).contains("still so at the 3s deadline"), "{}", text(&o));
 }
 
 #[test]

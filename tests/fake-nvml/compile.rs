@@ -46,11 +46,28 @@ fn fake_nvml_include_dir(src: &std::path::Path) -> std::path::PathBuf {
 /// that header, into a fresh temporary directory, and return the shared library's path.
 /// Panics naming what failed: a test without its fake cannot say anything.
 fn compile_fake_nvml(src: &std::path::Path) -> std::path::PathBuf {
+    compile_fake_nvml_exporting(src, None)
+}
+
+/// [`compile_fake_nvml`], exporting only `exports` when given (a linker version script makes
+/// every other symbol local): the fake restricted to an older driver's symbol set, so a
+/// test sees what the agent does where a newer entry point is missing.
+#[allow(dead_code)] // not every test file that includes this uses it
+fn compile_fake_nvml_exporting(src: &std::path::Path, exports: Option<&[String]>) -> std::path::PathBuf {
     let include = fake_nvml_include_dir(src);
     let dir = tempfile::tempdir().unwrap().keep();
     let out = dir.join("libfake-nvml.so");
     let stubs = dir.join("nvml_stubs.c");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let version_script: Vec<std::ffi::OsString> = match exports {
+        None => Vec::new(),
+        Some(names) => {
+            let map = dir.join("exports.map");
+            let globals: String = names.iter().map(|n| format!("    {n};\n")).collect();
+            std::fs::write(&map, format!("{{\n  global:\n{globals}  local: *;\n}};\n")).unwrap();
+            vec![format!("-Wl,--version-script={}", map.display()).into()]
+        }
+    };
     let generator = src.with_file_name("gen-stubs.py");
     let status = std::process::Command::new("python3")
         .arg(&generator)
@@ -82,6 +99,12 @@ fn compile_fake_nvml(src: &std::path::Path) -> std::path::PathBuf {
         .arg(&out)
         .arg(src)
         .arg(&stubs)
+        // The real libnvidia-ml.so.1 (535) declares exactly these as needed (`readelf -d`);
+        // so does the fake, so a runtime (a container image) that lacks one fails to load
+        // the fake as it would fail to load NVIDIA's. --no-as-needed keeps the entries the
+        // fake's own code does not need.
+        .args(FAKE_NVML_NEEDED_LINK_ARGS)
+        .args(version_script)
         .status()
         .unwrap_or_else(|e| panic!("cannot run {cc} to build the fake NVML: {e}"));
     assert!(
@@ -92,3 +115,18 @@ fn compile_fake_nvml(src: &std::path::Path) -> std::path::PathBuf {
     );
     out
 }
+
+/// Linker arguments that give the fake NVML the `DT_NEEDED` list of NVIDIA's real
+/// `libnvidia-ml.so.1` (535: libpthread.so.0, libm.so.6, libdl.so.2, libc.so.6,
+/// librt.so.1). `tests/tests/nvidia_real_libs.rs` compares the two lists. glibc 2.34+
+/// folded libpthread, libdl and librt into libc and ships empty `.a` archives for
+/// `-lpthread`/`-ldl`/`-lrt`, so those would add nothing: `-l:<soname>` names the shared
+/// objects themselves.
+const FAKE_NVML_NEEDED_LINK_ARGS: &[&str] = &[
+    "-Wl,--no-as-needed",
+    "-l:libpthread.so.0",
+    "-lm",
+    "-l:libdl.so.2",
+    "-l:librt.so.1",
+    "-Wl,--as-needed",
+];

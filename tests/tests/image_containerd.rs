@@ -5,15 +5,26 @@
 //! version label, `taintgate check --simulate builtin` releases inside it, and without the
 //! NVIDIA libraries a runtime would inject, the driver stage holds with DriverNotLoaded.
 //!
+//! Then with **NVIDIA's real 535 libraries** (Debian's non-free `libnvidia-ml1` and
+//! `libcuda1`, scripts/install-test-deps-nvidia-driver.sh) bind-mounted read-only at
+//! `/usr/lib/x86_64-linux-gnu` as the NVIDIA container runtime injects them (the
+//! `.so.535.*` files and their `.so.1` names), read-only root filesystem, every capability
+//! dropped: the libraries load in the image (they need libpthread.so.0, libdl.so.2 and
+//! librt.so.1, which the agent alone does not), so the driver stage reports NVML's own
+//! answer on a machine without the kernel module (`nvmlInit_v2`: the kernel driver is not
+//! loaded) and the CUDA worker `cuInit`'s own error, not a load failure. On an image with
+//! only what `ldd taintgate` lists, both fail to load the libraries and this test fails.
+//!
 //! The archive is `TAINTGATE_IMAGE_ARCHIVE` when set (made by `scripts/build-image.sh`);
 //! otherwise the test runs the script, which builds the release binary. Needs root,
-//! buildah, containerd, runc, docker-registry and skopeo (scripts/install-test-deps-*.sh);
-//! under CI a missing one fails the test.
+//! buildah, containerd, runc, docker-registry, skopeo and NVIDIA's 535 libraries
+//! (scripts/install-test-deps-*.sh); under CI a missing one fails the test.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 use anyhow::{Context, bail};
 use serde_json::Value;
@@ -102,6 +113,124 @@ fn ctr_run(c: &Containerd, image: &str, id: &str, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// The directory holding NVIDIA's real 535 libraries (`*.so.535.*` and `.so.1` links).
+fn driver_libs() -> anyhow::Result<PathBuf> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/install-test-deps-nvidia-driver.sh");
+    let o = Command::new("bash").arg(&script).arg("--print-dir").output()?;
+    if !o.status.success() {
+        bail!("{}", String::from_utf8_lossy(&o.stderr).trim());
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+}
+
+/// Where the NVIDIA container runtime puts the driver's libraries in a Debian/Ubuntu-style
+/// container, and where the image's loader looks without an ld.so.cache.
+const CONTAINER_LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
+
+/// `--mount` options binding each NVIDIA library of `libs` read-only into the container:
+/// the versioned file and its soname (`libnvidia-ml.so.1`, the file it links to).
+fn nvidia_mounts(libs: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(libs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("libnvidia-ml.so.") || n.starts_with("libcuda.so."))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 4, "{names:?} in {}", libs.display());
+    names
+        .iter()
+        .flat_map(|n| {
+            [
+                "--mount".to_string(),
+                format!(
+                    "type=bind,src={},dst={CONTAINER_LIB_DIR}/{n},options=rbind:ro",
+                    libs.join(n).canonicalize().unwrap().display()
+                ),
+            ]
+        })
+        .collect()
+}
+
+/// Every capability containerd 1.6 grants by default, to drop them all (the DaemonSet
+/// drops ALL).
+const DEFAULT_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+/// `ctr run` (kept, not `--rm`) of `image` the way a GPU node runs the agent: NVIDIA's
+/// libraries bind-mounted, read-only root, no capability, a config with a 3 s driver-stage
+/// deadline at `/etc/taintgate/config.yaml`; `stdin` written to the process.
+/// Checks the container's spec for the read-only root and the empty capability sets,
+/// then removes the container.
+fn ctr_run_like_a_node(c: &Containerd, image: &str, id: &str, libs: &Path, args: &[&str], stdin: &[u8]) -> Output {
+    // A short driver-stage deadline, mounted at /etc/taintgate/config.yaml.
+    let config_dir = tempfile::tempdir().unwrap();
+    let config = config_dir.path().join("config.yaml");
+    std::fs::write(&config, "stages: {driver: {deadline: 3s}}\n").unwrap();
+    // Bounded: a process in the container that never ends fails the test, not hangs it.
+    let mut cmd = Command::new("timeout");
+    cmd.args(["--signal=KILL", "120", "ctr", "--address"])
+        .arg(&c.socket)
+        .args(["-n", "k8s.io", "run", "--snapshotter", &c.snapshotter, "--read-only"])
+        .args(nvidia_mounts(libs))
+        .arg("--mount")
+        .arg(format!(
+            "type=bind,src={},dst=/etc/taintgate/config.yaml,options=rbind:ro",
+            config.display()
+        ));
+    for cap in DEFAULT_CAPS {
+        cmd.args(["--cap-drop", cap]);
+    }
+    let mut child = cmd
+        .arg(image)
+        .arg(id)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin).unwrap();
+    drop(input);
+    let out = child.wait_with_output().unwrap();
+    let info = Command::new("ctr")
+        .arg("--address")
+        .arg(&c.socket)
+        .args(["-n", "k8s.io", "containers", "info", id])
+        .output()
+        .unwrap();
+    assert!(info.status.success(), "ctr containers info: {}", text(&info));
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    let spec = &info["Spec"];
+    assert_eq!(spec["root"]["readonly"], true, "{spec}");
+    for set in ["bounding", "effective", "permitted"] {
+        let caps = &spec["process"]["capabilities"][set];
+        assert!(caps.as_array().is_none_or(Vec::is_empty), "{set}: {caps}");
+    }
+    let rm = Command::new("ctr")
+        .arg("--address")
+        .arg(&c.socket)
+        .args(["-n", "k8s.io", "containers", "rm", id])
+        .output()
+        .unwrap();
+    assert!(rm.status.success(), "ctr containers rm: {}", text(&rm));
+    out
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_image_pulled_by_digest_through_cri_runs_and_releases() {
     let work = tempfile::tempdir().unwrap();
@@ -157,4 +286,53 @@ async fn the_image_pulled_by_digest_through_cri_runs_and_releases() {
     let out = text(&o);
     assert_eq!(o.status.code(), Some(1), "held: {out}");
     assert!(out.contains("HELD: DriverNotLoaded"), "{out}");
+
+    // NVIDIA's real 535 libraries injected as on a node: NVML loads and answers itself.
+    // The driver stage waits for the kernel driver until its deadline: a short one.
+    let libs = require_service!("NVIDIA's 535 libraries", driver_libs());
+    let o = ctr_run_like_a_node(
+        &containerd,
+        &by_digest,
+        "tg-driver-nvidia",
+        &libs,
+        &[
+            "taintgate",
+            "check",
+            "--stages",
+            "driver",
+            "--config",
+            "/etc/taintgate/config.yaml",
+        ],
+        b"",
+    );
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "held: {out}");
+    assert!(out.contains("HELD: DriverNotLoaded"), "{out}");
+    assert!(
+        out.contains("nvmlInit_v2 (libnvidia-ml.so.1): the NVIDIA kernel driver is not loaded"),
+        "NVML did not answer for itself in the image: {out}"
+    );
+    assert!(!out.contains("cannot load"), "{out}");
+    assert!(out.contains("still so at the 3s deadline"), "{out}");
+
+    // The CUDA worker in the image: cuInit answers (a CUresult), libcuda.so.1 loaded.
+    let request = br#"{"op":"smoke","gpu":{"index":0,"uuid":"GPU-0","pci_bus_id":"0000:18:00.0","product":"p","memory_bytes":1},"bytes":4096}"#;
+    let o = ctr_run_like_a_node(
+        &containerd,
+        &by_digest,
+        "tg-cuda-nvidia",
+        &libs,
+        &["taintgate", "cuda-worker"],
+        request,
+    );
+    let out = text(&o);
+    assert!(o.status.success(), "cuda-worker in the image: {out}");
+    let reply: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(reply["result"]["Err"]["Cuda"]["call"], "cuInit", "{reply}");
+    assert!(
+        reply["result"]["Err"]["Cuda"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("CUDA_ERROR_")),
+        "{reply}"
+    );
 }

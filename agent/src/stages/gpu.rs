@@ -1,15 +1,35 @@
 //! The GPU stages: `driver` (NVML inventory and health against the expectations),
 //! `smoke` (a CUDA kernel on every GPU) and `peer-bw` (each peer domain's bandwidth).
 
-use super::context::{Context, Evidence, StageFailure, blocking};
+use super::context::{Context, Evidence, Progress, StageFailure, blocking};
 use serde_json::json;
+use std::time::Duration;
 use taintgate_validators::gpu::PeerBwOptions;
 use taintgate_validators::gpu::decide::{evaluate_driver, evaluate_peer_bw_with, startup_record};
+use taintgate_validators::gpu::real::driver_may_still_load;
+
+/// How often the driver stage asks NVML again while the kernel driver is not loaded yet.
+const DRIVER_POLL: Duration = Duration::from_secs(2);
 
 /// The `driver` stage: NVML inventory and health against `gpu.expect`; keeps the inventory for its dependents.
-pub async fn driver(ctx: &Context) -> Result<Evidence, StageFailure> {
-    let gpu = ctx.boundaries.gpu.clone();
-    let inv = blocking("GPU inventory", move || gpu.inventory()).await??;
+///
+/// While NVML answers that the kernel driver is not loaded (the library is there: the
+/// agent may have started before the driver finished loading), the stage asks again every
+/// [`DRIVER_POLL`] until the stage's deadline, which then reports `DriverNotLoaded`. A
+/// missing library fails at once.
+pub async fn driver(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
+    let inv = loop {
+        let gpu = ctx.boundaries.gpu.clone();
+        match blocking("GPU inventory", move || gpu.inventory()).await? {
+            Ok(inv) => break inv,
+            Err(e) if driver_may_still_load(&e) => {
+                tracing::info!(error = %e, retry_in_ms = DRIVER_POLL.as_millis() as u64, "waiting for the NVIDIA kernel driver");
+                progress.set(StageFailure::from(e));
+                tokio::time::sleep(DRIVER_POLL).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
     let ev = evaluate_driver(&inv, &ctx.config.gpu.expect)?;
     let product = inv.gpus.first().map(|g| g.product.clone()).unwrap_or_default();
     let driver = inv.gpus.first().map(|g| g.driver_version.clone()).unwrap_or_default();

@@ -21,7 +21,7 @@ use crate::stage::Stage;
 pub async fn run_stage_body(ctx: &Context, stage: Stage, progress: &Progress) -> Result<Evidence, StageFailure> {
     match stage {
         Stage::Register => cluster::register(ctx, progress).await,
-        Stage::Driver => gpu::driver(ctx).await,
+        Stage::Driver => gpu::driver(ctx, progress).await,
         Stage::Smoke => gpu::smoke(ctx).await,
         Stage::PeerBw => gpu::peer_bw(ctx).await,
         Stage::Allocatable => cluster::allocatable(ctx, progress).await,

@@ -89,6 +89,18 @@ fn cuda_library_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// Why `libcuda.so.1` does not load, in the loader's words: absent, or present but missing
+/// a library it needs (an image without `libpthread.so.0` fails here, not at `cuInit`).
+#[allow(unsafe_code)]
+fn cuda_load_error() -> String {
+    // SAFETY: as in `cuda_library_present`: a `dlopen` of the driver's soname, dropped at
+    // once; no library function is called.
+    match unsafe { libloading::Library::new("libcuda.so.1") } {
+        Ok(_) => "it loads by its soname but not by cudarc's candidate names".into(),
+        Err(e) => e.to_string(),
+    }
+}
+
 fn cuda_err(call: &str, gpu: &str, e: DriverError) -> GpuError {
     GpuError::Cuda {
         call: call.into(),
@@ -132,9 +144,10 @@ impl CudaBackend {
     /// order is fastest-first, not PCI order, so indexes cannot be assumed to agree).
     pub(crate) fn open() -> Result<Self, GpuError> {
         if !cuda_library_present() {
-            return Err(GpuError::DriverNotLoaded(
-                "libcuda.so.1 could not be loaded (no NVIDIA driver user-space library on this machine)".into(),
-            ));
+            return Err(GpuError::DriverNotLoaded(format!(
+                "libcuda.so.1 could not be loaded: {}",
+                cuda_load_error()
+            )));
         }
         guarded("cuInit", "-", || {
             cudarc::driver::result::init().map_err(|e| cuda_err("cuInit", "-", e))?;

@@ -159,6 +159,91 @@ impl RealGpu {
     }
 }
 
+/// True when `e` says NVML loaded but the kernel driver is not loaded yet: the one
+/// `DriverNotLoaded` that can clear by itself while the agent waits (a node whose agent
+/// started before the driver finished loading). A missing library does not.
+pub fn driver_may_still_load(e: &GpuError) -> bool {
+    matches!(e, GpuError::DriverNotLoaded(m) if m.ends_with(nvml::KERNEL_DRIVER_NOT_LOADED))
+}
+
+/// The real backend, opened again on the next call for as long as opening fails: NVML is
+/// opened once for the process's life, so an agent that started before the driver was
+/// loaded would otherwise report `DriverNotLoaded` forever. Once open it stays open (its XID
+/// subscription with it).
+pub struct ReopeningGpu {
+    opts: RealGpuOptions,
+    open: std::sync::Mutex<Option<std::sync::Arc<RealGpu>>>,
+}
+
+impl std::fmt::Debug for ReopeningGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReopeningGpu").field("opts", &self.opts).finish()
+    }
+}
+
+impl ReopeningGpu {
+    /// Try to open now; a failure is logged and tried again on the next call.
+    pub fn new(opts: RealGpuOptions) -> Self {
+        let g = Self {
+            opts,
+            open: std::sync::Mutex::new(None),
+        };
+        if let Err(e) = g.get() {
+            tracing::error!(error = %e, "cannot open the NVML backend yet; trying again on the next call");
+        }
+        g
+    }
+
+    /// The open backend, opening it first when it is not.
+    pub fn get(&self) -> Result<std::sync::Arc<RealGpu>, GpuError> {
+        let mut open = self.open.lock().map_err(|_| GpuError::Nvml {
+            call: "nvmlInit_v2".into(),
+            gpu: None,
+            message: "backend lock poisoned".into(),
+        })?;
+        if let Some(g) = open.as_ref() {
+            return Ok(g.clone());
+        }
+        let g = std::sync::Arc::new(RealGpu::open(&self.opts)?);
+        tracing::info!(library = %g.nvml_library().display(), "NVML opened");
+        for w in g.open_warnings() {
+            tracing::warn!(warning = %w, "GPU backend");
+        }
+        *open = Some(g.clone());
+        Ok(g)
+    }
+}
+
+impl Gpu for ReopeningGpu {
+    fn backend(&self) -> &'static str {
+        "nvml"
+    }
+    fn inventory(&self) -> Result<Inventory, GpuError> {
+        self.get()?.inventory()
+    }
+    fn drain_xids(&self) -> Result<Vec<(u32, u32)>, GpuError> {
+        // Nothing is subscribed before NVML opens: no XIDs to drain.
+        match self.open.lock().ok().and_then(|g| g.clone()) {
+            Some(g) => g.drain_xids(),
+            None => Ok(Vec::new()),
+        }
+    }
+    fn wait_xids(&self, timeout: Duration) -> Result<Vec<(u32, u32)>, GpuError> {
+        self.get()?.wait_xids(timeout)
+    }
+    fn smoke(&self, gpu: &GpuInfo, bytes: u64) -> Result<SmokeResult, GpuError> {
+        self.get()?.smoke(gpu, bytes)
+    }
+    fn peer_bandwidth(
+        &self,
+        inventory: &Inventory,
+        domain: &PeerDomain,
+        opts: &PeerBwOptions,
+    ) -> Result<DomainBandwidth, GpuError> {
+        self.get()?.peer_bandwidth(inventory, domain, opts)
+    }
+}
+
 fn smoke_reply(r: WorkerReply) -> Result<SmokeResult, GpuError> {
     match r {
         WorkerReply::Smoke(r) => r,

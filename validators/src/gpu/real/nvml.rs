@@ -59,6 +59,10 @@ pub(crate) struct NvmlBackend {
     warnings: Vec<String>,
 }
 
+/// The end of the `DriverNotLoaded` message when NVML loaded and `nvmlInit_v2` answered
+/// `NVML_ERROR_DRIVER_NOT_LOADED`: the library is there, the kernel module is not (yet).
+pub(crate) const KERNEL_DRIVER_NOT_LOADED: &str = "the NVIDIA kernel driver is not loaded";
+
 /// Map an `nvmlInit` failure to the boundary error: a missing library or kernel driver is
 /// `DriverNotLoaded`; anything else names the call.
 fn init_error(lib: &Path, e: NvmlError) -> GpuError {
@@ -67,10 +71,9 @@ fn init_error(lib: &Path, e: NvmlError) -> GpuError {
         NvmlError::FailedToLoadSymbol(s) => {
             GpuError::DriverNotLoaded(format!("{} is not a usable NVML library: {s}", lib.display()))
         }
-        NvmlError::DriverNotLoaded => GpuError::DriverNotLoaded(format!(
-            "nvmlInit_v2 ({}): the NVIDIA kernel driver is not loaded",
-            lib.display()
-        )),
+        NvmlError::DriverNotLoaded => {
+            GpuError::DriverNotLoaded(format!("nvmlInit_v2 ({}): {KERNEL_DRIVER_NOT_LOADED}", lib.display()))
+        }
         NvmlError::LibraryNotFound => {
             GpuError::DriverNotLoaded(format!("nvmlInit_v2 ({}): library not found", lib.display()))
         }
@@ -560,7 +563,7 @@ fn read_gpu<'n>(nvml: &'n Nvml, index: u32, sysfs_root: &Path) -> Result<(GpuInf
             dev.are_pages_pending_retired(),
         )?
         .unwrap_or(false);
-    let fabric = q.get("nvmlDeviceGetGpuFabricInfo", fabric_state(nvml, &dev))?;
+    let fabric = q.get("nvmlDeviceGetGpuFabricInfoV", fabric_state(nvml, &dev))?;
     let mut nvlinks = Vec::new();
     for l in 0..MAX_NVLINKS {
         let link = dev.link_wrapper_for(l);
@@ -653,11 +656,69 @@ fn remapped_rows(nvml: &Nvml, dev: &Device<'_>) -> Result<(u32, u32, bool, bool)
     Ok((corr, unc, pending != 0, failure != 0))
 }
 
-/// NVSwitch / NVLink fabric registration state (`nvmlDeviceGetGpuFabricInfo`, no safe
-/// wrapper in `nvml-wrapper` 0.13). A completed registration whose status is an error is
-/// `Failed`.
-#[allow(unsafe_code)]
+/// NVSwitch / NVLink fabric registration state. A completed registration whose status is an
+/// error is `Failed`.
+///
+/// The versioned `nvmlDeviceGetGpuFabricInfoV` (R550 and later; NVIDIA's successor of the
+/// unversioned call) is asked first; where the library does not export it (the 535 branch
+/// does not, `nm -D`) or does not know the struct version, the unversioned
+/// `nvmlDeviceGetGpuFabricInfo` (R525 and later) answers, as NVIDIA's go-nvlib does.
+/// `nvml-wrapper` 0.13 has a safe wrapper for neither.
 fn fabric_state(nvml: &Nvml, dev: &Device<'_>) -> Result<FabricState, NvmlError> {
+    use nvml_wrapper_sys::bindings as b;
+    let (state, status) = match fabric_info_v(nvml, dev) {
+        Err(NvmlError::FailedToLoadSymbol(_) | NvmlError::FunctionNotFound) => fabric_info_unversioned(nvml, dev)?,
+        Err(NvmlError::UnexpectedVariant(b::nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH)) => {
+            fabric_info_unversioned(nvml, dev)?
+        }
+        other => other?,
+    };
+    Ok(match u32::from(state) {
+        b::NVML_GPU_FABRIC_STATE_NOT_SUPPORTED => FabricState::NotSupported,
+        b::NVML_GPU_FABRIC_STATE_NOT_STARTED => FabricState::NotStarted,
+        b::NVML_GPU_FABRIC_STATE_IN_PROGRESS => FabricState::InProgress,
+        b::NVML_GPU_FABRIC_STATE_COMPLETED if status == b::nvmlReturn_enum_NVML_SUCCESS => FabricState::Completed,
+        _ => FabricState::Failed,
+    })
+}
+
+/// `nvmlGpuFabricInfo_v2`: `NVML_STRUCT_VERSION(GpuFabricInfo, 2)`, the size of the v2
+/// struct (36 bytes: no `healthSummary`) with the version in the top byte. v2 is the
+/// version every driver with the call accepts (nvml.h 12.9's `nvmlGpuFabricInfoV_t`); a
+/// v3-sized buffer is passed, of which the driver fills the v2 part.
+const FABRIC_INFO_V2: u32 =
+    std::mem::size_of::<nvml_wrapper_sys::bindings::nvmlGpuFabricInfo_v2_t>() as u32 | (2 << 24);
+
+/// `nvmlDeviceGetGpuFabricInfoV` with a v2 request: (state, status).
+#[allow(unsafe_code)]
+fn fabric_info_v(nvml: &Nvml, dev: &Device<'_>) -> Result<(u8, u32), NvmlError> {
+    use nvml_wrapper_sys::bindings as b;
+    let f = nvml
+        .lib()
+        .nvmlDeviceGetGpuFabricInfoV
+        .as_ref()
+        .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+    let mut info = b::nvmlGpuFabricInfoV_t {
+        version: FABRIC_INFO_V2,
+        clusterUuid: [0; 16],
+        status: 0,
+        cliqueId: 0,
+        state: 0,
+        healthMask: 0,
+        healthSummary: 0,
+    };
+    // SAFETY: `f` is the library's `nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t,
+    // nvmlGpuFabricInfoV_t*)`, resolved by name with the binding's signature; `info` is a
+    // valid, initialised v3 struct (a superset of the v2 layout the version asks for) that
+    // lives across the call.
+    let code = unsafe { f(dev.handle(), &mut info) };
+    nvml_try(code)?;
+    Ok((info.state, info.status))
+}
+
+/// `nvmlDeviceGetGpuFabricInfo` (unversioned, R525+): (state, status).
+#[allow(unsafe_code)]
+fn fabric_info_unversioned(nvml: &Nvml, dev: &Device<'_>) -> Result<(u8, u32), NvmlError> {
     use nvml_wrapper_sys::bindings as b;
     let f = nvml
         .lib()
@@ -675,13 +736,7 @@ fn fabric_state(nvml: &Nvml, dev: &Device<'_>) -> Result<FabricState, NvmlError>
     // valid, initialised struct of the layout the binding declares and lives across the call.
     let code = unsafe { f(dev.handle(), &mut info) };
     nvml_try(code)?;
-    Ok(match u32::from(info.state) {
-        b::NVML_GPU_FABRIC_STATE_NOT_SUPPORTED => FabricState::NotSupported,
-        b::NVML_GPU_FABRIC_STATE_NOT_STARTED => FabricState::NotStarted,
-        b::NVML_GPU_FABRIC_STATE_IN_PROGRESS => FabricState::InProgress,
-        b::NVML_GPU_FABRIC_STATE_COMPLETED if info.status == b::nvmlReturn_enum_NVML_SUCCESS => FabricState::Completed,
-        _ => FabricState::Failed,
-    })
+    Ok((info.state, info.status))
 }
 
 /// Group GPUs into peer domains: an NVLink P2P path or a supported PCIe P2P read connects
@@ -753,6 +808,12 @@ mod tests {
         assert_eq!(mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), "1g.10gb");
         assert_eq!(mig_profile("NVIDIA A100-SXM4-40GB MIG 3g.20gb "), "3g.20gb");
         assert_eq!(mig_profile("2g.20gb"), "2g.20gb");
+    }
+
+    #[test]
+    fn fabric_info_v2_version_is_nvml_h_struct_version() {
+        // NVML_STRUCT_VERSION(GpuFabricInfo, 2) with nvml.h 12.9's 36-byte v2 struct.
+        assert_eq!(FABRIC_INFO_V2, 0x0200_0024);
     }
 
     #[test]

@@ -11,8 +11,8 @@
 //! child's, reported as `CudaWorkerCrashed` / `CudaWorkerTimeout`, and a failed `cuInit` is
 //! not cached for the agent's life: the next attempt is a fresh process.
 //!
-//! Protocol: one JSON [`WorkerRequest`] on stdin, one JSON [`WorkerReply`] line on stdout,
-//! exit status 0. Logs go to stderr, which the child inherits from the agent.
+//! Protocol: one JSON [`WorkerRequest`] on stdin (read to its end, not to EOF), one JSON
+//! [`WorkerReply`] line on stdout, exit status 0. Logs go to stderr, which the child inherits from the agent.
 
 use super::cuda::CudaBackend;
 use crate::gpu::{DomainBandwidth, GpuError, GpuInfo, Inventory, PeerBwOptions, PeerDomain, SmokeResult};
@@ -32,6 +32,11 @@ pub const CUDA_WORKER_ARG: &str = "cuda-worker";
 pub const DEFAULT_CUDA_WORKER_TIMEOUT: Duration = Duration::from_secs(600);
 /// At most this much of the worker's stdout is read (a reply is a few KiB).
 const MAX_REPLY_BYTES: u64 = 16 << 20;
+/// How long a killed worker gets to be reaped before the agent stops waiting for it. A
+/// process stuck in the driver (uninterruptible sleep in an ioctl, or frozen in a cgroup)
+/// does not die on SIGKILL until the kernel lets it; the agent reports the timeout and
+/// leaves the reaping to a background thread instead of waiting without bound.
+const KILL_REAP_GRACE: Duration = Duration::from_secs(3);
 
 /// What the worker is asked to do.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -93,15 +98,20 @@ pub fn handle(req: WorkerRequest) -> WorkerReply {
 /// `output`. Returns the process exit code: 0 when a reply was written (the reply carries
 /// any CUDA failure), 2 when the request could not be read.
 pub fn worker_main(input: &mut dyn Read, output: &mut dyn Write) -> i32 {
-    let mut text = String::new();
-    if let Err(e) = input.take(MAX_REPLY_BYTES).read_to_string(&mut text) {
-        eprintln!("cuda-worker: cannot read the request on stdin: {e}");
-        return 2;
-    }
-    let req: WorkerRequest = match serde_json::from_str(&text) {
-        Ok(r) => r,
-        Err(e) => {
+    // One JSON value, read up to its end and not to EOF: whoever runs the worker need not
+    // close stdin (`ctr run` never does).
+    let reader = std::io::BufReader::new(input.take(MAX_REPLY_BYTES));
+    let req: WorkerRequest = match serde_json::Deserializer::from_reader(reader)
+        .into_iter::<WorkerRequest>()
+        .next()
+    {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => {
             eprintln!("cuda-worker: invalid request on stdin: {e}");
+            return 2;
+        }
+        None => {
+            eprintln!("cuda-worker: no request on stdin");
             return 2;
         }
     };
@@ -164,10 +174,14 @@ impl WorkerCommand {
             ))
         })?;
         let started = Instant::now();
-        // The request is small (an inventory); written before waiting. A child that dies
-        // before reading it shows up as a crash below, not as this write's EPIPE.
+        // Written from a thread: a request larger than the pipe buffer (a big inventory)
+        // would otherwise block here, before the timeout is watched, on a child that never
+        // reads. A child that dies before reading it shows up as a crash below, not as
+        // this write's EPIPE.
         if let Some(mut stdin) = child.stdin.take() {
-            let _ = stdin.write_all(&body);
+            std::thread::spawn(move || {
+                let _ = stdin.write_all(&body);
+            });
         }
         let reader = child.stdout.take().map(|out| {
             std::thread::spawn(move || {
@@ -181,12 +195,32 @@ impl WorkerCommand {
                 Ok(Some(s)) => break s,
                 Ok(None) if started.elapsed() >= self.timeout => {
                     let _ = child.kill();
-                    let _ = child.wait();
+                    let reaped = reap_within(&mut child, KILL_REAP_GRACE);
+                    let pid = child.id();
+                    if !reaped {
+                        tracing::warn!(
+                            pid,
+                            "the killed CUDA worker has not exited (stuck in the driver?); reaping it in the background"
+                        );
+                        // Reaped whenever the kernel lets it die, so it never stays a zombie.
+                        std::thread::spawn(move || {
+                            let _ = child.wait();
+                            tracing::info!(pid, "the killed CUDA worker exited");
+                        });
+                    }
                     return Err(GpuError::CudaWorkerTimeout {
                         detail: format!(
-                            "{} {CUDA_WORKER_ARG} did not finish within {:?}; killed",
+                            "{} {CUDA_WORKER_ARG} did not finish within {:?}; killed{}",
                             self.program.display(),
-                            self.timeout
+                            self.timeout,
+                            if reaped {
+                                String::new()
+                            } else {
+                                format!(
+                                    " (pid {pid} had not exited {:?} after SIGKILL: stuck in the driver)",
+                                    KILL_REAP_GRACE
+                                )
+                            }
                         ),
                     });
                 }
@@ -206,6 +240,19 @@ impl WorkerCommand {
                 text.chars().take(200).collect::<String>()
             ))
         })
+    }
+}
+
+/// Wait up to `grace` for `child` to exit; true when it was reaped.
+fn reap_within(child: &mut std::process::Child, grace: Duration) -> bool {
+    let until = Instant::now() + grace;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => return true,
+            Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
+            // Still running past the grace, or not waitable: the caller stops waiting.
+            _ => return false,
+        }
     }
 }
 
@@ -254,6 +301,24 @@ mod tests {
         }
     }
 
+    /// Hands out the request, then fails the test if read again: stdin left open.
+    struct OpenStdin(Option<Vec<u8>>);
+    impl Read for OpenStdin {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let body = self.0.take().expect("read past the request: the worker waits for EOF");
+            buf[..body.len()].copy_from_slice(&body);
+            Ok(body.len())
+        }
+    }
+
+    #[test]
+    fn worker_main_does_not_wait_for_eof() {
+        let body = serde_json::to_vec(&req()).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(worker_main(&mut OpenStdin(Some(body)), &mut out), 0);
+        assert!(!out.is_empty());
+    }
+
     #[test]
     fn a_worker_killed_by_a_signal_is_crashed() {
         let dir = tempfile::tempdir().unwrap();
@@ -275,6 +340,74 @@ mod tests {
         };
         let e = w.run(&req(), None).unwrap_err();
         assert_eq!(e.reason(), "CudaWorkerTimeout", "{e}");
+    }
+
+    /// A worker that SIGKILL cannot end (it sits in a frozen cgroup-v1 freezer, as a
+    /// process stuck in the driver does in an uninterruptible ioctl) still ends the run in
+    /// `CudaWorkerTimeout` within the timeout plus the reaping grace; once thawed it dies
+    /// and is reaped in the background. Needs root and `/sys/fs/cgroup/freezer`; under
+    /// `CI=true` their absence fails the test.
+    #[test]
+    fn a_worker_that_ignores_sigkill_still_times_out_within_a_bound() {
+        let freezer = Path::new("/sys/fs/cgroup/freezer");
+        let cg = freezer.join(format!("taintgate-worker-test-{}", std::process::id()));
+        if let Err(e) = std::fs::create_dir(&cg) {
+            let msg = format!("cannot create the freezer cgroup {}: {e}", cg.display());
+            assert!(
+                !matches!(std::env::var("CI").as_deref(), Ok("true" | "1")),
+                "{msg} (CI=true)"
+            );
+            eprintln!("SKIP: {msg}");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        // The worker moves itself into the cgroup, then never answers.
+        let w = WorkerCommand {
+            program: script(
+                dir.path(),
+                &format!("echo $$ > {}/cgroup.procs\nexec sleep 600", cg.display()),
+            ),
+            timeout: Duration::from_millis(1500),
+        };
+        let procs = cg.join("cgroup.procs");
+        let state = cg.join("freezer.state");
+        let freezer_thread = {
+            let (procs, state) = (procs.clone(), state.clone());
+            std::thread::spawn(move || {
+                let until = Instant::now() + Duration::from_secs(10);
+                while std::fs::read_to_string(&procs).unwrap_or_default().trim().is_empty() {
+                    assert!(Instant::now() < until, "the worker never joined the cgroup");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                std::fs::write(&state, "FROZEN").unwrap();
+                while std::fs::read_to_string(&state).unwrap_or_default().trim() != "FROZEN" {
+                    assert!(Instant::now() < until, "the cgroup never froze");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            })
+        };
+        let started = Instant::now();
+        let e = w.run(&req(), None).unwrap_err();
+        let took = started.elapsed();
+        freezer_thread.join().unwrap();
+        let pid: u32 = std::fs::read_to_string(&procs).unwrap().trim().parse().unwrap();
+        // Still there: SIGKILL is pending on a frozen process.
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        std::fs::write(&state, "THAWED").unwrap();
+        assert_eq!(e.reason(), "CudaWorkerTimeout", "{e}");
+        assert!(e.to_string().contains("stuck in the driver"), "{e}");
+        assert!(
+            took < w.timeout + KILL_REAP_GRACE + Duration::from_secs(2),
+            "took {took:?}"
+        );
+        assert!(status.contains("State:"), "pid {pid} was gone before the thaw");
+        // Thawed, it dies and the background thread reaps it: gone from /proc, not a zombie.
+        let until = Instant::now() + Duration::from_secs(10);
+        while Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(Instant::now() < until, "pid {pid} not reaped after the thaw");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::remove_dir(&cg).unwrap();
     }
 
     #[test]
