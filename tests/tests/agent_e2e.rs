@@ -375,17 +375,26 @@ fn already_untainted_node_is_idempotent() {
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    // Registered and untainted: released already (by anyone), so nothing runs and
-    // nothing is written (tests/tests/restart_released.rs: not even a CUDA call).
+    // Registered and untainted: released already (by anyone), so no stage runs
+    // (tests/tests/restart_released.rs: not even a CUDA call). The Node had no record of
+    // that release, so the agent's condition says why it did nothing; nothing else is
+    // written, the hardware condition least of all (no evidence ran).
     assert!(output_text(&o).contains("AlreadyReleased"), "{}", output_text(&o));
-    assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
-    assert!(
-        !emu.mutating_requests()
-            .iter()
-            .any(|r| r.path.starts_with(&format!("/api/v1/nodes/{NODE}"))),
-        "{:?}",
-        emu.mutating_requests()
+    let after = node(&emu);
+    assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
+    let c = condition(&after, "TaintgateVerified").unwrap();
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("True"), Some("AlreadyReleased"))
     );
+    assert!(condition(&after, "AcceleratedHardwareReady").is_none(), "{after}");
+    let writes: Vec<String> = emu
+        .mutating_requests()
+        .into_iter()
+        .filter(|r| r.path.starts_with(&format!("/api/v1/nodes/{NODE}")))
+        .map(|r| r.path)
+        .collect();
+    assert_eq!(writes, vec![format!("/api/v1/nodes/{NODE}/status")]);
 }
 
 #[test]

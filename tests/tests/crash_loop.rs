@@ -226,10 +226,14 @@ fn kill_9_at_random_points_then_converge() {
         assert_eq!(run.code, Some(0), "iteration {i}: restart must release\n{}", run.text());
         let node = reference(&emu).unwrap();
         assert_eq!(taints(&node), vec!["nvidia.com/gpu:NoSchedule"], "iteration {i}");
-        let c = condition(&node, "TaintgateVerified").unwrap();
-        assert_eq!(
-            (c["status"].as_str(), c["reason"].as_str()),
-            (Some("True"), Some("Released"))
+        let c = condition(&node, "TaintgateVerified").unwrap_or_else(|| panic!("iteration {i}: no condition"));
+        // A kill after the removal and before the report leaves a released node without its
+        // record: the restart finds it released, runs nothing on it (it may be serving) and
+        // says so (`AlreadyReleased`); otherwise the restart's own release reports.
+        assert_eq!(c["status"].as_str(), Some("True"), "iteration {i}");
+        assert!(
+            c["reason"] == "Released" || c["reason"] == "AlreadyReleased",
+            "iteration {i}: {c}"
         );
         assert_eq!(others_view(&node), others_view(&before), "iteration {i}");
     }

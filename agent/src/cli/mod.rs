@@ -356,7 +356,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
         )
         .await
         {
-            Ok(crate::node::regate::StartState::Released) => {
+            Ok((crate::node::regate::StartState::Released, node)) => {
                 tracing::info!(
                     node = %node_name,
                     "node already released (registered, startup taint absent, no reboot since): no GPU check on a node that may be serving; resident mode"
@@ -365,23 +365,8 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
                 crate::systemd::status("already released: resident, no GPU check");
                 ready.store(true, std::sync::atomic::Ordering::Release);
                 metrics.observe_already_released();
-                // Printed, never reported: the release's annotation and conditions stand.
-                let clock = Clock::start();
-                let now = std::time::Instant::now();
-                let timeline = crate::timeline::Timeline {
-                    node: node_name.clone(),
-                    agent_start: clock.origin(),
-                    gpu_backend: boundaries.gpu.backend().into(),
-                    stages: Vec::new(),
-                    verdict: Some(crate::timeline::Verdict {
-                        released: true,
-                        dry_run: false,
-                        reason: "AlreadyReleased".into(),
-                        message: "the node was released before this start and has not rebooted since: no stage runs on a node that may be serving".into(),
-                        at_ms: clock.offset(now).as_millis() as u64,
-                        at: clock.wall(now),
-                    }),
-                };
+                crate::run::start::record(api.as_ref(), node, &config.reporting).await;
+                let timeline = crate::run::start::timeline(&node_name, boundaries.gpu.backend());
                 print_timeline(&timeline, args.output, false);
                 if args.once {
                     return exit::RELEASED;
@@ -389,7 +374,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
                 resident(api.clone(), &boundaries, &config, &metrics, &cancel).await;
                 return exit::RELEASED;
             }
-            Ok(state) => tracing::debug!(?state, "start: the node is gated"),
+            Ok((state, _)) => tracing::debug!(?state, "start: the node is gated"),
             // Without the Node the agent cannot tell; it goes on as on a new node, and the
             // stages that need the API wait for it.
             Err(e) => tracing::warn!(error = %e, "could not read the node at start; validating as a new node"),

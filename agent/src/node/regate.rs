@@ -85,24 +85,26 @@ pub fn start_state(
     }
 }
 
-/// Read the Node and decide [`StartState`]. A Node that does not exist yet is
-/// [`StartState::Gated`]; server and transport errors are retried like the re-gate's
-/// (until [`REGATE_DEADLINE`] or `api.untaint_deadline`), a refusal is not.
+/// Read the Node and decide [`StartState`]; the Node read comes along (none when it does
+/// not exist yet, which is [`StartState::Gated`]). Server and transport errors are retried
+/// like the re-gate's (until [`REGATE_DEADLINE`] or `api.untaint_deadline`), a refusal is
+/// not.
 pub async fn read_start_state(
     api: &dyn NodeApi,
     taint: &TaintConfig,
     reporting: &ReportingConfig,
     settings: &ApiConfig,
     regate_on_boot: bool,
-) -> Result<StartState, ApiError> {
+) -> Result<(StartState, Option<Node>), ApiError> {
     let mut retry = Retry::for_api(settings, REGATE_DEADLINE, "the start-up read deadline");
     loop {
         match api.get().await {
             Ok(node) => {
                 let boot = current_boot_id(&node);
-                return Ok(start_state(&node, taint, reporting, boot.as_deref(), regate_on_boot));
+                let state = start_state(&node, taint, reporting, boot.as_deref(), regate_on_boot);
+                return Ok((state, Some(node)));
             }
-            Err(e) if e.kind == crate::node::ApiErrorKind::NotFound => return Ok(StartState::Gated),
+            Err(e) if e.kind == crate::node::ApiErrorKind::NotFound => return Ok((StartState::Gated, None)),
             Err(e) => retry.after(e, "read the node at start").await?,
         }
     }
