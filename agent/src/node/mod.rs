@@ -51,6 +51,14 @@ pub trait EventObserver: Send + Sync {
     fn event_refused(&self, code: u16);
 }
 
+/// The agent's metrics count refused Event writes
+/// (`taintgate_event_writes_refused_total{code}`).
+impl EventObserver for crate::telemetry::metrics::Metrics {
+    fn event_refused(&self, code: u16) {
+        self.observe_event_refused(code);
+    }
+}
+
 /// An [`EventObserver`] that counts nothing (tests, tools).
 pub struct NoEventObserver;
 

@@ -115,12 +115,6 @@ pub struct XidLabels {
     pub xid: String,
 }
 
-impl crate::node::EventObserver for Metrics {
-    fn event_refused(&self, code: u16) {
-        self.events_refused.get_or_create(&CodeLabels { code }).inc();
-    }
-}
-
 /// Metrics server failures.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -283,6 +277,11 @@ impl Metrics {
             xid_watch_errors,
             events_refused,
         }
+    }
+
+    /// Count one Event write the API server refused, by HTTP status (0: no answer).
+    pub fn observe_event_refused(&self, code: u16) {
+        self.events_refused.get_or_create(&CodeLabels { code }).inc();
     }
 
     /// A node found released at start (this process removed nothing): `taintgate_released`
