@@ -36,7 +36,7 @@ if [ -n "$(git status --porcelain 2>/dev/null)" ]; then revision="$revision-dirt
 bin=${TAINTGATE_BIN:-}
 if [ -z "$bin" ]; then
     cargo build --release --locked -p taintgate --bin taintgate
-    bin=target/release/taintgate
+    bin=${CARGO_TARGET_DIR:-target}/release/taintgate
 fi
 
 work=$(mktemp -d)

@@ -8,10 +8,11 @@
 #   docs/reasons.md                             `taintgate reasons` under a header
 #   docs/operations.md (contention table)       `taintgate reasons --contention`
 # Tests fail when any of them drifts (agent/tests/config_docs.rs, deploy_manifests.rs,
-# helm_chart.rs). TAINTGATE_BIN overrides the binary (default: build target/debug/taintgate).
+# helm_chart.rs). TAINTGATE_BIN overrides the binary (default: build
+# ${CARGO_TARGET_DIR:-target}/debug/taintgate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin=${TAINTGATE_BIN:-target/debug/taintgate}
+bin=${TAINTGATE_BIN:-${CARGO_TARGET_DIR:-target}/debug/taintgate}
 if [ -z "${TAINTGATE_BIN:-}" ]; then
     cargo build -q -p taintgate --bin taintgate
 fi

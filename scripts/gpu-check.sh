@@ -120,7 +120,7 @@ bundle() {
     sed -n 's/.*"executable":"\([^"]*gpu_hw[^"]*\)".*/\1/p' | tail -n 1)
   [ -n "$test_bin" ] || { echo "gpu-check: the gpu_hw test binary was not built" >&2; exit 1; }
   # Symbols and debug info go; .eh_frame stays, so panics still unwind and tests report.
-  strip --strip-unneeded -o "$dir/taintgate" target/release/taintgate
+  strip --strip-unneeded -o "$dir/taintgate" "${CARGO_TARGET_DIR:-target}/release/taintgate"
   strip --strip-unneeded -o "$dir/gpu_hw" "$test_bin"
   cp "$here/gpu-check.sh" "$dir/gpu-check.sh"
   cat >"$dir/gpu-check.yaml" <<EOF

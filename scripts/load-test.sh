@@ -18,4 +18,5 @@ hard="$(ulimit -Hn)"
 if [ "$hard" = unlimited ] || [ "$hard" -gt 65536 ]; then hard=65536; fi
 ulimit -n "$hard" 2>/dev/null || true
 cargo build --release -p taintgate --bin taintgate -p taintgate-load --bin taintgate-load
-exec target/release/taintgate-load --agents "${AGENTS:-500}" --bin target/release/taintgate "$@"
+rel="${CARGO_TARGET_DIR:-target}/release"
+exec "$rel/taintgate-load" --agents "${AGENTS:-500}" --bin "$rel/taintgate" "$@"
