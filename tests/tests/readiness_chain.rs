@@ -581,7 +581,7 @@ fn parse_ms(s: &str) -> i64 {
     a.parse::<i64>().unwrap() * 1000 + b.parse::<i64>().unwrap()
 }
 
-fn check_fleet(text: &str, fleet: &[Intervals], real: &taintgate::telemetry::annotation::AnnotationDoc) {
+fn check_fleet(text: &str, fleet: &[Intervals], real: &taintgate::telemetry::annotation::TimelineAnnotation) {
     // Rows of the interval table: NAME N P50 P90 P99 MAX.
     let mut rows: BTreeMap<String, [i64; 5]> = BTreeMap::new();
     let mut inside = false;

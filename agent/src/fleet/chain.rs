@@ -4,10 +4,10 @@
 
 use crate::readiness::outcome;
 use crate::stage::{Stage, XID_WATCH};
-use crate::telemetry::annotation::AnnotationDoc;
+use crate::telemetry::annotation::TimelineAnnotation;
 use crate::telemetry::otlp::AGENT_START;
 use crate::telemetry::prestamps::names;
-use crate::timeline::fmt_ms;
+use crate::timeline::{Outcome, fmt_ms};
 use jiff::Timestamp;
 use serde::Serialize;
 
@@ -94,7 +94,7 @@ pub struct StageSpan {
     /// Unix ms end.
     pub end_ms: i64,
     /// Outcome.
-    pub outcome: String,
+    pub outcome: Outcome,
     /// Reason code (empty if none).
     pub reason: String,
 }
@@ -104,13 +104,13 @@ fn pre_rank(name: &str) -> u32 {
 }
 
 /// Whether a stage with this outcome took time (and so appears in the chain).
-pub fn ran(outcome: &str) -> bool {
-    matches!(outcome, "passed" | "failed" | "cancelled")
+pub fn ran(outcome: Outcome) -> bool {
+    matches!(outcome, Outcome::Passed | Outcome::Failed | Outcome::Cancelled)
 }
 
 impl Chain {
     /// Build a node's chain from its decoded annotation.
-    pub fn from_doc(node: &str, doc: &AnnotationDoc) -> Self {
+    pub fn from_doc(node: &str, doc: &TimelineAnnotation) -> Self {
         let origin = doc.start.as_millisecond();
         let mut stamps = Vec::new();
         for s in &doc.pre {
@@ -132,7 +132,7 @@ impl Chain {
             tie: 10,
         });
         let mut stages = Vec::new();
-        for e in doc.stages.iter().filter(|e| ran(&e.outcome)) {
+        for e in doc.stages.iter().filter(|e| ran(e.outcome)) {
             let start = origin.saturating_add(e.start_ms as i64);
             let end = origin.saturating_add(e.end_ms() as i64);
             let reason = (!e.reason.is_empty()).then(|| e.reason.clone());
@@ -150,7 +150,7 @@ impl Chain {
                 name: format!("{}.end", e.name),
                 at_ms: end,
                 kind: StampKind::StageEnd,
-                outcome: Some(e.outcome.clone()),
+                outcome: Some(e.outcome.as_str().to_string()),
                 reason,
                 tie: if e.duration_ms == 0 { 35 } else { 20 },
             });
@@ -158,7 +158,7 @@ impl Chain {
                 stage: e.name.clone(),
                 start_ms: start,
                 end_ms: end,
-                outcome: e.outcome.clone(),
+                outcome: e.outcome,
                 reason: e.reason.clone(),
             });
         }
@@ -224,7 +224,7 @@ impl Chain {
         }
         self.stages
             .iter()
-            .filter(|s| ran(&s.outcome) && s.end_ms <= v.at_ms)
+            .filter(|s| ran(s.outcome) && s.end_ms <= v.at_ms)
             .max_by(|a, b| a.end_ms.cmp(&b.end_ms).then_with(|| b.stage.cmp(&a.stage)))
     }
 

@@ -8,7 +8,7 @@
 //! some node waited exactly that long.
 
 use crate::fleet::chain::{Chain, ran, waited_on_name};
-use crate::timeline::fmt_ms;
+use crate::timeline::{Outcome, fmt_ms};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -114,10 +114,10 @@ impl FleetReport {
                 e.0.push(i.ms);
                 e.1.push(pos);
             }
-            for s in c.stages.iter().filter(|s| ran(&s.outcome)) {
+            for s in c.stages.iter().filter(|s| ran(s.outcome)) {
                 let e = st.entry(s.stage.clone()).or_default();
                 e.0.push((s.end_ms - s.start_ms).max(0) as u64);
-                if s.outcome != "passed" {
+                if s.outcome != Outcome::Passed {
                     e.1 += 1;
                 }
             }
@@ -310,7 +310,7 @@ mod tests {
                 stage: st.into(),
                 start_ms: a,
                 end_ms: b,
-                outcome: outcome.into(),
+                outcome: serde_json::from_value(outcome.into()).expect("an outcome name"),
                 reason: String::new(),
             });
         }

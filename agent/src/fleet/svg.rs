@@ -9,7 +9,7 @@
 
 use crate::fleet::chain::{Chain, StampKind, waited_on_name};
 use crate::fleet::stats::{Dist, FleetReport};
-use crate::timeline::fmt_ms;
+use crate::timeline::{Outcome, fmt_ms};
 use std::fmt::Write as _;
 
 const FONT: &str = "font-family=\"Helvetica, Arial, sans-serif\"";
@@ -186,10 +186,10 @@ fn linear_axis(out: &mut String, ax: &Linear, top: f64, bottom: f64) {
     }
 }
 
-fn outcome_color(outcome: &str) -> &'static str {
+fn outcome_color(outcome: Outcome) -> &'static str {
     match outcome {
-        "passed" => C_PASSED,
-        "failed" => C_FAILED,
+        Outcome::Passed => C_PASSED,
+        Outcome::Failed => C_FAILED,
         _ => C_CANCELLED,
     }
 }
@@ -368,7 +368,7 @@ pub fn gantt_svg(c: &Chain) -> String {
     let last_evidence = c
         .stages
         .iter()
-        .filter(|s| released && s.outcome == "passed" && s.stage != "untaint")
+        .filter(|s| released && s.outcome == Outcome::Passed && s.stage != "untaint")
         .max_by_key(|s| s.end_ms)
         .map(|s| s.stage.as_str());
     let mut y = top_b;
@@ -396,18 +396,22 @@ pub fn gantt_svg(c: &Chain) -> String {
             if crit { " font-weight=\"bold\"" } else { "" },
             esc(&s.stage),
             esc(&s.stage),
-            esc(&s.outcome),
+            s.outcome.as_str(),
             (x1 - x0).max(1.5),
-            outcome_color(&s.outcome),
+            outcome_color(s.outcome),
             esc(&format!(
                 "{}: +{} → +{} ({dur}) {}",
                 s.stage,
                 fmt_ms((s.start_ms - agent_start).max(0) as u64),
                 fmt_ms((s.end_ms - agent_start).max(0) as u64),
-                s.outcome
+                s.outcome.as_str()
             )),
         );
-        let color = if s.outcome == "passed" { C_MUTED } else { C_FAILED };
+        let color = if s.outcome == Outcome::Passed {
+            C_MUTED
+        } else {
+            C_FAILED
+        };
         bar_label(&mut out, x0, x1.max(x0 + 1.5), y, &note, color);
         y += ROW;
     }

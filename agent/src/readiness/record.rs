@@ -1,12 +1,12 @@
 //! Writing the readiness chain into the Node's timeline annotation: the workload's stamps
 //! (`post`) and how the chain ended (`workload`), merged into the document the bootstrap
-//! wrote, under the same size bound (`reporting.annotation_max_bytes`). When the bound is
-//! hit, what goes first is what matters least for the chain: the workload's Pod names,
-//! the verdict message, passed stages, then every stage (a `truncated` marker says so);
-//! the `pre` and `post` stamps stay longest.
+//! wrote, under the same size bound (`reporting.annotation_max_bytes`) and the one shrink
+//! rule (`crate::telemetry::annotation::SHRINK_STEPS`): the workload's Pod names go first,
+//! then the verdict message and the stages; the `pre` and `post` stamps stay longest and the
+//! workload's outcome last of all.
 
 use crate::node::{ApiError, NodeApi};
-use crate::telemetry::annotation::WorkloadEntry;
+use crate::telemetry::annotation::{TimelineAnnotation, WorkloadEntry, decode};
 use crate::telemetry::prestamps::Stamp;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Node;
@@ -21,63 +21,20 @@ pub struct Record {
     pub workload: WorkloadEntry,
 }
 
-fn stamps_json(s: &[Stamp]) -> Value {
-    Value::Array(s.iter().map(|s| json!([s.name, s.at.as_millisecond()])).collect())
-}
-
-fn workload_json(w: &WorkloadEntry, with_pods: bool) -> Value {
-    let mut v = json!({"outcome": w.outcome, "atMs": w.at_ms});
-    if with_pods {
-        v["pods"] = json!(w.pods);
-        if !w.group.is_empty() {
-            v["group"] = json!(w.group);
-        }
-    }
-    v
-}
-
 /// The annotation value with `rec` merged into `existing` (the bootstrap's document), at
-/// most `max_bytes` long. An existing value that is absent or not a version-1 document is
-/// replaced by a minimal one starting at `fallback_start` and marked `truncated`.
+/// most `max_bytes` long, by the one encoder and its shrink rule. An existing value that is
+/// absent or does not decode is replaced by a minimal one starting at `fallback_start` and
+/// marked `truncated`.
 pub fn merge(existing: Option<&str>, rec: &Record, fallback_start: Timestamp, max_bytes: usize) -> String {
-    let parsed = existing
-        .and_then(|s| serde_json::from_str::<Value>(s).ok())
-        .filter(|d| d.is_object() && d.get("v").and_then(Value::as_u64) == Some(1) && d["start"].is_string());
-    let mut doc = parsed.unwrap_or_else(|| json!({"v": 1, "truncated": true, "start": fallback_start.to_string()}));
-    doc["post"] = stamps_json(&rec.stamps);
-    doc["workload"] = workload_json(&rec.workload, true);
-    let fits = |d: &Value| d.to_string().len() <= max_bytes;
-    if fits(&doc) {
-        return doc.to_string();
-    }
-    doc["workload"] = workload_json(&rec.workload, false);
-    if !fits(&doc)
-        && let Some(v) = doc.get_mut("verdict").and_then(Value::as_object_mut)
-    {
-        v.remove("message");
-    }
-    if !fits(&doc)
-        && let Some(arr) = doc.get_mut("stages").and_then(Value::as_array_mut)
-    {
-        arr.retain(|e| e.get(3).and_then(Value::as_str) != Some("passed"));
-    }
-    if !fits(&doc)
-        && let Some(o) = doc.as_object_mut()
-    {
-        o.remove("stages");
-        o.remove("verdict");
-        o.insert("truncated".into(), json!(true));
-    }
-    if !fits(&doc)
-        && let Some(o) = doc.as_object_mut()
-    {
-        o.remove("pre");
-    }
-    if !fits(&doc) {
-        doc = json!({"v": 1, "truncated": true, "start": doc["start"].clone(),
-                     "workload": workload_json(&rec.workload, false)});
-    }
-    doc.to_string()
+    let mut doc = existing
+        .and_then(|s| decode(s).ok())
+        .unwrap_or_else(|| TimelineAnnotation {
+            truncated: true,
+            ..TimelineAnnotation::new(fallback_start)
+        });
+    doc.post = rec.stamps.clone();
+    doc.workload = Some(rec.workload.clone());
+    doc.encode(max_bytes)
 }
 
 /// How long the annotation write retries an API that fails.
@@ -123,7 +80,6 @@ pub async fn write(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use crate::telemetry::annotation::decode;
 
     fn rec() -> Record {
         let t = |s: &str| -> Timestamp { s.parse().unwrap() };

@@ -1,7 +1,10 @@
-//! The compact timeline annotation (`<prefix>/timeline` on the Node), extended with the
-//! pre-agent stamps, and its decoder (used by `taintgate timeline`).
+//! The Node's timeline annotation (`<prefix>/timeline`): one serde type
+//! ([`TimelineAnnotation`]) with a version, one encoder with one shrink-to-fit rule
+//! ([`TimelineAnnotation::encode`]) used by every writer (the bootstrap's report and the
+//! readiness chain's record), and one decoder ([`decode`]) used by every reader
+//! (`taintgate timeline`, the fleet view, the readiness chain's merge).
 //!
-//! Format (JSON, one line), a superset of what `report::compact_timeline` writes:
+//! Format (JSON, one line):
 //!
 //! ```text
 //! {"v":1,
@@ -11,22 +14,26 @@
 //!  "stages":[["driver",12,850,"passed",""], ...],      name, start_ms, duration_ms,
 //!                                                       outcome, reason
 //!  "verdict":{"released":true,"dryRun":false,"reason":"Released","atMs":4120,
-//!             "at":"...","message":"..."}}
+//!             "at":"...","message":"..."},
+//!  "post":[["pod-created",1767225900000], ...],        the workload's stamps (after release)
+//!  "workload":{"outcome":"WorkloadReady","atMs":...,"pods":["ns/name"],"group":"g"},
+//!  "truncated":true}                                    entries were dropped to fit
 //! ```
 //!
-//! After release the resident agent adds two optional keys (`crate::readiness::record`):
-//! `"post":[["pod-created",1767225900000], ...]` (the workload's stamps, unix ms) and
-//! `"workload":{"outcome":"WorkloadReady","atMs":...,"pods":["ns/name"],"group":"g"}`.
-//!
-//! `pre` is a new optional key, so older readers ignore it and this decoder reads older
-//! annotations (no `pre`). When the document exceeds the size bound it is trimmed in
-//! steps: the verdict message goes first, then passed stages (failed ones say why a node
-//! is held), and last everything but `start`, `pre` and a `truncated` marker.
+//! Every key but `v` and `start` is optional and empty ones are left out, so this release
+//! and the one before read each other's documents (the decoder is tested on documents the
+//! previous encoder wrote, `agent/tests/fixtures/annotation/`). When a document exceeds the
+//! size bound, [`SHRINK_STEPS`] apply in order until it fits: what matters least for
+//! explaining a node goes first (Pod names, the verdict message, passed stages); the stamps
+//! stay longest, and the workload's outcome last of all.
 
 use crate::telemetry::prestamps::Stamp;
 use crate::timeline::{Outcome, Timeline};
 use jiff::Timestamp;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+
+/// The annotation's format version; [`decode`] refuses any other.
+pub const VERSION: u32 = 1;
 
 /// The annotation could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -51,8 +58,13 @@ impl taintgate_validators::reason::ReasonCode for AnnotationError {
     }
 }
 
-/// One stage entry as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One stage entry as stored: a five-element array `[name, start_ms, duration_ms, outcome,
+/// reason]`, so a 20-stage timeline stays well inside the annotation bound.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    from = "(String, u64, u64, Outcome, String)",
+    into = "(String, u64, u64, Outcome, String)"
+)]
 pub struct StageEntry {
     /// Stage name.
     pub name: String,
@@ -60,10 +72,28 @@ pub struct StageEntry {
     pub start_ms: u64,
     /// Duration in milliseconds.
     pub duration_ms: u64,
-    /// Outcome (`passed`, `failed`, `skipped`, `disabled`, `cancelled`).
-    pub outcome: String,
+    /// Outcome.
+    pub outcome: Outcome,
     /// Reason code, empty when none.
     pub reason: String,
+}
+
+impl From<(String, u64, u64, Outcome, String)> for StageEntry {
+    fn from((name, start_ms, duration_ms, outcome, reason): (String, u64, u64, Outcome, String)) -> Self {
+        Self {
+            name,
+            start_ms,
+            duration_ms,
+            outcome,
+            reason,
+        }
+    }
+}
+
+impl From<StageEntry> for (String, u64, u64, Outcome, String) {
+    fn from(e: StageEntry) -> Self {
+        (e.name, e.start_ms, e.duration_ms, e.outcome, e.reason)
+    }
 }
 
 impl StageEntry {
@@ -74,236 +104,242 @@ impl StageEntry {
 }
 
 /// The verdict as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct VerdictEntry {
     /// Released (or would release in dry-run).
+    #[serde(default)]
     pub released: bool,
     /// Dry-run.
+    #[serde(default)]
     pub dry_run: bool,
     /// Reason code.
+    #[serde(default)]
     pub reason: String,
     /// Milliseconds from agent start.
     pub at_ms: u64,
-    /// Message (may have been trimmed away).
+    /// Wall-clock time of the verdict.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Timestamp>,
+    /// Message (the first thing trimmed when the document is too long).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
 }
 
-/// A decoded annotation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AnnotationDoc {
-    /// Agent start.
-    pub start: Timestamp,
-    /// GPU backend, when recorded.
-    pub gpu: String,
-    /// Pre-agent stamps (empty in older annotations).
-    pub pre: Vec<Stamp>,
-    /// Stage entries.
-    pub stages: Vec<StageEntry>,
-    /// Verdict, when recorded.
-    pub verdict: Option<VerdictEntry>,
-    /// The writer dropped entries to fit the size bound.
-    pub truncated: bool,
-    /// Stamps of the workload after release (empty until the resident agent records them).
-    pub post: Vec<Stamp>,
-    /// How the readiness chain ended, once it has.
-    pub workload: Option<WorkloadEntry>,
-}
-
 /// How the readiness chain after release ended, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct WorkloadEntry {
     /// Reason code: `WorkloadReady`, `NoEndpointYet`, `NoWorkloadYet`, `ReadinessWatchFailed`.
     pub outcome: String,
     /// Unix ms when the agent recorded it (the deadline, for `NoWorkloadYet`).
     pub at_ms: i64,
     /// The Pods that ended the chain (`namespace/name`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<String>,
     /// The serving group's label value, empty when none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub group: String,
 }
 
-fn stage_json(t: &Timeline) -> Vec<Value> {
-    t.stages
-        .iter()
-        .map(|s| {
-            json!([
-                s.stage,
-                s.start_ms,
-                s.duration_ms,
-                s.outcome.as_str(),
-                s.reason.as_deref().unwrap_or("")
-            ])
-        })
-        .collect()
+/// A stamp as stored: `[name, unix_ms]`.
+#[derive(Serialize, Deserialize)]
+struct StampEntry(String, i64);
+
+/// Stamps travel as `[name, unix_ms]` pairs; a time outside jiff's range is refused by name.
+mod stamps {
+    use super::{Stamp, StampEntry};
+    use jiff::Timestamp;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer, de::Error};
+
+    pub fn serialize<S: Serializer>(v: &[Stamp], s: S) -> Result<S::Ok, S::Error> {
+        let entries: Vec<StampEntry> = v
+            .iter()
+            .map(|st| StampEntry(st.name.clone(), st.at.as_millisecond()))
+            .collect();
+        entries.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Stamp>, D::Error> {
+        Vec::<StampEntry>::deserialize(d)?
+            .into_iter()
+            .map(|StampEntry(name, ms)| {
+                Timestamp::from_millisecond(ms)
+                    .map(|at| Stamp::new(name.clone(), at))
+                    .map_err(|e| D::Error::custom(format!("stamp {name}: time {ms} out of range: {e}")))
+            })
+            .collect()
+    }
 }
 
-fn pre_json(pre: &[Stamp]) -> Vec<Value> {
-    pre.iter().map(|s| json!([s.name, s.at.as_millisecond()])).collect()
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
-/// Encode `t` and its pre-agent stamps, at most `max_bytes` long (see the module doc for
-/// what is dropped first).
+/// The timeline annotation: what the agent recorded about this node's boot, its verdict and,
+/// after release, its first workload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimelineAnnotation {
+    /// Format version ([`VERSION`]).
+    pub v: u32,
+    /// Agent start (origin of every `*_ms`).
+    pub start: Timestamp,
+    /// GPU backend, when recorded.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub gpu: String,
+    /// Pre-agent stamps.
+    #[serde(default, with = "stamps", skip_serializing_if = "Vec::is_empty")]
+    pub pre: Vec<Stamp>,
+    /// Stage entries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageEntry>,
+    /// Verdict, when recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<VerdictEntry>,
+    /// Stamps of the workload after release (empty until the resident agent records them).
+    #[serde(default, with = "stamps", skip_serializing_if = "Vec::is_empty")]
+    pub post: Vec<Stamp>,
+    /// How the readiness chain ended, once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<WorkloadEntry>,
+    /// The writer dropped entries (stages, stamps, the verdict) to fit the size bound.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub truncated: bool,
+}
+
+/// One shrink step: what it drops, and the drop itself.
+pub type ShrinkStep = (&'static str, fn(&mut TimelineAnnotation));
+
+/// The one shrink-to-fit rule, in order: each step applies (cumulatively) only while the
+/// document is still longer than the bound. Steps that drop entries mark it `truncated`.
+pub const SHRINK_STEPS: [ShrinkStep; 8] = [
+    ("workload pods and group", |d| {
+        if let Some(w) = d.workload.as_mut() {
+            w.pods.clear();
+            w.group.clear();
+        }
+    }),
+    ("verdict message", |d| {
+        if let Some(v) = d.verdict.as_mut() {
+            v.message.clear();
+        }
+    }),
+    ("passed stages", |d| {
+        let before = d.stages.len();
+        d.stages.retain(|e| e.outcome != Outcome::Passed);
+        d.truncated |= d.stages.len() != before;
+    }),
+    ("every stage and the verdict", |d| {
+        d.truncated |= !d.stages.is_empty() || d.verdict.is_some();
+        d.stages.clear();
+        d.verdict = None;
+    }),
+    ("gpu backend", |d| d.gpu.clear()),
+    ("pre-agent stamps", |d| {
+        d.truncated |= !d.pre.is_empty();
+        d.pre.clear();
+    }),
+    ("workload stamps", |d| {
+        d.truncated |= !d.post.is_empty();
+        d.post.clear();
+    }),
+    ("workload outcome", |d| {
+        d.truncated |= d.workload.is_some();
+        d.workload = None;
+    }),
+];
+
+impl TimelineAnnotation {
+    /// An empty document starting at `start`.
+    pub fn new(start: Timestamp) -> Self {
+        Self {
+            v: VERSION,
+            start,
+            gpu: String::new(),
+            pre: Vec::new(),
+            stages: Vec::new(),
+            verdict: None,
+            post: Vec::new(),
+            workload: None,
+            truncated: false,
+        }
+    }
+
+    /// The bootstrap's document: `t` and its pre-agent stamps.
+    pub fn from_timeline(t: &Timeline, pre: &[Stamp]) -> Self {
+        Self {
+            gpu: t.gpu_backend.clone(),
+            pre: pre.to_vec(),
+            stages: t
+                .stages
+                .iter()
+                .map(|s| StageEntry {
+                    name: s.stage.clone(),
+                    start_ms: s.start_ms,
+                    duration_ms: s.duration_ms,
+                    outcome: s.outcome,
+                    reason: s.reason.clone().unwrap_or_default(),
+                })
+                .collect(),
+            verdict: t.verdict.as_ref().map(|v| VerdictEntry {
+                released: v.released,
+                dry_run: v.dry_run,
+                reason: v.reason.clone(),
+                at_ms: v.at_ms,
+                at: Some(v.at),
+                message: v.message.clone(),
+            }),
+            ..Self::new(t.agent_start)
+        }
+    }
+
+    fn to_json(&self) -> String {
+        // Plain structs of strings and numbers: serialising cannot fail; the fallback keeps
+        // the function total all the same.
+        serde_json::to_string(self)
+            .unwrap_or_else(|_| format!(r#"{{"v":{VERSION},"truncated":true,"start":"{}"}}"#, self.start))
+    }
+
+    /// The document as one JSON line of at most `max_bytes` (when even `v`, `start` and the
+    /// `truncated` marker do not fit, that minimal document), after as few of
+    /// [`SHRINK_STEPS`] as needed.
+    pub fn encode(&self, max_bytes: usize) -> String {
+        let mut doc = self.clone();
+        let mut s = doc.to_json();
+        for (_, step) in SHRINK_STEPS {
+            if s.len() <= max_bytes {
+                break;
+            }
+            step(&mut doc);
+            s = doc.to_json();
+        }
+        s
+    }
+}
+
+/// Encode `t` and its pre-agent stamps, at most `max_bytes` long (the bootstrap's writer).
 pub fn encode(t: &Timeline, pre: &[Stamp], max_bytes: usize) -> String {
-    let verdict = t.verdict.as_ref().map(|v| {
-        json!({"released": v.released, "dryRun": v.dry_run, "reason": v.reason,
-               "atMs": v.at_ms, "at": v.at.to_string(), "message": v.message})
-    });
-    let mut doc = json!({"v": 1, "start": t.agent_start.to_string(), "gpu": t.gpu_backend,
-                         "pre": pre_json(pre), "stages": stage_json(t), "verdict": verdict});
-    let mut s = doc.to_string();
-    if s.len() > max_bytes {
-        if let Some(v) = doc.get_mut("verdict").and_then(Value::as_object_mut) {
-            v.remove("message");
-        }
-        s = doc.to_string();
-    }
-    if s.len() > max_bytes {
-        if let Some(arr) = doc.get_mut("stages").and_then(Value::as_array_mut) {
-            arr.retain(|e| e.get(3).and_then(Value::as_str) != Some(Outcome::Passed.as_str()));
-        }
-        s = doc.to_string();
-    }
-    if s.len() > max_bytes {
-        s = json!({"v": 1, "truncated": true, "start": t.agent_start.to_string(), "pre": pre_json(pre)}).to_string();
-    }
-    if s.len() > max_bytes {
-        s = json!({"v": 1, "truncated": true, "start": t.agent_start.to_string()}).to_string();
-    }
-    s
+    TimelineAnnotation::from_timeline(t, pre).encode(max_bytes)
 }
 
-/// Decode a `[[name, unix_ms], ...]` list of stamps under `key`.
-fn stamps_at(doc: &Value, key: &str) -> Result<Vec<Stamp>, AnnotationError> {
-    let mut out = Vec::new();
-    for e in doc
-        .get(key)
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-    {
-        let name = e
-            .get(0)
-            .and_then(Value::as_str)
-            .ok_or_else(|| AnnotationError::new(format!("{key} entry without a name: {e}")))?;
-        let ms = e
-            .get(1)
-            .and_then(Value::as_i64)
-            .ok_or_else(|| AnnotationError::new(format!("{key}[{name}] has no unix-ms time: {e}")))?;
-        let at = Timestamp::from_millisecond(ms)
-            .map_err(|err| AnnotationError::new(format!("{key}[{name}] time {ms} out of range: {err}")))?;
-        out.push(Stamp::new(name, at));
-    }
-    Ok(out)
-}
-
-fn workload_at(doc: &Value) -> Result<Option<WorkloadEntry>, AnnotationError> {
-    let Some(w) = doc.get("workload").filter(|w| w.is_object()) else {
-        return Ok(None);
-    };
-    let outcome = w["outcome"]
-        .as_str()
-        .ok_or_else(|| AnnotationError::new("`workload.outcome` is missing"))?;
-    let at_ms = w["atMs"]
-        .as_i64()
-        .ok_or_else(|| AnnotationError::new("`workload.atMs` is missing"))?;
-    Ok(Some(WorkloadEntry {
-        outcome: outcome.to_string(),
-        at_ms,
-        pods: w["pods"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|p| p.as_str().map(str::to_string)).collect())
-            .unwrap_or_default(),
-        group: w["group"].as_str().unwrap_or_default().to_string(),
-    }))
-}
-
-fn u64_at(e: &Value, i: usize, what: &str) -> Result<u64, AnnotationError> {
-    e.get(i)
-        .and_then(Value::as_u64)
-        .ok_or_else(|| AnnotationError::new(format!("{what}[{i}] is not a non-negative integer: {e}")))
-}
-
-fn str_at(e: &Value, i: usize) -> String {
-    e.get(i).and_then(Value::as_str).unwrap_or_default().to_string()
-}
-
-/// Decode an annotation value (with or without `pre`). A truncated annotation decodes
-/// to a document with `truncated` set and whatever it kept.
-pub fn decode(s: &str) -> Result<AnnotationDoc, AnnotationError> {
-    let doc: Value = serde_json::from_str(s).map_err(|e| AnnotationError::new(format!("not JSON: {e}")))?;
-    if !doc.is_object() {
+/// Decode an annotation value written by this release or the previous one. A truncated
+/// annotation decodes to a document with `truncated` set and whatever it kept. The error
+/// names the field that was wrong.
+pub fn decode(s: &str) -> Result<TimelineAnnotation, AnnotationError> {
+    let value: serde_json::Value =
+        serde_json::from_str(s).map_err(|e| AnnotationError::new(format!("not JSON: {e}")))?;
+    if !value.is_object() {
         return Err(AnnotationError::new("not a JSON object"));
     }
-    match doc.get("v").and_then(Value::as_u64) {
-        Some(1) => {}
-        other => return Err(AnnotationError::new(format!("unsupported version {other:?} (want 1)"))),
+    match value.get("v").and_then(serde_json::Value::as_u64) {
+        Some(v) if v == u64::from(VERSION) => {}
+        other => {
+            return Err(AnnotationError::new(format!(
+                "unsupported version {other:?} (want {VERSION})"
+            )));
+        }
     }
-    let start = doc
-        .get("start")
-        .and_then(Value::as_str)
-        .ok_or_else(|| AnnotationError::new("`start` is missing"))?
-        .parse::<Timestamp>()
-        .map_err(|e| AnnotationError::new(format!("`start` is not a timestamp: {e}")))?;
-    let mut pre = Vec::new();
-    for e in doc
-        .get("pre")
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-    {
-        let name = e
-            .get(0)
-            .and_then(Value::as_str)
-            .ok_or_else(|| AnnotationError::new(format!("pre entry without a name: {e}")))?;
-        let ms = e
-            .get(1)
-            .and_then(Value::as_i64)
-            .ok_or_else(|| AnnotationError::new(format!("pre[{name}] has no unix-ms time: {e}")))?;
-        let at = Timestamp::from_millisecond(ms)
-            .map_err(|err| AnnotationError::new(format!("pre[{name}] time {ms} out of range: {err}")))?;
-        pre.push(Stamp::new(name, at));
-    }
-    let mut stages = Vec::new();
-    for e in doc
-        .get("stages")
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-    {
-        let name = e
-            .get(0)
-            .and_then(Value::as_str)
-            .ok_or_else(|| AnnotationError::new(format!("stage entry without a name: {e}")))?;
-        stages.push(StageEntry {
-            name: name.to_string(),
-            start_ms: u64_at(e, 1, name)?,
-            duration_ms: u64_at(e, 2, name)?,
-            outcome: str_at(e, 3),
-            reason: str_at(e, 4),
-        });
-    }
-    let verdict = match doc.get("verdict") {
-        Some(v) if v.is_object() => Some(VerdictEntry {
-            released: v["released"].as_bool().unwrap_or(false),
-            dry_run: v["dryRun"].as_bool().unwrap_or(false),
-            reason: v["reason"].as_str().unwrap_or_default().to_string(),
-            at_ms: v["atMs"]
-                .as_u64()
-                .ok_or_else(|| AnnotationError::new("`verdict.atMs` is missing"))?,
-            message: v["message"].as_str().unwrap_or_default().to_string(),
-        }),
-        _ => None,
-    };
-    Ok(AnnotationDoc {
-        start,
-        gpu: doc["gpu"].as_str().unwrap_or_default().to_string(),
-        pre,
-        stages,
-        verdict,
-        truncated: doc["truncated"].as_bool().unwrap_or(false),
-        post: stamps_at(&doc, "post")?,
-        workload: workload_at(&doc)?,
-    })
+    serde_path_to_error::deserialize(value).map_err(|e| AnnotationError::new(format!("`{}`: {}", e.path(), e.inner())))
 }
 
 #[cfg(test)]
@@ -331,7 +367,7 @@ mod tests {
                     reason: (i == 3).then(|| "GpuCountMismatch".into()),
                     message: None,
                     summary: String::new(),
-                    evidence: Value::Null,
+                    evidence: serde_json::Value::Null,
                 })
                 .collect(),
             verdict: Some(Verdict {
@@ -378,6 +414,7 @@ mod tests {
         let d = decode(old).unwrap();
         assert!(d.pre.is_empty() && d.verdict.is_none());
         assert_eq!(d.stages[0].name, "driver");
+        assert_eq!(d.stages[0].outcome, Outcome::Passed);
         for bad in [
             "nope",
             "[]",
@@ -385,9 +422,105 @@ mod tests {
             r#"{"v":1}"#,
             r#"{"v":1,"start":"2026-01-01T00:00:00Z","stages":[["x",-1,0]]}"#,
             r#"{"v":1,"start":"2026-01-01T00:00:00Z","pre":[["x","y"]]}"#,
+            r#"{"v":1,"start":"2026-01-01T00:00:00Z","stages":[["x",0,1,"exploded",""]]}"#,
+            r#"{"v":1,"start":"2026-01-01T00:00:00Z","pre":[["x",99999999999999999]]}"#,
+            r#"{"v":1,"start":"yesterday"}"#,
         ] {
             let e = decode(bad).unwrap_err();
             assert_eq!(e.reason(), "AnnotationInvalid", "{bad}: {e}");
+        }
+    }
+
+    /// What the previous release (0.x at d995b65) wrote, stored: a released dry-run with
+    /// pre stamps, the same after the readiness chain merged in, a held node, and a held node
+    /// trimmed to 400 bytes.
+    const SAMPLES: [(&str, &str); 4] = [
+        (
+            "bootstrap",
+            include_str!("../../tests/fixtures/annotation/v1-bootstrap.json"),
+        ),
+        (
+            "readiness",
+            include_str!("../../tests/fixtures/annotation/v1-readiness.json"),
+        ),
+        ("held", include_str!("../../tests/fixtures/annotation/v1-held.json")),
+        (
+            "held-400",
+            include_str!("../../tests/fixtures/annotation/v1-held-400.json"),
+        ),
+    ];
+
+    #[test]
+    fn reads_what_the_previous_release_wrote_and_writes_the_same() {
+        for (name, raw) in SAMPLES {
+            let d = decode(raw).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(d.v, VERSION, "{name}");
+            assert_eq!(d.pre.len(), 3, "{name}: pre stamps");
+            assert!(!d.stages.is_empty(), "{name}");
+            // Re-encoded without a bound, the document is the same JSON the previous
+            // release wrote: readers of either release see one format.
+            let old: serde_json::Value = serde_json::from_str(raw).unwrap();
+            let new: serde_json::Value = serde_json::from_str(&d.encode(usize::MAX)).unwrap();
+            assert_eq!(new, old, "{name}");
+        }
+        let held = decode(SAMPLES[2].1).unwrap();
+        let smoke = held.stages.iter().find(|s| s.name == "smoke").unwrap();
+        assert_eq!((smoke.outcome, smoke.reason.as_str()), (Outcome::Failed, "SmokeFailed"));
+        assert_eq!(held.verdict.as_ref().map(|v| v.released), Some(false));
+        let ready = decode(SAMPLES[1].1).unwrap();
+        assert_eq!(ready.post.len(), 3);
+        let w = ready.workload.unwrap();
+        assert_eq!((w.outcome.as_str(), w.group.as_str()), ("WorkloadReady", "llm-tp4"));
+        assert_eq!(w.pods, ["serving/llm-0"]);
+    }
+
+    #[test]
+    fn one_shrink_rule_drops_in_order_and_keeps_the_stamps_longest() {
+        let mut d = decode(SAMPLES[1].1).unwrap();
+        d.stages[5].outcome = Outcome::Failed;
+        d.stages[5].reason = "SmokeFailed".into();
+        let full = d.encode(usize::MAX).len();
+        let mut last = full;
+        let mut seen = Vec::new();
+        for max in (40..=full).rev().step_by(3) {
+            let s = d.encode(max);
+            let back = decode(&s).unwrap();
+            if s.len() > max {
+                let minimal = back.stages.is_empty() && back.pre.is_empty() && back.post.is_empty();
+                assert!(minimal && back.workload.is_none() && back.truncated, "{max}: {s}");
+            }
+            assert!(s.len() <= last, "{max}: shorter bound, longer document");
+            last = s.len();
+            // Each kept part is whole: what survives equals the original.
+            assert_eq!(back.start, d.start);
+            if !back.post.is_empty() {
+                assert_eq!(back.post, d.post, "{max}");
+            }
+            if !back.pre.is_empty() {
+                assert_eq!(back.pre, d.pre, "{max}");
+                assert!(!back.post.is_empty(), "{max}: post stamps outlive pre stamps");
+            }
+            if back.stages.len() == 1 {
+                assert_eq!(back.stages[0].reason, "SmokeFailed", "{max}: the failed stage stays");
+            }
+            if back.stages.len() < d.stages.len() || back.pre.is_empty() {
+                assert!(back.truncated, "{max}: dropped entries are marked");
+            }
+            seen.push((
+                back.stages.len(),
+                back.pre.len(),
+                back.post.len(),
+                back.workload.is_some(),
+            ));
+        }
+        for want in [
+            (11, 3, 3, true),
+            (1, 3, 3, true),
+            (0, 3, 3, true),
+            (0, 0, 3, true),
+            (0, 0, 0, true),
+        ] {
+            assert!(seen.contains(&want), "no bound gave {want:?}: {seen:?}");
         }
     }
 }
