@@ -70,6 +70,9 @@ impl Outcome {
     }
 }
 
+/// The record name of the startup-taint removal step (not an evidence stage).
+pub const UNTAINT_STEP: &str = "untaint";
+
 /// One stage's entry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StageRecord {
@@ -159,6 +162,16 @@ impl Timeline {
             .iter()
             .filter(|s| s.outcome == Outcome::Passed)
             .max_by_key(|s| s.end_ms())
+    }
+
+    /// The stage a release waited for: of the passed evidence stages (not the taint removal
+    /// itself), the one that ended last; a tie goes to the name first in order, as in the
+    /// fleet view (`crate::fleet::chain::Chain::critical_stage`).
+    pub fn waited_for(&self) -> Option<&StageRecord> {
+        self.stages
+            .iter()
+            .filter(|s| s.outcome == Outcome::Passed && s.stage != UNTAINT_STEP)
+            .max_by(|a, b| a.end_ms().cmp(&b.end_ms()).then_with(|| b.stage.cmp(&a.stage)))
     }
 
     /// Human table: stage, start offset, duration, result, reason, and a bar.
@@ -271,6 +284,50 @@ mod tests {
         let json = serde_json::to_string(&t).unwrap();
         let back: Timeline = serde_json::from_str(&json).unwrap();
         assert_eq!(back, t);
+    }
+
+    #[test]
+    fn waited_for_is_the_last_passed_evidence_stage_before_the_untaint() {
+        type Case = (&'static str, Vec<StageRecord>, Option<&'static str>);
+        let cases: Vec<Case> = vec![
+            (
+                "models ends last",
+                vec![
+                    rec("driver", 0, 400, Outcome::Passed),
+                    rec("models", 0, 2200, Outcome::Passed),
+                    rec(UNTAINT_STEP, 2200, 50, Outcome::Passed),
+                ],
+                Some("models"),
+            ),
+            (
+                "a failed stage is not evidence",
+                vec![
+                    rec("driver", 0, 400, Outcome::Passed),
+                    rec("smoke", 0, 9000, Outcome::Failed),
+                ],
+                Some("driver"),
+            ),
+            (
+                "a tie goes to the first name",
+                vec![
+                    rec("smoke", 0, 500, Outcome::Passed),
+                    rec("driver", 100, 400, Outcome::Passed),
+                ],
+                Some("driver"),
+            ),
+            ("only the untaint", vec![rec(UNTAINT_STEP, 0, 5, Outcome::Passed)], None),
+            ("nothing ran", vec![rec("models", 0, 0, Outcome::Skipped)], None),
+        ];
+        for (name, stages, want) in cases {
+            let t = Timeline {
+                node: "n".into(),
+                agent_start: Timestamp::UNIX_EPOCH,
+                gpu_backend: "simulated".into(),
+                stages,
+                verdict: None,
+            };
+            assert_eq!(t.waited_for().map(|s| s.stage.as_str()), want, "{name}");
+        }
     }
 
     #[test]

@@ -105,7 +105,9 @@ async fn endpoint_serves_health_readiness_and_metrics() {
         r#"taintgate_failures_total{reason="DigestMismatch"} 1"#,
         r#"taintgate_prefetch_bytes_total{kind="fetched"} 10000000"#,
         r#"taintgate_prefetch_bytes_total{kind="cached"} 2000"#,
-        "taintgate_release_seconds 12.04",
+        r#"taintgate_release_duration_seconds_bucket{le="10.0"} 0"#,
+        r#"taintgate_release_duration_seconds_bucket{le="15.0"} 1"#,
+        "taintgate_release_duration_seconds_sum 12.04",
         "taintgate_released 1",
         "# EOF",
     ] {

@@ -153,6 +153,15 @@ async fn exporter_sends_the_timelines_spans() {
         .await
         .unwrap_err();
     assert!(matches!(e.reason(), "OtlpExportFailed" | "OtlpExportTimeout"), "{e}");
+    // ... and counted where a user's alert reads it.
+    let text = taintgate::telemetry::metrics::Metrics::new().encode().unwrap();
+    let series = format!("taintgate_otlp_export_failures_total{{reason=\"{}\"}} ", e.reason());
+    let n: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(n >= 1, "no {series:?} sample counting the failure in\n{text}");
 }
 
 /// Put the reference node on `api`, registered by Karpenter through NodeClaim `claim`

@@ -15,22 +15,34 @@
 //! - `taintgate_bundle_files_total{bundle}`: bundle files verified and linked;
 //! - `taintgate_prefetch_retries_total{reason}`: chunk requests and file attempts retried,
 //!   by the reason code of what failed;
-//! - `taintgate_release_seconds`: agent start to taint removal of the last release;
+//! - `taintgate_release_duration_seconds`: histogram of agent start to taint removal, one
+//!   observation per release by this process (renamed from the gauge
+//!   `taintgate_release_seconds`: a fleet's percentiles need buckets; see
+//!   `docs/operations.md`);
+//! - `taintgate_release_waited_for_total{stage}`: releases by the evidence stage that ended
+//!   last before the taint removal (`Timeline::waited_for`): what a fleet's releases wait on;
+//! - `taintgate_held{reason}`: 1 while this node is held, labelled with the reason; the
+//!   series goes away when the node is released or held for another reason, so
+//!   `sum by (reason) (taintgate_held)` counts a fleet's held nodes by reason;
 //! - `taintgate_released`: 1 once the taint was removed by this process, else 0;
 //! - `taintgate_bootstraps_total{verdict}`: bootstrap passes by verdict reason;
 //! - `taintgate_xids_total{class,xid}`: XIDs received after release, by policy class
 //!   (`fatal`, `warn`, `ignore`) and XID.
 //! - `taintgate_xid_watch_errors_total`: failed waits on the XID subscription after
 //!   release (each is retried with backoff; reason `XidWatchError` in the log).
+//! - `taintgate_otlp_export_failures_total{reason}`: OTLP trace exports that failed, by
+//!   reason code (`OtlpExportFailed`, `OtlpExportTimeout`, `OtlpConfigInvalid`);
 //! - `taintgate_event_writes_refused_total{code}`: Event writes the API server refused, by
 //!   HTTP status (`0`: no answer); each is also a warning in the log. The Event is lost.
 //!
-//! Endpoints: `/metrics` (OpenMetrics text), `/healthz` (200 while the process serves),
+//! Endpoints: `/metrics` (OpenMetrics text; the classic Prometheus text format 0.0.4 when
+//! the scraper's `Accept` asks for `text/plain` and not OpenMetrics, as `promtool check
+//! metrics` users and older scrapers do), `/healthz` (200 while the process serves),
 //! `/readyz` (200 only once the shared `ready` flag is set, i.e. after release; 503
 //! before).
 
 use crate::telemetry::otlp::stage_bytes;
-use crate::timeline::{Outcome, Timeline};
+use crate::timeline::{Outcome, Timeline, UNTAINT_STEP};
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -44,7 +56,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::task::JoinHandle;
 
 /// Default listen address of the metrics endpoint.
@@ -53,6 +65,9 @@ pub const DEFAULT_ADDR: &str = "0.0.0.0:9464";
 /// Content type of `/metrics`.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// Content type of `/metrics` in the classic Prometheus text format.
+pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
 /// Labels of the stage histogram.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabels {
@@ -60,6 +75,13 @@ pub struct StageLabels {
     pub stage: String,
     /// Outcome.
     pub result: String,
+}
+
+/// A stage name label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageNameLabels {
+    /// Stage name.
+    pub stage: String,
 }
 
 /// A reason code label.
@@ -142,6 +164,12 @@ impl taintgate_validators::reason::ReasonCode for MetricsError {
     }
 }
 
+/// Release-time buckets, seconds: a node is released in tens of seconds (cached bundles) to
+/// tens of minutes (a cold multi-GB fetch); alert thresholds sit on these edges.
+pub const RELEASE_BUCKETS: [f64; 17] = [
+    5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0, 300.0, 450.0, 600.0, 900.0, 1800.0, 3600.0,
+];
+
 fn duration_histogram() -> Histogram {
     // 50 ms .. ~27 min: stage deadlines are minutes; driver checks are sub-second.
     Histogram::new(exponential_buckets(0.05, 2.0, 16))
@@ -157,7 +185,9 @@ pub struct Metrics {
     bundle_files: Family<BundleLabels, Counter>,
     prefetch_retries: Family<RetryLabels, Counter>,
     bootstraps: Family<VerdictLabels, Counter>,
-    release_seconds: Gauge<f64, AtomicU64>,
+    release_duration: Histogram,
+    waited_for: Family<StageNameLabels, Counter>,
+    held: Family<ReasonLabels, Gauge>,
     released: Gauge,
     xids: Family<XidLabels, Counter>,
     xid_watch_errors: Counter,
@@ -196,7 +226,9 @@ impl Metrics {
         let bundle_files = Family::<BundleLabels, Counter>::default();
         let prefetch_retries = Family::<RetryLabels, Counter>::default();
         let bootstraps = Family::<VerdictLabels, Counter>::default();
-        let release_seconds = Gauge::<f64, AtomicU64>::default();
+        let release_duration = Histogram::new(RELEASE_BUCKETS);
+        let waited_for = Family::<StageNameLabels, Counter>::default();
+        let held = Family::<ReasonLabels, Gauge>::default();
         let released = Gauge::default();
         let xids = Family::<XidLabels, Counter>::default();
         let xid_watch_errors = Counter::default();
@@ -249,9 +281,24 @@ impl Metrics {
             bootstraps.clone(),
         );
         registry.register(
-            "taintgate_release_seconds",
-            "Seconds from agent start to startup-taint removal (last release)",
-            release_seconds.clone(),
+            "taintgate_release_duration_seconds",
+            "Seconds from agent start to startup-taint removal, one observation per release",
+            release_duration.clone(),
+        );
+        registry.register(
+            "taintgate_otlp_export_failures",
+            "OTLP trace exports that failed, by reason code (the bootstrap goes on without them)",
+            crate::telemetry::otlp::EXPORT_FAILURES.clone(),
+        );
+        registry.register(
+            "taintgate_release_waited_for",
+            "Releases by the evidence stage that ended last before the taint removal (what the release waited for)",
+            waited_for.clone(),
+        );
+        registry.register(
+            "taintgate_held",
+            "1 while this node is held (startup taint kept), labelled with the reason",
+            held.clone(),
         );
         registry.register(
             "taintgate_released",
@@ -271,7 +318,9 @@ impl Metrics {
             bundle_files,
             prefetch_retries,
             bootstraps,
-            release_seconds,
+            release_duration,
+            waited_for,
+            held,
             released,
             xids,
             xid_watch_errors,
@@ -287,6 +336,7 @@ impl Metrics {
     /// A node found released at start (this process removed nothing): `taintgate_released`
     /// is 1, as the node is.
     pub fn observe_already_released(&self) {
+        self.held.clear();
         self.released.set(1);
     }
 
@@ -353,10 +403,25 @@ impl Metrics {
                 })
                 .inc();
         }
+        // One held reason at a time: the current one (a re-evaluated node may be held for
+        // another reason, or released).
+        self.held.clear();
+        if !v.released {
+            self.held
+                .get_or_create(&ReasonLabels {
+                    reason: v.reason.clone(),
+                })
+                .set(1);
+        }
         if v.released && !v.dry_run {
             // The untaint stage's end is the moment the taint went; the verdict follows it.
-            let at_ms = t.stage("untaint").map(|u| u.end_ms()).unwrap_or(v.at_ms);
-            self.release_seconds.set(at_ms as f64 / 1000.0);
+            let at_ms = t.stage(UNTAINT_STEP).map(|u| u.end_ms()).unwrap_or(v.at_ms);
+            self.release_duration.observe(at_ms as f64 / 1000.0);
+            if let Some(s) = t.waited_for() {
+                self.waited_for
+                    .get_or_create(&StageNameLabels { stage: s.stage.clone() })
+                    .inc();
+            }
             self.released.set(1);
         }
     }
@@ -377,6 +442,59 @@ impl Metrics {
             .map_err(|e| MetricsError::Encode(e.to_string()))?;
         Ok(s)
     }
+
+    /// The classic Prometheus text exposition (format 0.0.4).
+    pub fn encode_text(&self) -> Result<String, MetricsError> {
+        Ok(openmetrics_to_text(&self.encode()?))
+    }
+}
+
+/// The classic text format from prometheus-client's OpenMetrics output. The two differ, for
+/// what this registry holds, only in three ways: a counter family is named with its
+/// `_total` suffix in `# HELP`/`# TYPE`, there are no `# UNIT` lines, and no `# EOF`.
+/// (prometheus-client encodes OpenMetrics only; a second encoder would be a second place
+/// for every metric.)
+pub fn openmetrics_to_text(om: &str) -> String {
+    let counters: std::collections::HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "].into_iter().find(|p| line.starts_with(p));
+        match meta.map(|p| (p, &line[p.len()..])) {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let sep = if tail.is_empty() { "" } else { " " };
+                if counters.contains(name) {
+                    out.push_str(&format!("{prefix}{name}_total{sep}{tail}\n"));
+                } else {
+                    out.push_str(&format!("{prefix}{name}{sep}{tail}\n"));
+                }
+            }
+            // Counters' `_created` samples have no place in the classic format.
+            None if line
+                .split(['{', ' '])
+                .next()
+                .and_then(|n| n.strip_suffix("_created"))
+                .is_some_and(|n| counters.contains(n.trim_end_matches("_total"))) => {}
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// Whether a scraper's `Accept` header asks for the classic text format: it names
+/// `text/plain` and not OpenMetrics. No header, or `*/*`, gets OpenMetrics.
+pub fn wants_classic_text(accept: Option<&str>) -> bool {
+    accept.is_some_and(|a| a.contains("text/plain") && !a.contains("application/openmetrics-text"))
 }
 
 #[derive(Clone)]
@@ -385,9 +503,15 @@ struct AppState {
     ready: Arc<AtomicBool>,
 }
 
-async fn metrics_handler(State(s): State<AppState>) -> axum::response::Response {
-    match s.metrics.encode() {
-        Ok(body) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], body).into_response(),
+async fn metrics_handler(State(s): State<AppState>, headers: axum::http::HeaderMap) -> axum::response::Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let (body, content_type) = if wants_classic_text(accept) {
+        (s.metrics.encode_text(), CONTENT_TYPE_TEXT)
+    } else {
+        (s.metrics.encode(), CONTENT_TYPE)
+    };
+    match body {
+        Ok(body) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
 }
@@ -552,7 +676,9 @@ mod tests {
             r#"taintgate_prefetch_bytes_total{kind="fetched"} 2000"#,
             r#"taintgate_prefetch_bytes_total{kind="cached"} 48"#,
             r#"taintgate_bootstraps_total{verdict="Released"} 1"#,
-            "taintgate_release_seconds 0.12",
+            r#"taintgate_release_duration_seconds_bucket{le="5.0"} 1"#,
+            "taintgate_release_duration_seconds_sum 0.12",
+            r#"taintgate_release_waited_for_total{stage="models"} 1"#,
             "taintgate_released 1",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
@@ -561,5 +687,63 @@ mod tests {
             !text.contains(r#"stage="fit""#),
             "skipped stages are not timed:\n{text}"
         );
+    }
+
+    #[test]
+    fn held_names_the_current_reason_only() {
+        let m = Metrics::new();
+        m.observe_timeline(&timeline(false));
+        let text = m.encode().unwrap();
+        assert!(text.contains(r#"taintgate_held{reason="DigestMismatch"} 1"#), "{text}");
+        m.observe_timeline(&timeline(true));
+        let text = m.encode().unwrap();
+        assert!(!text.contains("taintgate_held{"), "released: no held series\n{text}");
+        m.observe_timeline(&timeline(false));
+        m.observe_already_released();
+        assert!(!m.encode().unwrap().contains("taintgate_held{"));
+    }
+
+    #[test]
+    fn the_classic_text_format_names_counters_with_total_and_has_no_eof() {
+        let m = Metrics::new();
+        m.observe_timeline(&timeline(false));
+        let om = m.encode().unwrap();
+        assert!(om.contains("# TYPE taintgate_failures counter") && om.ends_with("# EOF\n"));
+        let text = m.encode_text().unwrap();
+        assert!(text.contains("# TYPE taintgate_failures_total counter"), "{text}");
+        assert!(text.contains("# HELP taintgate_failures_total Stage failures by reason code"));
+        assert!(text.contains(r#"taintgate_failures_total{reason="DigestMismatch"} 1"#));
+        assert!(text.contains("# TYPE taintgate_stage_duration_seconds histogram"));
+        assert!(!text.contains("# EOF") && !text.contains("# UNIT"));
+        // Only the metadata lines differ: every sample is the same.
+        let samples = |s: &str| {
+            s.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(String::from)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(samples(&om), samples(&text));
+        let with_created = "# HELP a_b x\n# TYPE a_b counter\na_b_total 1\na_b_created 17.0\n# EOF\n";
+        assert_eq!(
+            openmetrics_to_text(with_created),
+            "# HELP a_b_total x\n# TYPE a_b_total counter\na_b_total 1\n"
+        );
+    }
+
+    #[test]
+    fn accept_header_table() {
+        for (accept, classic) in [
+            (None, false),
+            (Some("*/*"), false),
+            (Some("text/plain; version=0.0.4"), true),
+            (Some("text/plain;version=0.0.4;q=0.5,*/*;q=0.1"), true),
+            (
+                Some("application/openmetrics-text;version=1.0.0;q=0.6,text/plain;version=0.0.4;q=0.3"),
+                false,
+            ),
+            (Some("application/openmetrics-text; version=1.0.0"), false),
+        ] {
+            assert_eq!(wants_classic_text(accept), classic, "{accept:?}");
+        }
     }
 }

@@ -30,6 +30,7 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanExporter, SpanLinks};
 use serde_json::Value;
 use std::borrow::Cow;
+use std::sync::LazyLock;
 use std::time::{Duration, SystemTime};
 
 /// Environment variables that turn export on (either one, non-empty).
@@ -346,6 +347,27 @@ pub async fn export_spans_to(endpoint: Option<&str>, node: &str, spans: Vec<Span
     export_spans(endpoint, shown, node, spans).await
 }
 
+/// Label of [`EXPORT_FAILURES`].
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ExportFailureLabels {
+    /// The export error's reason code (`OtlpExportFailed`, `OtlpExportTimeout`, ...).
+    pub reason: &'static str,
+}
+
+/// OTLP exports that failed, by reason code (`taintgate_otlp_export_failures_total`).
+/// Process-wide because both exporters (the bootstrap's trace and the readiness chain's)
+/// run where no metrics handle is passed; `Metrics::new` registers this one family.
+pub static EXPORT_FAILURES: LazyLock<
+    prometheus_client::metrics::family::Family<ExportFailureLabels, prometheus_client::metrics::counter::Counter>,
+> = LazyLock::new(Default::default);
+
+fn count_export_failure(e: &OtlpError) {
+    use taintgate_validators::reason::ReasonCode;
+    EXPORT_FAILURES
+        .get_or_create(&ExportFailureLabels { reason: e.reason() })
+        .inc();
+}
+
 async fn export_spans(
     endpoint: Option<&str>,
     shown: String,
@@ -365,7 +387,7 @@ async fn export_spans(
     let result = tokio::time::timeout(EXPORT_DEADLINE, exporter.export(spans)).await;
     // Shutting the exporter down drops its channel; nothing is buffered on our side.
     let _ = exporter.shutdown();
-    match result {
+    let outcome = match result {
         Err(_) => Err(OtlpError::Timeout {
             endpoint: shown,
             deadline: EXPORT_DEADLINE,
@@ -378,7 +400,11 @@ async fn export_spans(
             tracing::debug!(endpoint = %shown, spans = n, "exported bootstrap trace");
             Ok(n)
         }
+    };
+    if let Err(e) = &outcome {
+        count_export_failure(e);
     }
+    outcome
 }
 
 #[cfg(test)]
