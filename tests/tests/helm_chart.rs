@@ -196,6 +196,113 @@ fn the_default_render_equals_the_kustomize_base() {
     }
 }
 
+/// The monitoring objects (issue 51, section 3): `auto` renders them only where the cluster
+/// serves monitoring.coreos.com/v1, `true` always, `false` never; the PrometheusRule carries
+/// exactly the rule file `promtool test rules` checks, the dashboard exactly the JSON whose
+/// queries tests/tests/prometheus_metrics.rs runs, and the PodMonitor scrapes the agent's
+/// `metrics` port with the node's name as the `node` label the rules group by.
+#[test]
+fn monitoring_objects_render_on_auto_where_the_operator_is_and_always_when_enabled() {
+    let helm = require_service!("helm (scripts/install-test-deps-helm.sh)", helm());
+    let home = tempfile::tempdir().unwrap();
+    let kinds = |docs: &[Value]| -> Vec<String> {
+        let mut k: Vec<String> = docs
+            .iter()
+            .filter(|d| {
+                matches!(d["kind"].as_str(), Some("PodMonitor" | "PrometheusRule"))
+                    || d["metadata"]["name"] == "taintgate-dashboard"
+            })
+            .map(|d| d["kind"].as_str().unwrap_or_default().to_string())
+            .collect();
+        k.sort();
+        k
+    };
+    let all = ["ConfigMap", "PodMonitor", "PrometheusRule"];
+    assert!(
+        kinds(&template(&helm, home.path(), &[])).is_empty(),
+        "auto, no operator: nothing"
+    );
+    let with_operator = template(&helm, home.path(), &["--api-versions", "monitoring.coreos.com/v1"]);
+    assert_eq!(kinds(&with_operator), all, "auto where the operator's API is served");
+    let forced = template(
+        &helm,
+        home.path(),
+        &[
+            "--set",
+            "metrics.podMonitor.enabled=true",
+            "--set",
+            "metrics.prometheusRule.enabled=true",
+            "--set",
+            "metrics.dashboard.enabled=true",
+            "--set",
+            "metrics.prometheusRule.labels.release=kube-prometheus-stack",
+        ],
+    );
+    assert_eq!(kinds(&forced), all, "true renders without the operator");
+    let off = template(
+        &helm,
+        home.path(),
+        &[
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+            "--set",
+            "metrics.podMonitor.enabled=false",
+            "--set",
+            "metrics.prometheusRule.enabled=false",
+            "--set",
+            "metrics.dashboard.enabled=false",
+        ],
+    );
+    assert!(kinds(&off).is_empty(), "false renders nothing");
+
+    let rule = find(&forced, "PrometheusRule");
+    assert_eq!(rule["metadata"]["labels"]["release"], "kube-prometheus-stack");
+    let file: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo_root().join("charts/taintgate/files/prometheus-rules.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(rule["spec"], file, "the PrometheusRule is the promtool-tested file");
+    let pm = find(&forced, "PodMonitor");
+    assert_eq!(
+        pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"],
+        "taintgate"
+    );
+    let ep = &pm["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(ep["port"], "metrics");
+    assert_eq!(
+        ep["relabelings"][0]["sourceLabels"][0],
+        "__meta_kubernetes_pod_node_name"
+    );
+    assert_eq!(ep["relabelings"][0]["targetLabel"], "node");
+    let ds = find(&forced, "DaemonSet");
+    let ports = &ds["spec"]["template"]["spec"]["containers"][0]["ports"];
+    assert!(
+        ports.as_array().unwrap().iter().any(|p| p["name"] == "metrics"),
+        "{ports}"
+    );
+    let cm = forced
+        .iter()
+        .find(|d| d["metadata"]["name"] == "taintgate-dashboard")
+        .unwrap();
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    let shipped: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo_root().join("charts/taintgate/files/grafana-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    let carried: Value = serde_json::from_str(cm["data"]["taintgate.json"].as_str().unwrap()).unwrap();
+    assert_eq!(carried, shipped);
+
+    // The schema refuses what is neither a boolean nor `auto`.
+    let o = helm_cmd(&helm, home.path())
+        .args(["template", "taintgate"])
+        .arg(chart())
+        .args(["--set", "metrics.dashboard.enabled=maybe"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "enabled=maybe accepted");
+    assert!(text(&o).contains("enabled"), "{}", text(&o));
+}
+
 #[test]
 fn non_default_values_reach_config_tolerations_and_policy() {
     let helm = require_service!("helm (scripts/install-test-deps-helm.sh)", helm());

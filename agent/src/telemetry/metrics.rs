@@ -305,6 +305,13 @@ impl Metrics {
             "1 once this process removed (or found removed) the startup taint",
             released.clone(),
         );
+        for stage in crate::stage::Stage::ALL {
+            // Every stage's series exists at 0 from the start: `increase()` over a window
+            // then counts the first release too (a series born at 1 would hide it).
+            let _series = waited_for.get_or_create(&StageNameLabels {
+                stage: stage.name().into(),
+            });
+        }
         for kind in ["fetched", "cached"] {
             // Present from the start, so a dashboard sees 0 rather than no series.
             let _series = prefetch_bytes.get_or_create(&KindLabels { kind: kind.into() });

@@ -25,3 +25,13 @@ taintgate-config-{{ include "taintgate.config" . | sha256sum | trunc 10 }}
 true
 {{- end -}}
 {{- end -}}
+
+{{/* Non-empty when a monitoring object renders: `enabled` is true, or `auto` and the
+     cluster serves the Prometheus Operator's API. Call with (list ENABLED $). */}}
+{{- define "taintgate.monitoring" -}}
+{{- $enabled := index . 0 -}}
+{{- $root := index . 1 -}}
+{{- if or (eq (toString $enabled) "true") (and (eq (toString $enabled) "auto") ($root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")) -}}
+true
+{{- end -}}
+{{- end -}}
