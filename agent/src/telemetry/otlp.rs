@@ -3,7 +3,7 @@
 //! pre-agent interval (named `pre-agent:<to>`), each carrying the timeline's own times.
 //!
 //! The spans are built directly from the finished [`Timeline`] as SDK `SpanData` and
-//! handed to the OTLP gRPC exporter (`opentelemetry-otlp`, tonic) from the caller's tokio
+//! handed to the OTLP exporter (`opentelemetry-otlp`) from the caller's tokio
 //! task. Two reasons for not going through a tracer provider: span times then equal the
 //! timeline's times by construction (nothing re-reads a clock), and the SDK's batch
 //! processor exports from a plain thread without a tokio reactor, which the tonic
@@ -13,8 +13,14 @@
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` is set (and not
 //! empty); `OTEL_EXPORTER_OTLP_{TRACES_,}{HEADERS,TIMEOUT,COMPRESSION,INSECURE}`,
 //! `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` are honoured by the exporter and
-//! resource. Only gRPC over plain HTTP/2 (`http://`) is built in; an `https://` endpoint
-//! is rejected with a clear error (no TLS feature compiled in).
+//! resource. `OTEL_EXPORTER_OTLP_{TRACES_,}PROTOCOL` picks the transport: `grpc` (the
+//! default, port 4317, plain HTTP/2 `http://`; an `https://` endpoint is rejected with a
+//! clear error, no TLS feature is compiled in for tonic) or `http/protobuf` (port 4318; the
+//! exporter appends `/v1/traces` to `OTEL_EXPORTER_OTLP_ENDPOINT`, and uses a
+//! `..._TRACES_ENDPOINT` as given). HTTP goes through the `reqwest` client the prefetch
+//! engine already links (features `http-proto` and `reqwest-client` of opentelemetry-otlp),
+//! for collectors and proxies that accept only HTTP/1.1. Any other protocol value fails the
+//! export with `OtlpConfigInvalid` naming it.
 //!
 //! Span times: a stage span starts at the record's wall-clock `start` and ends at
 //! `start + duration_ms`; a pre-agent span runs from one stamp to the next (the last one
@@ -95,6 +101,40 @@ pub fn endpoint_from_env() -> Option<String> {
         .filter_map(|k| std::env::var(k).ok())
         .map(|v| v.trim().to_string())
         .find(|v| !v.is_empty())
+}
+
+/// Environment variables naming the OTLP protocol (traces-specific first), as the
+/// OpenTelemetry SDKs read them.
+pub const PROTOCOL_VARS: [&str; 2] = ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"];
+
+/// How spans travel to the collector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// OTLP over gRPC (`grpc`, port 4317): the default, as in every earlier release.
+    Grpc,
+    /// OTLP over HTTP with protobuf bodies (`http/protobuf`, port 4318, path `/v1/traces`),
+    /// for collectors and proxies that speak only HTTP/1.1.
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    /// Parse an `OTEL_EXPORTER_OTLP_*PROTOCOL` value; `http/json` is not built in.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value.trim() {
+            "" | "grpc" => Ok(Self::Grpc),
+            "http/protobuf" => Ok(Self::HttpProtobuf),
+            other => Err(format!("unsupported OTLP protocol {other:?} (grpc or http/protobuf)")),
+        }
+    }
+
+    /// The protocol the environment names (traces-specific first); gRPC when unset.
+    pub fn from_env() -> Result<Self, String> {
+        PROTOCOL_VARS
+            .iter()
+            .filter_map(|k| std::env::var(k).ok())
+            .find(|v| !v.trim().is_empty())
+            .map_or(Ok(Self::Grpc), |v| Self::parse(&v))
+    }
 }
 
 /// Whether export is configured.
@@ -374,14 +414,29 @@ async fn export_spans(
     node: &str,
     spans: Vec<SpanData>,
 ) -> Result<usize, OtlpError> {
-    let mut b = opentelemetry_otlp::SpanExporter::builder().with_tonic();
-    if let Some(e) = endpoint {
-        b = b.with_endpoint(e);
-    }
-    let mut exporter = b.build().map_err(|e| OtlpError::Config {
+    let config_error = |message: String| OtlpError::Config {
         endpoint: shown.clone(),
-        message: e.to_string(),
-    })?;
+        message,
+    };
+    let built = match OtlpProtocol::from_env().map_err(config_error)? {
+        OtlpProtocol::Grpc => {
+            let mut b = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+            if let Some(e) = endpoint {
+                b = b.with_endpoint(e);
+            }
+            b.build()
+        }
+        OtlpProtocol::HttpProtobuf => {
+            let mut b = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary);
+            if let Some(e) = endpoint {
+                b = b.with_endpoint(e);
+            }
+            b.build()
+        }
+    };
+    let mut exporter = built.map_err(|e| config_error(e.to_string()))?;
     exporter.set_resource(&resource(node));
     let n = spans.len();
     let result = tokio::time::timeout(EXPORT_DEADLINE, exporter.export(spans)).await;
@@ -413,6 +468,21 @@ mod tests {
     use super::*;
     use crate::timeline::Verdict;
     use serde_json::json;
+
+    #[test]
+    fn protocol_values() {
+        for (v, want) in [
+            ("", Ok(OtlpProtocol::Grpc)),
+            ("grpc", Ok(OtlpProtocol::Grpc)),
+            (" http/protobuf ", Ok(OtlpProtocol::HttpProtobuf)),
+        ] {
+            assert_eq!(OtlpProtocol::parse(v), want, "{v:?}");
+        }
+        for bad in ["http/json", "HTTP", "udp"] {
+            let e = OtlpProtocol::parse(bad).unwrap_err();
+            assert!(e.contains(bad) && e.contains("grpc or http/protobuf"), "{e}");
+        }
+    }
     use taintgate_validators::reason::ReasonCode;
 
     fn ts(s: &str) -> Timestamp {
