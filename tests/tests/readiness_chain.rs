@@ -328,9 +328,16 @@ async fn first_workload_to_first_ready_endpoint_and_the_fleet_view() {
     let rx = require_service!("otlp receiver", OtlpReceiver::start().await);
     let released = doc.start.as_millisecond() + doc.verdict.as_ref().unwrap().at_ms as i64;
     let released_ts = Timestamp::from_millisecond(released).unwrap();
-    let n = readiness::trace::export_to(Some(&rx.endpoint()), node, released_ts, &rec.stamps, &rec.workload)
-        .await
-        .unwrap();
+    let n = readiness::trace::export_to(
+        Some(&rx.endpoint()),
+        node,
+        released_ts,
+        &rec.stamps,
+        &rec.workload,
+        None,
+    )
+    .await
+    .unwrap();
     let spans = rx.wait_for_spans(n, Duration::from_secs(30)).await.unwrap();
     assert_eq!(n, want.len() + 1, "a root and one span per interval");
     let root = spans.iter().find(|s| s.name == "readiness").unwrap();

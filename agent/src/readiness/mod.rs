@@ -201,14 +201,15 @@ pub async fn run(
                 );
                 crate::node::report::emit_event(api, &ev, events, "readiness").await;
             }
-            released_at(&node, &config.reporting.annotation_prefix).unwrap_or(started)
+            bootstrap_of(&node, api.node_name(), &config.reporting.annotation_prefix)
         }
         Err(e) => {
             tracing::warn!(error = %e, reason = e.reason(), "writing the readiness chain to the annotation failed");
-            started
+            None
         }
     };
-    trace::export(api.node_name(), released, &rec.stamps, &rec.workload).await;
+    let (released, link) = released.map_or((started, None), |(at, ids)| (at, Some(ids)));
+    trace::export(api.node_name(), released, &rec.stamps, &rec.workload, link).await;
     Some(rec)
 }
 
@@ -238,10 +239,16 @@ fn summary(rec: &Record) -> String {
     }
 }
 
-/// The release time recorded by the bootstrap (agent start + verdict offset).
-fn released_at(node: &k8s_openapi::api::core::v1::Node, prefix: &str) -> Option<Timestamp> {
+/// The releasing bootstrap as its annotation records it: the release time (agent start +
+/// verdict offset) and the ids of its trace's root span, for the chain's span link.
+fn bootstrap_of(
+    node: &k8s_openapi::api::core::v1::Node,
+    name: &str,
+    prefix: &str,
+) -> Option<(Timestamp, (opentelemetry::trace::TraceId, opentelemetry::trace::SpanId))> {
     let raw = node.metadata.annotations.as_ref()?.get(&format!("{prefix}/timeline"))?;
     let doc = crate::telemetry::annotation::decode(raw).ok()?;
     let v = doc.verdict?;
-    doc.start.checked_add(std::time::Duration::from_millis(v.at_ms)).ok()
+    let at = doc.start.checked_add(std::time::Duration::from_millis(v.at_ms)).ok()?;
+    Some((at, crate::telemetry::otlp::bootstrap_ids(name, doc.start, v.at_ms)))
 }

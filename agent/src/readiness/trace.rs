@@ -3,8 +3,14 @@
 //! `readiness:<to>` after the stamp it waited for. Same clock rules as the pre-agent
 //! spans (`crate::telemetry::otlp`): the objects' own times are used as they are (one
 //! second resolution), stamps are ordered by time with causal order breaking ties, and
-//! nothing re-reads a clock. Exported as its own trace (the bootstrap's was sent at
-//! release), carrying `k8s.node.name` like it so the two are joined by node.
+//! nothing re-reads a clock.
+//!
+//! Trace shape: the chain is its own trace, not a child of the bootstrap's. The bootstrap's
+//! trace was exported (and closed) at release, and the chain may end an hour later, after
+//! a restart of the agent; a span added to a finished trace would stretch its root in every
+//! UI. So the chain's root carries a span **link** to the bootstrap's root span, whose ids
+//! are derived from the annotation (`crate::telemetry::otlp::bootstrap_ids`), and both carry
+//! `k8s.node.name`: a trace UI jumps from one to the other.
 
 use crate::readiness::decide::names;
 use crate::telemetry::annotation::WorkloadEntry;
@@ -45,6 +51,7 @@ pub fn build_spans_with(
     released: Timestamp,
     stamps: &[Stamp],
     workload: &WorkloadEntry,
+    bootstrap: Option<(TraceId, SpanId)>,
     trace_id: TraceId,
     next_span_id: &mut dyn FnMut() -> SpanId,
 ) -> Vec<SpanData> {
@@ -75,7 +82,7 @@ pub fn build_spans_with(
         "WorkloadReady" | "NoEndpointYet" => Status::Ok,
         _ => Status::Unset,
     };
-    let mut out = vec![mk(
+    let mut root = mk(
         root_id,
         SpanId::INVALID,
         ROOT_SPAN.to_string(),
@@ -88,7 +95,16 @@ pub fn build_spans_with(
             KeyValue::new("taintgate.readiness.group", workload.group.clone()),
         ],
         status,
-    )];
+    );
+    if let Some((trace, span)) = bootstrap {
+        let ctx = SpanContext::new(trace, span, TraceFlags::SAMPLED, true, TraceState::default());
+        root.links.links.push(opentelemetry::trace::Link::new(
+            ctx,
+            vec![KeyValue::new("taintgate.link", "bootstrap")],
+            0,
+        ));
+    }
+    let mut out = vec![root];
     for w in all.windows(2) {
         out.push(mk(
             next_span_id(),
@@ -109,11 +125,17 @@ pub fn build_spans_with(
 
 /// Export the chain's trace when `OTEL_EXPORTER_OTLP_*` configures an endpoint. Never
 /// fails the caller: problems are logged with their reason code. Returns spans sent.
-pub async fn export(node: &str, released: Timestamp, stamps: &[Stamp], workload: &WorkloadEntry) -> usize {
+pub async fn export(
+    node: &str,
+    released: Timestamp,
+    stamps: &[Stamp],
+    workload: &WorkloadEntry,
+    bootstrap: Option<(TraceId, SpanId)>,
+) -> usize {
     if !crate::telemetry::otlp::enabled() {
         return 0;
     }
-    match export_to(None, node, released, stamps, workload).await {
+    match export_to(None, node, released, stamps, workload, bootstrap).await {
         Ok(n) => n,
         Err(e) => {
             tracing::warn!(error = %e, reason = e.reason(), "exporting the readiness trace failed");
@@ -122,18 +144,26 @@ pub async fn export(node: &str, released: Timestamp, stamps: &[Stamp], workload:
     }
 }
 
-/// Export the chain's trace to `endpoint` (the environment's when `None`), in a new trace.
+/// Export the chain's trace to `endpoint` (the environment's when `None`), in a new trace
+/// linked to the bootstrap's root span when its ids are known.
 pub async fn export_to(
     endpoint: Option<&str>,
     node: &str,
     released: Timestamp,
     stamps: &[Stamp],
     workload: &WorkloadEntry,
+    bootstrap: Option<(TraceId, SpanId)>,
 ) -> Result<usize, crate::telemetry::otlp::OtlpError> {
     let ids = RandomIdGenerator::default();
-    let spans = build_spans_with(node, released, stamps, workload, ids.new_trace_id(), &mut || {
-        ids.new_span_id()
-    });
+    let spans = build_spans_with(
+        node,
+        released,
+        stamps,
+        workload,
+        bootstrap,
+        ids.new_trace_id(),
+        &mut || ids.new_span_id(),
+    );
     crate::telemetry::otlp::export_spans_to(endpoint, node, spans).await
 }
 
@@ -158,10 +188,19 @@ mod tests {
             group: String::new(),
         };
         let mut n = 0u64;
-        let spans = build_spans_with("n1", t("04:00"), &stamps, &w, TraceId::from(7u128), &mut || {
-            n += 1;
-            SpanId::from(n)
-        });
+        let boot = crate::telemetry::otlp::bootstrap_ids("n1", t("02:00"), 120_000);
+        let spans = build_spans_with(
+            "n1",
+            t("04:00"),
+            &stamps,
+            &w,
+            Some(boot),
+            TraceId::from(7u128),
+            &mut || {
+                n += 1;
+                SpanId::from(n)
+            },
+        );
         let got: Vec<(String, SystemTime, SystemTime)> = spans
             .iter()
             .map(|s| (s.name.to_string(), s.start_time, s.end_time))
@@ -178,5 +217,13 @@ mod tests {
             ]
         );
         assert!(spans[1..].iter().all(|s| s.parent_span_id == SpanId::from(1u64)));
+        // The root links to the bootstrap's root span; nothing else links.
+        let links: Vec<_> = spans[0]
+            .links
+            .iter()
+            .map(|l| (l.span_context.trace_id(), l.span_context.span_id()))
+            .collect();
+        assert_eq!(links, vec![boot]);
+        assert!(spans[1..].iter().all(|s| s.links.is_empty()));
     }
 }

@@ -223,13 +223,50 @@ pub fn pre_intervals(pre: &[Stamp], agent_start: Timestamp) -> Vec<(Stamp, Stamp
     s.windows(2).map(|w| (w[0].clone(), w[1].clone())).collect()
 }
 
-/// The spans of one bootstrap, root first, with fresh ids in one new trace.
-pub fn build_spans(t: &Timeline, pre: &[Stamp]) -> Vec<SpanData> {
-    let ids = RandomIdGenerator::default();
-    build_spans_with(t, pre, ids.new_trace_id(), &mut || ids.new_span_id())
+/// The ids of a bootstrap's trace and root span, derived from what the Node's timeline
+/// annotation records about that bootstrap (node, agent start, verdict offset), so the
+/// readiness chain exported after release — by this process or by one restarted since —
+/// links to it (`crate::readiness::trace`) without storing ids anywhere. A sha256 of those
+/// fields: unique per node and pass as a random id would be, and stable across releases.
+pub fn bootstrap_ids(node: &str, agent_start: Timestamp, verdict_at_ms: u64) -> (TraceId, SpanId) {
+    let hex = taintgate_prefetch::sha256_hex(
+        format!(
+            "taintgate bootstrap\n{node}\n{}\n{verdict_at_ms}",
+            agent_start.as_millisecond()
+        )
+        .as_bytes(),
+    );
+    let mut b = [0u8; 32];
+    for (i, out) in b.iter_mut().enumerate() {
+        *out = hex
+            .get(2 * i..2 * i + 2)
+            .and_then(|h| u8::from_str_radix(h, 16).ok())
+            .unwrap_or(0);
+    }
+    let mut trace = [0u8; 16];
+    let mut span = [0u8; 8];
+    trace.copy_from_slice(&b[..16]);
+    span.copy_from_slice(&b[16..24]);
+    // An all-zero id is invalid in OTLP; a sha256 prefix of zeros is not going to happen,
+    // but the id must be valid whatever the input.
+    trace[15] |= u8::from(trace == [0; 16]);
+    span[7] |= u8::from(span == [0; 8]);
+    (TraceId::from_bytes(trace), SpanId::from_bytes(span))
 }
 
-/// [`build_spans`] with given ids (for tests).
+/// The spans of one bootstrap, root first, in one new trace: with a verdict, the trace and
+/// root span ids are [`bootstrap_ids`]; other span ids are random.
+pub fn build_spans(t: &Timeline, pre: &[Stamp]) -> Vec<SpanData> {
+    let ids = RandomIdGenerator::default();
+    let Some(v) = &t.verdict else {
+        return build_spans_with(t, pre, ids.new_trace_id(), &mut || ids.new_span_id());
+    };
+    let (trace, root) = bootstrap_ids(&t.node, t.agent_start, v.at_ms);
+    let mut root = Some(root);
+    build_spans_with(t, pre, trace, &mut || root.take().unwrap_or_else(|| ids.new_span_id()))
+}
+
+/// [`build_spans`] with given ids (the first id drawn is the root's).
 pub fn build_spans_with(
     t: &Timeline,
     pre: &[Stamp],
@@ -503,6 +540,41 @@ mod tests {
             summary: "s".into(),
             evidence: ev,
         }
+    }
+
+    #[test]
+    fn a_bootstrap_trace_has_ids_its_annotation_gives_back() {
+        let start = ts("2026-01-01T00:02:00Z");
+        let mut t = Timeline {
+            node: "gpu-a".into(),
+            agent_start: start,
+            gpu_backend: "simulated".into(),
+            stages: vec![],
+            verdict: Some(Verdict {
+                released: true,
+                dry_run: false,
+                reason: "Released".into(),
+                message: String::new(),
+                at_ms: 4120,
+                at: start,
+            }),
+        };
+        let root = &build_spans(&t, &[])[0];
+        let ids = bootstrap_ids("gpu-a", start, 4120);
+        assert_eq!((root.span_context.trace_id(), root.span_context.span_id()), ids);
+        assert!(root.span_context.is_valid());
+        // Another pass (another verdict time), node or start: another trace.
+        for other in [
+            bootstrap_ids("gpu-a", start, 4121),
+            bootstrap_ids("gpu-b", start, 4120),
+            bootstrap_ids("gpu-a", ts("2026-01-01T00:02:01Z"), 4120),
+        ] {
+            assert_ne!(other.0, ids.0);
+        }
+        // Without a verdict there is nothing to link to: random ids.
+        t.verdict = None;
+        let a = build_spans(&t, &[])[0].span_context.trace_id();
+        assert_ne!(a, build_spans(&t, &[])[0].span_context.trace_id());
     }
 
     #[test]
