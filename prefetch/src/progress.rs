@@ -12,6 +12,9 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 /// Receives byte counts as the prefetch runs (called from many threads; keep it cheap).
 /// The agent implements it over Prometheus counters.
 pub trait PrefetchObserver: Send + Sync {
+    /// A bundle's prefetch begins (`total`: its bytes), before any byte arrives: counters
+    /// can start at 0, so a rate over them counts the first chunk too.
+    fn bundle_started(&self, _bundle: &str, _total: u64) {}
     /// Bytes received from a source (counted as they arrive, before verification).
     fn bytes_fetched(&self, _bundle: &str, _n: u64) {}
     /// Bytes that went through sha256 (downloaded or re-read from a partial file).
@@ -55,6 +58,9 @@ impl Progress {
             ProgressStyle::with_template("{prefix:>16} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
                 .map(|s| s.progress_chars("=> "))
                 .ok();
+        for (name, total) in &bundles {
+            observer.bundle_started(name, *total);
+        }
         let bundles = bundles
             .into_iter()
             .map(|(name, total)| {

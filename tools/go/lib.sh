@@ -3,7 +3,9 @@
 # Every Go-built test component has one tools module, tools/go/<tool>/, holding:
 #   go.mod, go.sum  the pinned module graph (committed);
 #   tool.env        TOOL_PKG (main package), TOOL_VERSION (the upstream version the binary
-#                   reports), TOOL_CGO (0/1), TOOL_LDFLAGS (version stamps), TOOL_BIN.
+#                   reports), TOOL_CGO (0/1), TOOL_LDFLAGS (version stamps), TOOL_BIN,
+#                   TOOL_MODULE (build from another tool's go.mod: two programs of one
+#                   upstream module share one pinned graph, e.g. promtool and prometheus).
 # The binary goes to a cache outside the clone (CI clones afresh each run), keyed by tool
 # version, the go.sum hash and the Go version, so a present binary is never rebuilt and a
 # change to any of the three builds a new one beside it.
@@ -12,7 +14,7 @@ TAINTGATE_TOOLS_DIR=${TAINTGATE_TOOLS_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")"
 TAINTGATE_TOOLS_CACHE=${TAINTGATE_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/taintgate-tools}
 
 # The oldest Go every tools module builds with (the newest `go` line among the go.mod files).
-TAINTGATE_MIN_GO=1.26.0
+TAINTGATE_MIN_GO=1.26.7
 
 tg_go_check() {
     if ! command -v go >/dev/null 2>&1; then
@@ -36,7 +38,7 @@ tg_tool_path() {
         # shellcheck disable=SC1091
         . "$dir/tool.env"
         local sum gov
-        sum=$(sha256sum "$dir/go.sum" | cut -c1-12)
+        sum=$(sha256sum "$TAINTGATE_TOOLS_DIR/${TOOL_MODULE:-$tool}/go.sum" | cut -c1-12)
         gov=$(go env GOVERSION)
         echo "$TAINTGATE_TOOLS_CACHE/$tool/$TOOL_VERSION-$sum-$gov/${TOOL_BIN:-$tool}"
     )
@@ -58,7 +60,7 @@ tg_build() {
         mkdir -p "$(dirname "$out")"
         tmp="$out.tmp.$$"
         echo "  $tool $TOOL_VERSION: building $TOOL_PKG (cold builds take minutes)"
-        cd "$dir"
+        cd "$TAINTGATE_TOOLS_DIR/${TOOL_MODULE:-$tool}"
         # -mod=readonly: go.mod and go.sum are committed and must already be complete.
         if ! CGO_ENABLED=${TOOL_CGO:-0} go build -mod=readonly -trimpath \
             -ldflags "-s -w ${TOOL_LDFLAGS:-}" -o "$tmp" "$TOOL_PKG"; then
