@@ -61,12 +61,13 @@ STATE="$DIR/cluster.env"
 
 pid_alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
 
+# port_in_use PORT [ADDRESS]: true when PORT cannot be bound on ADDRESS (default loopback).
 port_in_use() {
-    python3 - "$1" <<'PY'
+    python3 - "$1" "${2:-127.0.0.1}" <<'PY'
 import socket, sys
 s = socket.socket()
 try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
+    s.bind((sys.argv[2], int(sys.argv[1])))
 except OSError:
     sys.exit(0)
 sys.exit(1)

@@ -72,11 +72,16 @@ node_claim_slot() {
     return 1
 }
 
+# True while the cluster in DIR $1 runs (or is starting: a slot is claimed only after its
+# etcd started and cluster.env names it).
 node_owner_alive() {
-    local st="$1/cluster.env" init
+    local st="$1/cluster.env" v p
     [ -f "$st" ] || return 1
-    init=$(sed -n 's/^NODE_INIT_PID=//p' "$st")
-    pid_alive "$init"
+    for v in ETCD_PID APISERVER_PID NODE_NS_PID NODE_INIT_PID; do
+        p=$(sed -n "s/^$v=//p" "$st")
+        pid_alive "$p" && return 0
+    done
+    return 1
 }
 
 # Remove a slot's bridge and cgroups (after its processes are gone).
@@ -224,7 +229,8 @@ node_preflight() {
     fi
     PAUSE_ARCHIVE=$(bash "$ROOT/scripts/install-test-deps-node.sh" | tail -1) \
         || die "scripts/install-test-deps-node.sh failed (above)"
-    if [ -n "${KUBELET_PORT:-}" ] && port_in_use "$KUBELET_PORT"; then
+    # The kubelet listens on its node address: any address holding the port is a conflict.
+    if [ -n "${KUBELET_PORT:-}" ] && port_in_use "$KUBELET_PORT" 0.0.0.0; then
         die "port $KUBELET_PORT (KUBELET_PORT) is already in use"
     fi
     if [ -n "${TAINTGATE_NODE_DRIVER_ROOT:-}" ] \
