@@ -6,9 +6,10 @@
 #   scripts/local-cluster.sh up [DIR] [--node] [--watch-pid PID]
 #   scripts/local-cluster.sh down [DIR]
 #   scripts/local-cluster.sh env [DIR]      # prints the cluster's settings (shell syntax)
+#   scripts/local-cluster.sh restart-plugin DIR [--plugin-config FILE]   # --node only
 #
 # --node (root only) adds a real node: kube-controller-manager, kube-scheduler, a private
-# containerd, a kubelet and NVIDIA's device plugin on the fake NVML (see node_up below).
+# containerd, a kubelet and NVIDIA's device plugin on the fake NVML (scripts/local-node.sh).
 #
 # DIR defaults to ${TMPDIR:-/tmp}/taintgate-cluster. `up` generates a CA, serving and admin
 # client certificates and the service-account signing key with openssl, starts etcd and
@@ -37,7 +38,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "local-cluster: $*" >&2; exit 1; }
 
 usage() {
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -47,10 +48,12 @@ shift
 DIR=""
 WATCH_PID=""
 NODE_MODE=0
+PLUGIN_CONFIG=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --watch-pid) WATCH_PID=${2:?--watch-pid needs a pid}; shift 2 ;;
         --node) NODE_MODE=1; shift ;;
+        --plugin-config) PLUGIN_CONFIG=${2:?--plugin-config needs a file}; shift 2 ;;
         -h|--help) usage ;;
         -*) die "unknown option $1" ;;
         *) [ -z "$DIR" ] || die "more than one DIR given"; DIR=$1; shift ;;
@@ -325,5 +328,6 @@ case "$cmd" in
     up) up ;;
     down) down ;;
     env) [ -f "$STATE" ] || die "no cluster state in $DIR"; cat "$STATE" ;;
+    restart-plugin) [ -f "$STATE" ] || die "no cluster state in $DIR"; node_restart_plugin "$PLUGIN_CONFIG" ;;
     *) usage ;;
 esac

@@ -487,3 +487,38 @@ node_plugin_start() {
     PLUGIN_PID=$NS_RUN_PID
     save_state
 }
+
+# `local-cluster.sh restart-plugin DIR [--plugin-config FILE]`: stop the device plugin and
+# start it again, with FILE as its --config-file (time-slicing, MPS, ...) or, without it,
+# with none. Returns once the new plugin serves its socket; the kubelet then re-reads the
+# plugin's devices and republishes allocatable (callers wait for that on the Node).
+node_restart_plugin() {
+    local config=$1 nd="$DIR/node" plugin child i
+    # shellcheck disable=SC1090
+    . "$STATE"
+    [ "${NODE_MODE:-0}" = 1 ] || die "$DIR runs no node (it was not started with --node)"
+    pid_alive "${NODE_INIT_PID:-}" || die "the node in $DIR is not running"
+    plugin=$(tg_tool_path nvidia-device-plugin)
+    if [ -n "$config" ]; then
+        [ -f "$config" ] || die "--plugin-config $config: no such file"
+        cp "$config" "$nd/device-plugin-config.yaml"
+    else
+        rm -f "$nd/device-plugin-config.yaml"
+    fi
+    child=$(cat "/proc/$PLUGIN_PID/task/$PLUGIN_PID/children" 2>/dev/null | awk '{print $1}')
+    [ -n "$child" ] && kill -TERM "$child" 2>/dev/null
+    for i in $(seq 1 100); do
+        pid_alive "$PLUGIN_PID" || break
+        sleep 0.1
+    done
+    pid_alive "$PLUGIN_PID" && { kill -KILL "$child" 2>/dev/null; sleep 0.2; }
+    rm -f "$NODE_VAR_LIB/kubelet/device-plugins/nvidia-gpu.sock"
+    save_state() { sed -i "s/^PLUGIN_PID=.*/PLUGIN_PID=$PLUGIN_PID/" "$STATE"; }
+    node_plugin_start "$plugin"
+    for i in $(seq 1 300); do
+        [ -S "$NODE_VAR_LIB/kubelet/device-plugins/nvidia-gpu.sock" ] && { echo "local-cluster: device plugin restarted (pid $PLUGIN_PID)" >&2; return 0; }
+        pid_alive "$PLUGIN_PID" || { tail -20 "$DIR/device-plugin.log" >&2; die "the device plugin exited ($DIR/device-plugin.log)"; }
+        sleep 0.2
+    done
+    die "the device plugin did not serve its socket within 60 s ($DIR/device-plugin.log)"
+}

@@ -29,8 +29,9 @@ use serde_json::{Value, json};
 use taintgate::timeline::Outcome;
 use taintgate_tests::agent::{TAINT, condition, taint_keys};
 use taintgate_tests::cluster::{ApiServer, go_tool};
-use taintgate_tests::faults::{RunningAgent, agent_command, write_config};
+use taintgate_tests::faults::RunningAgent;
 use taintgate_tests::nvidia::DriverRoot;
+use taintgate_tests::real_node::agent_on_node;
 use taintgate_tests::require_service;
 use taintgate_validators::gpu::Gpu;
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
@@ -61,15 +62,8 @@ fn nvml_gpu_count(driver: &DriverRoot) -> usize {
     gpu.inventory().unwrap().gpus.len()
 }
 
-fn wait_until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(start.elapsed() < T, "{what}: not within {T:?}");
-        std::thread::sleep(Duration::from_millis(250));
-    }
+fn wait_until<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
+    taintgate_tests::real_node::wait_until(what, T, f).unwrap()
 }
 
 /// What of this machine a node could leave behind, to compare before and after.
@@ -273,34 +267,7 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
 
     // 3. The agent on the node, against the real kubelet's sockets.
     let var_lib = PathBuf::from(var("NODE_VAR_LIB"));
-    let off = json!({"enabled": false});
-    let overlay = json!({
-        "gpu": {"nvml_library": driver.lib_dir().join("libnvidia-ml.so.1")},
-        "kubelet": {"paths": {
-            "device_plugin_dir": var_lib.join("kubelet/device-plugins"),
-            "pod_resources_socket": var_lib.join("kubelet/pod-resources/kubelet.sock"),
-        }},
-        // No GPU here: the CUDA stages cannot pass against the fake NVML alone, and the
-        // runtime/fit/models/images stages are not what this node is for.
-        "stages": {"smoke": off, "peer-bw": off, "runtime": off, "fit": off, "models": off, "images": off},
-    });
-    let config = write_config(tmp.path(), "config.yaml", &overlay.to_string()).unwrap();
-    let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
-    let config = config.to_string_lossy().into_owned();
-    let mut cmd = agent_command(&[
-        "run",
-        "--once",
-        "--kubeconfig",
-        &kubeconfig,
-        "--node-name",
-        NODE,
-        "--config",
-        &config,
-        "--output",
-        "json",
-    ])
-    .unwrap();
-    cmd.env_remove("TAINTGATE_NVML_LIBRARY").env_remove("FAKE_NVML_PROFILE");
+    let cmd = agent_on_node(&api, &driver, tmp.path(), &json!({})).unwrap();
     let run = RunningAgent::spawn(cmd).unwrap().wait(T).unwrap();
     assert_eq!(run.code, Some(0), "agent failed:\n{}\n{}", run.stdout, run.stderr);
     let timeline = run.timeline().expect("no JSON timeline");
