@@ -20,8 +20,8 @@
 # leaves a control plane behind). `down` stops exactly what `up` started and removes DIR.
 #
 # Deliberate differences from a production control plane (the docs' testing page says so):
-#   - no controller-manager or scheduler runs; the TaintNodesByCondition admission plugin
-#     is off, because without the node lifecycle controller nothing would ever remove the
+#   - no controller-manager or scheduler runs (except with --node); the
+#     TaintNodesByCondition admission plugin is off (on with --node), because without the node lifecycle controller nothing would ever remove the
 #     not-ready taint it adds to every new Node;
 #   - the nodes watch cache is off (--watch-cache-sizes=nodes#0), so a watch resumed from a
 #     compacted revision gets etcd's real 410 Gone; periodic compaction is off, tests compact;
