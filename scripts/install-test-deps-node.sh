@@ -6,9 +6,9 @@
 #     machines: tools/pause/pause.c built static and packed with buildah (vfs storage in a
 #     private temporary root, chroot isolation, no daemon) into an OCI archive in the tools
 #     cache outside the clone, keyed by the source's hash; a present archive is never rebuilt;
-#   - Debian's containerd, runc, CNI plugins (containernetworking-plugins) and util-linux's
-#     unshare/nsenter, checked, not installed (scripts/install-test-deps-images.sh installs
-#     containerd and buildah where apt is available).
+#   - Debian's containerd, runc, buildah, CNI plugins (containernetworking-plugins),
+#     iproute2's ip and util-linux's unshare/nsenter: installed with apt when missing
+#     (idempotent; run as root, as CI does), then checked.
 # Prints the archive's path on its last line. Exits non-zero naming what is missing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -16,6 +16,20 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 . "$ROOT/tools/go/lib.sh"
 
 PAUSE_REF=registry.k8s.io/pause:3.10
+need=()
+command -v containerd >/dev/null 2>&1 || need+=(containerd)
+command -v runc >/dev/null 2>&1 || need+=(runc)
+command -v buildah >/dev/null 2>&1 || need+=(buildah)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v nsenter >/dev/null 2>&1 || need+=(util-linux)
+[ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] && [ -x /usr/lib/cni/loopback ] \
+    || need+=(containernetworking-plugins)
+if ((${#need[@]} > 0)) && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install-test-deps-node: installing ${need[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >&2
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+fi
 missing=()
 for b in containerd runc buildah unshare nsenter ip "${CC:-cc}"; do
     command -v "$b" >/dev/null 2>&1 || missing+=("$b")

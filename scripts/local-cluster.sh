@@ -21,8 +21,9 @@
 #
 # Deliberate differences from a production control plane (the docs' testing page says so):
 #   - no controller-manager or scheduler runs (except with --node); the
-#     TaintNodesByCondition admission plugin is off (on with --node), because without the node lifecycle controller nothing would ever remove the
-#     not-ready taint it adds to every new Node;
+#     TaintNodesByCondition admission plugin is off (on with --node), because without the
+#     node lifecycle controller nothing would ever remove the not-ready taint it adds to
+#     every new Node;
 #   - the nodes watch cache is off (--watch-cache-sizes=nodes#0), so a watch resumed from a
 #     compacted revision gets etcd's real 410 Gone; periodic compaction is off, tests compact;
 #   - etcd runs with --unsafe-no-fsync (test data only).
