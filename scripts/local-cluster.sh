@@ -91,6 +91,9 @@ stop_recorded() {
     if [ "${NODE_MODE:-0}" = 1 ]; then
         node_stop
     fi
+    # The watchdog runs `down` itself (it execs this script): it must not stop itself
+    # before DIR is removed.
+    [ "${WATCHDOG_PID:-}" = "$$" ] && WATCHDOG_PID=""
     for p in ${APISERVER_PID:-} ${ETCD_PID:-} ${WATCHDOG_PID:-}; do
         pid_alive "$p" && kill -TERM "$p" 2>/dev/null || true
     done
