@@ -15,7 +15,7 @@ set -euo pipefail
 # shellcheck source=tools/go/lib.sh
 . "$(dirname "$0")/../tools/go/lib.sh"
 
-TOOLS=(${TAINTGATE_KUBE_TOOLS:-etcd kube-apiserver kubectl karpenter})
+TOOLS=(${TAINTGATE_KUBE_TOOLS:-etcd kube-apiserver kubectl karpenter kubelet kube-scheduler kube-controller-manager})
 
 tg_go_check
 echo "install-test-deps-kube: $(go env GOVERSION), cache $TAINTGATE_TOOLS_CACHE"

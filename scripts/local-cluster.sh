@@ -3,9 +3,13 @@
 # Go modules by scripts/install-test-deps-kube.sh. The test harness starts its clusters with
 # this same script.
 #
-#   scripts/local-cluster.sh up [DIR] [--watch-pid PID]
+#   scripts/local-cluster.sh up [DIR] [--node] [--watch-pid PID]
 #   scripts/local-cluster.sh down [DIR]
 #   scripts/local-cluster.sh env [DIR]      # prints the cluster's settings (shell syntax)
+#   scripts/local-cluster.sh restart-plugin DIR [--plugin-config FILE]   # --node only
+#
+# --node (root only) adds a real node: kube-controller-manager, kube-scheduler, a private
+# containerd, a kubelet and NVIDIA's device plugin on the fake NVML (scripts/local-node.sh).
 #
 # DIR defaults to ${TMPDIR:-/tmp}/taintgate-cluster. `up` generates a CA, serving and admin
 # client certificates and the service-account signing key with openssl, starts etcd and
@@ -16,9 +20,10 @@
 # leaves a control plane behind). `down` stops exactly what `up` started and removes DIR.
 #
 # Deliberate differences from a production control plane (the docs' testing page says so):
-#   - no controller-manager or scheduler runs; the TaintNodesByCondition admission plugin
-#     is off, because without the node lifecycle controller nothing would ever remove the
-#     not-ready taint it adds to every new Node;
+#   - no controller-manager or scheduler runs (except with --node); the
+#     TaintNodesByCondition admission plugin is off (on with --node), because without the
+#     node lifecycle controller nothing would ever remove the not-ready taint it adds to
+#     every new Node;
 #   - the nodes watch cache is off (--watch-cache-sizes=nodes#0), so a watch resumed from a
 #     compacted revision gets etcd's real 410 Gone; periodic compaction is off, tests compact;
 #   - etcd runs with --unsafe-no-fsync (test data only).
@@ -28,11 +33,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=tools/go/lib.sh
 . "$ROOT/tools/go/lib.sh"
+# shellcheck source=scripts/local-node.sh
+. "$ROOT/scripts/local-node.sh"
 
 die() { echo "local-cluster: $*" >&2; exit 1; }
 
 usage() {
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -41,9 +48,13 @@ cmd=${1:-}
 shift
 DIR=""
 WATCH_PID=""
+NODE_MODE=0
+PLUGIN_CONFIG=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --watch-pid) WATCH_PID=${2:?--watch-pid needs a pid}; shift 2 ;;
+        --node) NODE_MODE=1; shift ;;
+        --plugin-config) PLUGIN_CONFIG=${2:?--plugin-config needs a file}; shift 2 ;;
         -h|--help) usage ;;
         -*) die "unknown option $1" ;;
         *) [ -z "$DIR" ] || die "more than one DIR given"; DIR=$1; shift ;;
@@ -54,12 +65,13 @@ STATE="$DIR/cluster.env"
 
 pid_alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
 
+# port_in_use PORT [ADDRESS]: true when PORT cannot be bound on ADDRESS (default loopback).
 port_in_use() {
-    python3 - "$1" <<'PY'
+    python3 - "$1" "${2:-127.0.0.1}" <<'PY'
 import socket, sys
 s = socket.socket()
 try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
+    s.bind((sys.argv[2], int(sys.argv[1])))
 except OSError:
     sys.exit(0)
 sys.exit(1)
@@ -75,6 +87,13 @@ stop_recorded() {
     # shellcheck disable=SC1090
     . "$STATE"
     local p
+    # The node first: its kubelet and controllers talk to the API server.
+    if [ "${NODE_MODE:-0}" = 1 ]; then
+        node_stop
+    fi
+    # The watchdog runs `down` itself (it execs this script): it must not stop itself
+    # before DIR is removed.
+    [ "${WATCHDOG_PID:-}" = "$$" ] && WATCHDOG_PID=""
     for p in ${APISERVER_PID:-} ${ETCD_PID:-} ${WATCHDOG_PID:-}; do
         pid_alive "$p" && kill -TERM "$p" 2>/dev/null || true
     done
@@ -164,6 +183,9 @@ up() {
         fi
         die "$DIR holds a stopped cluster's state; run '$0 down $DIR' to clear it"
     fi
+    if [ "$NODE_MODE" = 1 ]; then
+        node_preflight
+    fi
     for v in ETCD_PORT APISERVER_PORT; do
         if [ -n "${!v:-}" ] && port_in_use "${!v}"; then
             die "port ${!v} ($v) is already in use on 127.0.0.1"
@@ -194,6 +216,24 @@ APISERVER_PORT=$APISERVER_PORT
 ETCD_PID=$ETCD_PID
 APISERVER_PID=$APISERVER_PID
 WATCHDOG_PID=$WATCHDOG_PID
+NODE_MODE=$NODE_MODE
+NODE_SLOT=${NODE_SLOT:-}
+NODE_NAME=${NODE_NAME:-}
+NODE_IP=${NODE_IP:-}
+NODE_CGROUP_ROOT=${NODE_CGROUP_ROOT:-}
+NODE_VAR_LIB=${NODE_VAR_LIB:-}
+NODE_DRIVER_ROOT=${NODE_DRIVER_ROOT:-}
+NODE_NS_PID=${NODE_NS_PID:-}
+NODE_INIT_PID=${NODE_INIT_PID:-}
+NODE_PIDNS=${NODE_PIDNS:-}
+KCM_PID=${KCM_PID:-}
+SCHEDULER_PID=${SCHEDULER_PID:-}
+CONTAINERD_PID=${CONTAINERD_PID:-}
+CONTAINERD_SOCK=${CONTAINERD_SOCK:-}
+KUBELET_PID=${KUBELET_PID:-}
+KUBELET_PORT=${KUBELET_PORT:-}
+PLUGIN_PID=${PLUGIN_PID:-}
+NODE_KUBECONFIG=${NODE_SLOT:+$DIR/node.kubeconfig}
 KUBECONFIG=$DIR/kubeconfig
 CA=$DIR/pki/ca.crt
 SERVER_CERT=$DIR/pki/server.crt
@@ -213,6 +253,10 @@ ST
     # A free port found by binding port 0 can be taken by another process (a parallel test's
     # control plane) before etcd or kube-apiserver binds it. That race is retried with fresh
     # ports, a bounded number of times; ports the caller fixed are never retried.
+    # Without a node lifecycle controller nothing would remove the not-ready taint the
+    # TaintNodesByCondition admission plugin puts on every new Node; --node runs one.
+    local node_admission="--disable-admission-plugins TaintNodesByCondition"
+    [ "$NODE_MODE" = 1 ] && node_admission=""
     local attempt
     for attempt in 1 2 3 4; do
         ETCD_PORT=${fixed_etcd:-$(free_port)}
@@ -242,7 +286,7 @@ ST
             --service-cluster-ip-range 10.96.0.0/12 \
             --authorization-mode Node,RBAC \
             --enable-admission-plugins NodeRestriction \
-            --disable-admission-plugins TaintNodesByCondition \
+            $node_admission \
             --watch-cache-sizes nodes#0 \
             --etcd-compaction-interval 0 \
             --profiling=false \
@@ -269,6 +313,10 @@ ST
         WATCHDOG_PID=$!
         save_state
     fi
+    if [ "$NODE_MODE" = 1 ]; then
+        node_up
+        echo "local-cluster: up: node $NODE_NAME Ready at $NODE_IP ($("$(tg_tool_path kubelet)" --version)), nvidia.com/gpu: $NODE_GPUS" >&2
+    fi
     echo "local-cluster: up: kube-apiserver https://127.0.0.1:$APISERVER_PORT ($("$apiserver" --version)), etcd 127.0.0.1:$ETCD_PORT" >&2
     echo "$DIR/kubeconfig"
 }
@@ -284,5 +332,6 @@ case "$cmd" in
     up) up ;;
     down) down ;;
     env) [ -f "$STATE" ] || die "no cluster state in $DIR"; cat "$STATE" ;;
+    restart-plugin) [ -f "$STATE" ] || die "no cluster state in $DIR"; node_restart_plugin "$PLUGIN_CONFIG" ;;
     *) usage ;;
 esac

@@ -20,4 +20,5 @@ pub mod nvidia;
 pub mod otlp;
 #[path = "../fake-nvml/profile.rs"]
 pub mod profile;
+pub mod real_node;
 pub mod services;

@@ -458,18 +458,34 @@ impl std::fmt::Debug for ControlPlane {
 impl ControlPlane {
     /// Start etcd + kube-apiserver with extra kube-apiserver flags.
     pub fn start_with_args(extra_args: &str) -> anyhow::Result<Self> {
+        Self::start_script(extra_args, false, &[])
+    }
+
+    /// Start a control plane with a real node (`local-cluster.sh up DIR --node`:
+    /// controller-manager, scheduler, containerd, kubelet, NVIDIA's device plugin), with
+    /// `env` (`TAINTGATE_NODE_*`) passed to the script. Needs root.
+    pub fn start_node(env: &[(&str, &std::ffi::OsStr)]) -> anyhow::Result<Self> {
+        Self::start_script("", true, env)
+    }
+
+    fn start_script(extra_args: &str, node: bool, env: &[(&str, &std::ffi::OsStr)]) -> anyhow::Result<Self> {
         let tmp = tempfile::Builder::new().prefix("taintgate-cp-").tempdir()?;
         let dir = tmp.path().join("cluster");
         let script = repo_root().join("scripts/local-cluster.sh");
-        let out = Command::new("bash")
-            .arg(&script)
+        let mut cmd = Command::new("bash");
+        cmd.arg(&script)
             .arg("up")
             .arg(&dir)
             .arg("--watch-pid")
             .arg(std::process::id().to_string())
-            .env("TAINTGATE_APISERVER_ARGS", extra_args)
-            .output()
-            .context("running scripts/local-cluster.sh up")?;
+            .env("TAINTGATE_APISERVER_ARGS", extra_args);
+        if node {
+            cmd.arg("--node");
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().context("running scripts/local-cluster.sh up")?;
         if !out.status.success() {
             bail!(
                 "scripts/local-cluster.sh up failed ({}): {}",
@@ -490,7 +506,13 @@ impl ControlPlane {
         Self::start_with_args("")
     }
 
-    fn var(&self, k: &str) -> anyhow::Result<&str> {
+    /// The cluster directory `up` was given.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// One setting of `local-cluster.sh env` (`NODE_NAME`, `NODE_VAR_LIB`, `KUBELET_PID`, ...).
+    pub fn var(&self, k: &str) -> anyhow::Result<&str> {
         self.env
             .get(k)
             .map(String::as_str)
@@ -603,8 +625,16 @@ impl ApiServer {
 
     /// Start with extra kube-apiserver flags.
     pub fn start_with_args(extra_args: &str) -> anyhow::Result<Self> {
+        Self::with_plane(ControlPlane::start_with_args(extra_args)?)
+    }
+
+    /// A control plane with a real node ([`ControlPlane::start_node`]) and its proxy.
+    pub fn start_node(env: &[(&str, &std::ffi::OsStr)]) -> anyhow::Result<Self> {
+        Self::with_plane(ControlPlane::start_node(env)?)
+    }
+
+    fn with_plane(plane: ControlPlane) -> anyhow::Result<Self> {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let plane = ControlPlane::start_with_args(extra_args)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("fault-proxy")

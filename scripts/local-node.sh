@@ -1,0 +1,524 @@
+# The real node of `scripts/local-cluster.sh up DIR --node` (sourced by it, not run).
+#
+# What runs, all of it started and stopped by the script, nothing of the host's touched:
+#   - kube-controller-manager and kube-scheduler on loopback, with client certificates of
+#     their RBAC bootstrap users (system:kube-controller-manager, system:kube-scheduler);
+#   - one "node namespace": `unshare --mount --pid --fork --kill-child` whose init (a bash
+#     loop that reaps orphans) holds a private mount namespace and a pid namespace. Inside it
+#     DIR/node/var-lib is bind-mounted over /var/lib and DIR/node/var-log over /var/log, and
+#     /run is a fresh tmpfs: the kubelet's compiled-in paths (/var/lib/kubelet/device-plugins/
+#     kubelet.sock, /var/log/containers), the shim sockets and runc state under
+#     /run/containerd, the CNI host-local leases and pod network namespaces (/run/netns) all
+#     land in DIR or vanish with the namespace. Every node process runs in it (nsenter), so
+#     killing its init ends every one of them, containers included, and drops every mount;
+#   - a private containerd (own root, state, socket and CNI config; CRI with
+#     `restrict_oom_score_adj = true`, because these machines lack CAP_SYS_RESOURCE and
+#     runc fails every sandbox that asks for oom_score_adj -998), the sandbox image
+#     registry.k8s.io/pause:3.10 imported from the archive scripts/install-test-deps-node.sh
+#     builds;
+#   - a kubelet (cgroup v1: failCgroupV1 false, cgroupDriver cgroupfs, failSwapOn false,
+#     cgroupRoot /taintgate-node-<slot>) registering one Node with the startup taint
+#     (registerWithTaints) and the labels a Karpenter NodePool would give it (nodeLabels),
+#     under the client certificate system:node:<name> (group system:nodes), so the API
+#     server's Node authorizer and NodeRestriction apply to it;
+#   - NVIDIA's device plugin against the fake NVML, registered with that kubelet.
+#
+# Network containment: each node owns a slot N (1..32): a Linux bridge tg-node-N holding the
+# node address 10.244.N.1/24 (never loopback), the same bridge for the pods' CNI network
+# taintgate-node-N (host-local 10.244.N.0/24, no gateway, no masquerade, no default route in
+# the pods, so nothing a pod sends can leave the bridge's subnet). The slot is claimed by
+# creating the bridge (atomic; its alias names the owning DIR), so two nodes never share a
+# bridge, subnet, cgroupRoot or CNI name; a slot whose owner DIR is gone is reclaimed.
+#
+# Settings (environment): TAINTGATE_NODE_NAME (default tg-node-N), TAINTGATE_NODE_TAINT
+# (default taintgate.io/unverified:NoSchedule), TAINTGATE_NODE_LABELS (extra k=v,...),
+# TAINTGATE_NODE_DRIVER_ROOT (a driver root holding usr/lib/x86_64-linux-gnu/
+# libnvidia-ml.so.1 and its profile.txt; default: the fake NVML is compiled into
+# DIR/node/driver-root with an 8-GPU profile), KUBELET_PORT (default: a free port).
+
+NODE_SLOT_MAX=32
+NODE_LIB_SUBDIR=usr/lib/x86_64-linux-gnu
+
+node_bridge() { echo "tg-node-$1"; }
+
+# The DIR that owns slot $1's bridge, from its alias ("taintgate:DIR").
+node_slot_owner() {
+    local alias
+    alias=$(ip -o link show "$(node_bridge "$1")" 2>/dev/null | sed -n 's/.* alias taintgate:\([^ ]*\).*/\1/p')
+    echo "$alias"
+}
+
+# Claim the first free slot: creating the bridge is the lock.
+node_claim_slot() {
+    local n owner
+    for n in $(seq 1 "$NODE_SLOT_MAX"); do
+        if ip link add "$(node_bridge "$n")" type bridge 2>/dev/null; then
+            ip link set "$(node_bridge "$n")" alias "taintgate:$DIR"
+            NODE_SLOT=$n
+            return 0
+        fi
+        owner=$(node_slot_owner "$n")
+        # Reclaim a slot whose owner crashed past its `down` (its DIR or init is gone).
+        if [ -n "$owner" ] && [ "$owner" != "$DIR" ] && ! node_owner_alive "$owner"; then
+            echo "local-cluster: reclaiming node slot $n left by $owner" >&2
+            node_cleanup_slot "$n" "/taintgate-node-$n"
+            if ip link add "$(node_bridge "$n")" type bridge 2>/dev/null; then
+                ip link set "$(node_bridge "$n")" alias "taintgate:$DIR"
+                NODE_SLOT=$n
+                return 0
+            fi
+        fi
+    done
+    return 1
+}
+
+# True while the cluster in DIR $1 runs (or is starting: a slot is claimed only after its
+# etcd started and cluster.env names it).
+node_owner_alive() {
+    local st="$1/cluster.env" v p
+    [ -f "$st" ] || return 1
+    for v in ETCD_PID APISERVER_PID NODE_NS_PID NODE_INIT_PID; do
+        p=$(sed -n "s/^$v=//p" "$st")
+        pid_alive "$p" && return 0
+    done
+    return 1
+}
+
+# Remove a slot's bridge and cgroups (after its processes are gone).
+node_cleanup_slot() {
+    local n=$1 cgroot=$2 c i
+    ip link del "$(node_bridge "$n")" 2>/dev/null || true
+    for i in $(seq 1 50); do
+        local left=0
+        for c in /sys/fs/cgroup/*/; do
+            [ -d "$c${cgroot#/}" ] || continue
+            find "$c${cgroot#/}" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+            [ -d "$c${cgroot#/}" ] && left=1
+        done
+        [ "$left" = 0 ] && return 0
+        sleep 0.2
+    done
+    echo "local-cluster: warning: cgroups under $cgroot could not all be removed" >&2
+}
+
+# Every process in the node's pid namespace (host pids).
+node_ns_pids() {
+    [ -n "${NODE_PIDNS:-}" ] || return 0
+    local p
+    for p in /proc/[0-9]*; do
+        [ "$(readlink "$p/ns/pid" 2>/dev/null)" = "$NODE_PIDNS" ] && echo "${p#/proc/}"
+    done
+    return 0
+}
+
+# Stop the node: controllers, then the namespace (SIGKILL to its init ends every process
+# in it and, with the last of them, its mounts and pod network namespaces), then the bridge
+# and the cgroups. Safe to call on a partly started node.
+node_stop() {
+    local p i
+    for p in ${KCM_PID:-} ${SCHEDULER_PID:-}; do
+        pid_alive "$p" && kill -TERM "$p" 2>/dev/null || true
+    done
+    pid_alive "${NODE_INIT_PID:-}" && kill -KILL "$NODE_INIT_PID" 2>/dev/null || true
+    pid_alive "${NODE_NS_PID:-}" && kill -KILL "$NODE_NS_PID" 2>/dev/null || true
+    for i in $(seq 1 100); do
+        [ -z "$(node_ns_pids)" ] && break
+        sleep 0.1
+    done
+    [ -z "$(node_ns_pids)" ] || echo "local-cluster: warning: processes still in the node namespace: $(node_ns_pids | tr '\n' ' ')" >&2
+    for p in ${KCM_PID:-} ${SCHEDULER_PID:-}; do
+        pid_alive "$p" && kill -KILL "$p" 2>/dev/null || true
+    done
+    if [ -n "${NODE_SLOT:-}" ]; then
+        node_cleanup_slot "$NODE_SLOT" "$NODE_CGROUP_ROOT"
+    fi
+}
+
+# A client certificate (CN $2, O $3) signed by the cluster CA, as $DIR/pki/$1.{crt,key}.
+node_client_cert() {
+    local name=$1 cn=$2 org=$3 d="$DIR/pki"
+    (
+        cd "$d"
+        echo "extendedKeyUsage = clientAuth" > "$name.ext"
+        openssl req -newkey rsa:2048 -nodes -keyout "$name.key" -out "$name.csr" \
+            -subj "/O=$org/CN=$cn" >/dev/null 2>&1
+        openssl x509 -req -in "$name.csr" -CA ca.crt -CAkey ca.key -CAcreateserial \
+            -out "$name.crt" -days 30 -extfile "$name.ext" >/dev/null 2>&1
+        rm -f "$name.csr" "$name.ext" ca.srl
+    ) || die "generating the $name certificate failed"
+}
+
+node_kubeconfig() {
+    local name=$1 d="$DIR/pki"
+    cat > "$DIR/$name.kubeconfig" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority: $d/ca.crt
+users:
+- name: $name
+  user:
+    client-certificate: $d/$name.crt
+    client-key: $d/$name.key
+contexts:
+- name: local
+  context: {cluster: local, user: $name}
+current-context: local
+KC
+}
+
+# Run "$@" inside the node namespace, detached, output to log $1 (host pid of nsenter in
+# $NS_RUN_PID; the process itself is its child).
+node_ns_run() {
+    local log=$1
+    shift
+    setsid nsenter -t "$NODE_INIT_PID" -m -p --wd=/ -- "$@" </dev/null >"$log" 2>&1 &
+    NS_RUN_PID=$!
+    disown "$NS_RUN_PID"
+}
+
+# Wait (bounded) for a unix socket, naming the log on failure.
+node_wait_socket() {
+    local sock=$1 what=$2 log=$3 pid=$4 i
+    for i in $(seq 1 300); do
+        [ -S "$sock" ] && return 0
+        pid_alive "$pid" || { tail -20 "$log" >&2; fail_up "$what exited before serving $sock ($log)"; }
+        sleep 0.2
+    done
+    tail -20 "$log" >&2
+    fail_up "$what did not create $sock within 60 s ($log)"
+}
+
+# The fake NVML in DIR/node/driver-root with an 8-GPU profile (default driver root).
+node_build_fake_nvml() {
+    local root=$1 inc
+    inc=$("$ROOT/tests/fake-nvml/nvml-include.sh") \
+        || fail_up "nvml.h not found (run scripts/install-test-deps-nvidia.sh)"
+    mkdir -p "$root/$NODE_LIB_SUBDIR"
+    python3 "$ROOT/tests/fake-nvml/gen-stubs.py" --include "$inc" --out "$DIR/node/nvml_stubs.c" \
+        || fail_up "generating the fake NVML's stubs failed"
+    "${CC:-cc}" -shared -fPIC -O1 -Wall -Werror -Wmissing-prototypes -I "$inc" \
+        -o "$root/$NODE_LIB_SUBDIR/libnvidia-ml.so.1" \
+        "$ROOT/tests/fake-nvml/fake_nvml.c" "$DIR/node/nvml_stubs.c" \
+        -Wl,--no-as-needed -l:libpthread.so.0 -lm -l:libdl.so.2 -l:librt.so.1 -Wl,--as-needed \
+        || fail_up "compiling the fake NVML failed"
+    printf 'gpus=8\np2p_nvlink=0,1,2,3;4,5,6,7\n' > "$root/$NODE_LIB_SUBDIR/profile.txt"
+}
+
+# Check what --node needs before anything starts; build what is missing.
+node_preflight() {
+    [ "$(id -u)" = 0 ] || die "--node needs root (mount and pid namespaces, a bridge, cgroups, containerd)"
+    case "$(realpath -m "$DIR")/" in
+        /var/lib/*|/var/log/*|/run/*|/var/run/*)
+            die "--node: DIR must not be under /var/lib, /var/log or /run (the node namespace mounts over them)" ;;
+    esac
+    local t need=0
+    for t in kubelet kube-scheduler kube-controller-manager kubectl; do
+        [ -x "$(tg_tool_path "$t")" ] || need=1
+    done
+    if [ "$need" = 1 ]; then
+        echo "local-cluster: kubelet/kube-scheduler/kube-controller-manager not built yet; running scripts/install-test-deps-kube.sh" >&2
+        bash "$ROOT/scripts/install-test-deps-kube.sh" >&2 || die "building the node's components failed"
+    fi
+    if [ ! -x "$(tg_tool_path nvidia-device-plugin)" ]; then
+        echo "local-cluster: NVIDIA's device plugin not built yet; running scripts/install-test-deps-nvidia-plugin.sh" >&2
+        bash "$ROOT/scripts/install-test-deps-nvidia-plugin.sh" >&2 || die "building NVIDIA's device plugin failed"
+    fi
+    PAUSE_ARCHIVE=$(bash "$ROOT/scripts/install-test-deps-node.sh" | tail -1) \
+        || die "scripts/install-test-deps-node.sh failed (above)"
+    # The kubelet listens on its node address: any address holding the port is a conflict.
+    if [ -n "${KUBELET_PORT:-}" ] && port_in_use "$KUBELET_PORT" 0.0.0.0; then
+        die "port $KUBELET_PORT (KUBELET_PORT) is already in use"
+    fi
+    if [ -n "${TAINTGATE_NODE_DRIVER_ROOT:-}" ] \
+        && [ ! -f "$TAINTGATE_NODE_DRIVER_ROOT/$NODE_LIB_SUBDIR/libnvidia-ml.so.1" ]; then
+        die "TAINTGATE_NODE_DRIVER_ROOT=$TAINTGATE_NODE_DRIVER_ROOT holds no $NODE_LIB_SUBDIR/libnvidia-ml.so.1"
+    fi
+}
+
+# Start the node (after the API server is ready). Records everything in $STATE as it
+# starts, so fail_up/down stop exactly that.
+node_up() {
+    local kubelet kcm sched plugin kubectl
+    kubelet=$(tg_tool_path kubelet)
+    kcm=$(tg_tool_path kube-controller-manager)
+    sched=$(tg_tool_path kube-scheduler)
+    plugin=$(tg_tool_path nvidia-device-plugin)
+    kubectl=$(tg_tool_path kubectl)
+    local nd="$DIR/node"
+    mkdir -p "$nd"/{var-lib/kubelet/device-plugins,var-log,containerd,cni}
+
+    node_claim_slot || fail_up "no free node slot (all $NODE_SLOT_MAX bridges tg-node-N exist and their owners run): take one down with '$0 down DIR'"
+    NODE_CGROUP_ROOT=/taintgate-node-$NODE_SLOT
+    NODE_IP=10.244.$NODE_SLOT.1
+    NODE_NAME=${TAINTGATE_NODE_NAME:-tg-node-$NODE_SLOT}
+    NODE_VAR_LIB=$nd/var-lib
+    save_state
+    ip addr add "$NODE_IP/24" dev "$(node_bridge "$NODE_SLOT")" || fail_up "cannot address the bridge"
+    ip link set "$(node_bridge "$NODE_SLOT")" up || fail_up "cannot bring the bridge up"
+    # The kubelet wants its cgroupRoot to exist in every v1 hierarchy.
+    local c
+    for c in /sys/fs/cgroup/*/; do
+        [ "$c" = /sys/fs/cgroup/unified/ ] && continue
+        [ -f "${c}cgroup.procs" ] && mkdir -p "$c${NODE_CGROUP_ROOT#/}"
+    done
+
+    # Controllers, on loopback.
+    node_client_cert kcm system:kube-controller-manager system:kube-controller-manager
+    node_client_cert scheduler system:kube-scheduler system:kube-scheduler
+    node_client_cert node "system:node:$NODE_NAME" system:nodes
+    node_kubeconfig kcm
+    node_kubeconfig scheduler
+    node_kubeconfig node
+    KCM_PORT=$(free_port)
+    SCHEDULER_PORT=$(free_port)
+    setsid "$kcm" --kubeconfig "$DIR/kcm.kubeconfig" \
+        --authentication-kubeconfig "$DIR/kcm.kubeconfig" --authorization-kubeconfig "$DIR/kcm.kubeconfig" \
+        --bind-address 127.0.0.1 --secure-port "$KCM_PORT" \
+        --controllers '*,-nodeipam,-cloud-node-lifecycle' \
+        --service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/ca.crt" \
+        --use-service-account-credentials=true --leader-elect=false \
+        --node-monitor-grace-period 20s --profiling=false \
+        </dev/null >"$DIR/kube-controller-manager.log" 2>&1 &
+    KCM_PID=$!
+    save_state
+    setsid "$sched" --kubeconfig "$DIR/scheduler.kubeconfig" \
+        --authentication-kubeconfig "$DIR/scheduler.kubeconfig" --authorization-kubeconfig "$DIR/scheduler.kubeconfig" \
+        --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --leader-elect=false --profiling=false \
+        </dev/null >"$DIR/kube-scheduler.log" 2>&1 &
+    SCHEDULER_PID=$!
+    save_state
+
+    # The node namespace.
+    setsid unshare --mount --pid --fork --kill-child --mount-proc --propagation private \
+        bash -c 'set -e
+            mount --bind "$1/var-lib" /var/lib
+            mount --bind "$1/var-log" /var/log
+            mount -t tmpfs -o mode=0755 tmpfs /run
+            mkdir -p /run/netns
+            touch "$1/ns-ready"
+            trap "exit 0" TERM
+            while :; do sleep 3600 & wait $! || true; done' node-init "$nd" \
+        </dev/null >"$nd/ns.log" 2>&1 &
+    NODE_NS_PID=$!
+    disown "$NODE_NS_PID"
+    local i
+    for i in $(seq 1 100); do
+        NODE_INIT_PID=$(cat "/proc/$NODE_NS_PID/task/$NODE_NS_PID/children" 2>/dev/null | awk '{print $1}')
+        [ -n "$NODE_INIT_PID" ] && [ -f "$nd/ns-ready" ] && break
+        pid_alive "$NODE_NS_PID" || { cat "$nd/ns.log" >&2; fail_up "the node namespace (unshare) failed"; }
+        sleep 0.1
+    done
+    [ -f "$nd/ns-ready" ] || fail_up "the node namespace did not come up ($nd/ns.log)"
+    NODE_PIDNS=$(readlink "/proc/$NODE_INIT_PID/ns/pid")
+    save_state
+
+    # containerd.
+    local snap=overlayfs
+    mkdir -p "$nd/ovl"/{l,u,w,m}
+    if mount -t overlay overlay -o "lowerdir=$nd/ovl/l,upperdir=$nd/ovl/u,workdir=$nd/ovl/w" "$nd/ovl/m" 2>/dev/null; then
+        umount "$nd/ovl/m"
+    else
+        snap=native
+    fi
+    rm -rf "$nd/ovl"
+    CONTAINERD_SOCK=$nd/containerd/containerd.sock
+    cat > "$nd/containerd/config.toml" <<TOML
+version = 2
+root = "$nd/containerd/root"
+state = "$nd/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs"]
+[grpc]
+  address = "$CONTAINERD_SOCK"
+[ttrpc]
+  address = "$CONTAINERD_SOCK.ttrpc"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$nd/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+  sandbox_image = "registry.k8s.io/pause:3.10"
+  # No CAP_SYS_RESOURCE on these machines: without this, runc fails every pod sandbox.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "$snap"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$nd/cni"
+    max_conf_num = 1
+TOML
+    cat > "$nd/cni/10-taintgate.conflist" <<CNI
+{
+  "cniVersion": "0.4.0",
+  "name": "taintgate-node-$NODE_SLOT",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "$(node_bridge "$NODE_SLOT")",
+      "isGateway": false,
+      "isDefaultGateway": false,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {
+        "type": "host-local",
+        "ranges": [[{"subnet": "10.244.$NODE_SLOT.0/24", "rangeStart": "10.244.$NODE_SLOT.10"}]],
+        "dataDir": "/var/lib/cni/networks"
+      }
+    }
+  ]
+}
+CNI
+    node_ns_run "$nd/containerd.log" containerd --config "$nd/containerd/config.toml"
+    CONTAINERD_PID=$NS_RUN_PID
+    save_state
+    node_wait_socket "$CONTAINERD_SOCK" containerd "$nd/containerd.log" "$CONTAINERD_PID"
+    ctr -a "$CONTAINERD_SOCK" -n k8s.io images import --index-name registry.k8s.io/pause:3.10 \
+        "$PAUSE_ARCHIVE" >"$nd/pause-import.log" 2>&1 \
+        || { cat "$nd/pause-import.log" >&2; fail_up "importing the pause image failed"; }
+
+    # kubelet.
+    local taint=${TAINTGATE_NODE_TAINT:-taintgate.io/unverified:NoSchedule}
+    local tkey=${taint%%:*} teffect=${taint##*:} tvalue=""
+    case "$tkey" in *=*) tvalue=${tkey#*=}; tkey=${tkey%%=*} ;; esac
+    # The labels a Karpenter NodePool (karpenter/nodepool.yaml) gives a GPU node, and
+    # karpenter.sh/registered, which Karpenter sets once the kubelet registered (no
+    # Karpenter runs here; the agent's register stage waits for it).
+    local labels="taintgate.io/enabled=true,karpenter.sh/nodepool=gpu,karpenter.sh/capacity-type=on-demand,karpenter.sh/registered=true,node.kubernetes.io/instance-type=p5.48xlarge"
+    [ -n "${TAINTGATE_NODE_LABELS:-}" ] && labels="$labels,$TAINTGATE_NODE_LABELS"
+    KUBELET_PORT=${KUBELET_PORT:-$(free_port)}
+    KUBELET_HEALTHZ_PORT=$(free_port)
+    cat > "$nd/kubelet-config.yaml" <<KCFG
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# cgroup v1 machines: kubelet 1.36 refuses v1 unless told otherwise.
+failCgroupV1: false
+failSwapOn: false
+cgroupDriver: cgroupfs
+cgroupRoot: $NODE_CGROUP_ROOT
+containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
+address: $NODE_IP
+port: $KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $KUBELET_HEALTHZ_PORT
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: false}
+  x509: {clientCAFile: $DIR/pki/ca.crt}
+authorization:
+  mode: AlwaysAllow
+registerWithTaints:
+- {key: "$tkey", value: "$tvalue", effect: "$teffect"}
+# A test machine's disk is not a production node's: no eviction or image GC from it.
+evictionHard: {memory.available: "1Mi", nodefs.available: "1%", nodefs.inodesFree: "1%", imagefs.available: "1%"}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+podCIDR: 10.244.$NODE_SLOT.0/24
+maxPods: 110
+serializeImagePulls: false
+KCFG
+    # The kubelet writes host-wide iptables chains (KUBE-FIREWALL in INPUT/OUTPUT,
+    # KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT) that would outlive the node and change the
+    # machine's loopback filtering. It finds iptables on PATH: here it finds stand-ins that
+    # fail, so it runs without iptables support (nothing on this node needs it: no
+    # kube-proxy, no NodePort, no masquerade).
+    mkdir -p "$nd/no-iptables"
+    local t
+    for t in iptables ip6tables iptables-save ip6tables-save iptables-restore ip6tables-restore; do
+        printf '#!/bin/sh\necho "%s: not available on the taintgate test node" >&2\nexit 1\n' "$t" > "$nd/no-iptables/$t"
+        chmod +x "$nd/no-iptables/$t"
+    done
+    node_ns_run "$DIR/kubelet.log" env "PATH=$nd/no-iptables:$PATH" "$kubelet" --config "$nd/kubelet-config.yaml" \
+        --kubeconfig "$DIR/node.kubeconfig" --root-dir /var/lib/kubelet \
+        --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --node-labels "$labels" --v=2
+    KUBELET_PID=$NS_RUN_PID
+    save_state
+    node_wait_socket "$nd/var-lib/kubelet/device-plugins/kubelet.sock" kubelet "$DIR/kubelet.log" "$KUBELET_PID"
+
+    # NVIDIA's device plugin on the fake NVML; it registers on the kubelet's compiled-in
+    # socket path, which is DIR/node/var-lib/kubelet/device-plugins/ in the namespace.
+    NODE_DRIVER_ROOT=${TAINTGATE_NODE_DRIVER_ROOT:-}
+    if [ -z "$NODE_DRIVER_ROOT" ]; then
+        NODE_DRIVER_ROOT=$nd/driver-root
+        node_build_fake_nvml "$NODE_DRIVER_ROOT"
+    fi
+    save_state
+    node_plugin_start "$plugin"
+    node_wait_socket "$nd/var-lib/kubelet/device-plugins/nvidia-gpu.sock" "NVIDIA's device plugin" "$DIR/device-plugin.log" "$PLUGIN_PID"
+
+    # Ready, with GPUs published by the kubelet.
+    local want='{.status.conditions[?(@.type=="Ready")].status} {.status.allocatable.nvidia\.com/gpu}'
+    local got=""
+    for i in $(seq 1 600); do
+        got=$("$kubectl" --kubeconfig "$DIR/kubeconfig" get node "$NODE_NAME" -o "jsonpath=$want" 2>/dev/null || true)
+        case "$got" in "True "[1-9]*) break ;; esac
+        pid_alive "$KUBELET_PID" || { tail -30 "$DIR/kubelet.log" >&2; fail_up "the kubelet exited ($DIR/kubelet.log)"; }
+        sleep 0.2
+    done
+    case "$got" in
+        "True "[1-9]*) ;;
+        *) tail -30 "$DIR/kubelet.log" >&2
+           fail_up "node $NODE_NAME not Ready with nvidia.com/gpu allocatable within 120 s (Ready, GPUs: '$got')" ;;
+    esac
+    NODE_GPUS=${got#True }
+}
+
+# Start (or restart) the device plugin in the node namespace. Its config file, if any:
+# DIR/node/device-plugin-config.yaml (restart with another file to change the profile).
+node_plugin_start() {
+    local plugin=$1 args=()
+    [ -f "$DIR/node/device-plugin-config.yaml" ] && args+=("--config-file=$DIR/node/device-plugin-config.yaml")
+    node_ns_run "$DIR/device-plugin.log" "$plugin" \
+        "--container-driver-root=$NODE_DRIVER_ROOT" --fail-on-init-error=true "${args[@]}"
+    PLUGIN_PID=$NS_RUN_PID
+    save_state
+}
+
+# `local-cluster.sh restart-plugin DIR [--plugin-config FILE]`: stop the device plugin and
+# start it again, with FILE as its --config-file (time-slicing, MPS, ...) or, without it,
+# with none. Returns once the new plugin serves its socket; the kubelet then re-reads the
+# plugin's devices and republishes allocatable (callers wait for that on the Node).
+node_restart_plugin() {
+    local config=$1 nd="$DIR/node" plugin child i
+    # shellcheck disable=SC1090
+    . "$STATE"
+    [ "${NODE_MODE:-0}" = 1 ] || die "$DIR runs no node (it was not started with --node)"
+    pid_alive "${NODE_INIT_PID:-}" || die "the node in $DIR is not running"
+    plugin=$(tg_tool_path nvidia-device-plugin)
+    if [ -n "$config" ]; then
+        [ -f "$config" ] || die "--plugin-config $config: no such file"
+        cp "$config" "$nd/device-plugin-config.yaml"
+    else
+        rm -f "$nd/device-plugin-config.yaml"
+    fi
+    child=$(cat "/proc/$PLUGIN_PID/task/$PLUGIN_PID/children" 2>/dev/null | awk '{print $1}')
+    [ -n "$child" ] && kill -TERM "$child" 2>/dev/null
+    for i in $(seq 1 100); do
+        pid_alive "$PLUGIN_PID" || break
+        sleep 0.1
+    done
+    pid_alive "$PLUGIN_PID" && { kill -KILL "$child" 2>/dev/null; sleep 0.2; }
+    rm -f "$NODE_VAR_LIB/kubelet/device-plugins/nvidia-gpu.sock"
+    save_state() { sed -i "s/^PLUGIN_PID=.*/PLUGIN_PID=$PLUGIN_PID/" "$STATE"; }
+    node_plugin_start "$plugin"
+    for i in $(seq 1 300); do
+        [ -S "$NODE_VAR_LIB/kubelet/device-plugins/nvidia-gpu.sock" ] && { echo "local-cluster: device plugin restarted (pid $PLUGIN_PID)" >&2; return 0; }
+        pid_alive "$PLUGIN_PID" || { tail -20 "$DIR/device-plugin.log" >&2; die "the device plugin exited ($DIR/device-plugin.log)"; }
+        sleep 0.2
+    done
+    die "the device plugin did not serve its socket within 60 s ($DIR/device-plugin.log)"
+}

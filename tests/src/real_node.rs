@@ -1,0 +1,85 @@
+//! Helpers for the tests on a real node (`scripts/local-cluster.sh up DIR --node`, started
+//! with [`crate::cluster::ApiServer::start_node`]): the agent run as a process on that node
+//! against the kubelet's own sockets, and the device plugin restarted with another config.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+use crate::cluster::{ApiServer, repo_root};
+use crate::nvidia::DriverRoot;
+
+/// `taintgate run --once --output json` on the node `api` runs, with the fake NVML of
+/// `driver` and the kubelet's sockets under the node's private `/var/lib`; `overlay` (a
+/// JSON merge patch) goes on top of the fast test config. The CUDA stages are off (no GPU
+/// here: the fake NVML has no CUDA behind it), and so are the runtime, fit, models and
+/// images stages, which this node is not for.
+pub fn agent_on_node(api: &ApiServer, driver: &DriverRoot, dir: &Path, overlay: &Value) -> anyhow::Result<Command> {
+    let plane = api.control_plane();
+    let var_lib = Path::new(plane.var("NODE_VAR_LIB")?);
+    let node = plane.var("NODE_NAME")?.to_string();
+    let off = json!({"enabled": false});
+    let mut doc = json!({
+        "gpu": {"nvml_library": driver.lib_dir().join("libnvidia-ml.so.1")},
+        "kubelet": {"paths": {
+            "device_plugin_dir": var_lib.join("kubelet/device-plugins"),
+            "pod_resources_socket": var_lib.join("kubelet/pod-resources/kubelet.sock"),
+        }},
+        "stages": {"smoke": off, "peer-bw": off, "runtime": off, "fit": off, "models": off, "images": off},
+    });
+    json_patch::merge(&mut doc, overlay);
+    let config = crate::faults::write_config(dir, "config.yaml", &doc.to_string())?;
+    let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
+    let config = config.to_string_lossy().into_owned();
+    let mut cmd = crate::faults::agent_command(&[
+        "run",
+        "--once",
+        "--kubeconfig",
+        &kubeconfig,
+        "--node-name",
+        &node,
+        "--config",
+        &config,
+        "--output",
+        "json",
+    ])?;
+    cmd.env_remove("TAINTGATE_NVML_LIBRARY").env_remove("FAKE_NVML_PROFILE");
+    Ok(cmd)
+}
+
+/// Restart the node's device plugin with `config` as its `--config-file` (none: whole
+/// GPUs), through `local-cluster.sh restart-plugin`.
+pub fn restart_plugin(api: &ApiServer, config: Option<&Path>) -> anyhow::Result<()> {
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo_root().join("scripts/local-cluster.sh"))
+        .arg("restart-plugin")
+        .arg(api.control_plane().dir());
+    if let Some(c) = config {
+        cmd.arg("--plugin-config").arg(c);
+    }
+    let out = cmd.output().context("running local-cluster.sh restart-plugin")?;
+    if !out.status.success() {
+        bail!(
+            "local-cluster.sh restart-plugin: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Wait (bounded by `timeout`) until `f` returns `Some`; the error names `what`.
+pub fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return Ok(v);
+        }
+        if start.elapsed() > timeout {
+            bail!("{what}: not within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
