@@ -1,0 +1,313 @@
+//! The bootstrap's trace in a real Jaeger (issue 51, section 1): Jaeger v2.12.0
+//! (`scripts/install-test-deps-jaeger.sh`) on loopback only — OTLP gRPC and HTTP receivers,
+//! the query API, in-memory storage — and the real agent binary (`run --once --dry-run`
+//! against the real kube-apiserver, simulated GPUs) exporting through the standard
+//! `OTEL_EXPORTER_OTLP_*` environment, once over gRPC and once over HTTP/protobuf. The test
+//! reads the traces back through Jaeger's query API, as a user's UI does, and compares them
+//! with the timeline the agent printed: one root `bootstrap` span, one child per stage that
+//! ran with its outcome and reason, each starting and lasting exactly what the timeline
+//! says (to Jaeger's microsecond), and the pre-agent intervals up to the agent start. (The
+//! readiness chain's own trace, linked to this one, is checked against the project's
+//! receiver in `readiness_chain.rs`: it needs a workload after a real release.)
+//!
+//! With the collector gone, or accepting connections and never answering, the run still
+//! ends with its verdict; the failure is logged with its reason code (the project's own
+//! receiver, `taintgate_tests::otlp`, stays for what Jaeger cannot do: refuse spans with a
+//! chosen gRPC status, and record the exact request the exporter sent).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Context;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use taintgate::timeline::{Outcome, Timeline};
+use taintgate_tests::cluster::{ApiServer, go_tool};
+use taintgate_tests::continuous::node_with_foreign_taint;
+use taintgate_tests::faults::{
+    AgentRun, RunningAgent, agent_args, agent_command, wait_until, write_config, write_profile,
+};
+use taintgate_tests::require_service;
+use taintgate_tests::services::{ServiceProcess, free_port, wait_for_tcp};
+
+/// Jaeger v2 on loopback: every listener named (its defaults bind all interfaces).
+struct Jaeger {
+    _proc: ServiceProcess,
+    grpc: u16,
+    http: u16,
+    query: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Jaeger {
+    fn start() -> anyhow::Result<Self> {
+        let bin = go_tool("jaeger")?;
+        let dir = tempfile::Builder::new().prefix("tg-jaeger").tempdir()?;
+        let (grpc, http, query, query_grpc) = (free_port()?, free_port()?, free_port()?, free_port()?);
+        let config = json!({
+            "service": {
+                "extensions": ["jaeger_storage", "jaeger_query"],
+                "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"], "exporters": ["jaeger_storage_exporter"]}},
+                "telemetry": {"metrics": {"level": "none"}, "logs": {"level": "info"}},
+            },
+            "extensions": {
+                "jaeger_storage": {"backends": {"mem": {"memory": {"max_traces": 1000}}}},
+                "jaeger_query": {
+                    "storage": {"traces": "mem"},
+                    "http": {"endpoint": format!("127.0.0.1:{query}")},
+                    "grpc": {"endpoint": format!("127.0.0.1:{query_grpc}")},
+                },
+            },
+            "receivers": {"otlp": {"protocols": {
+                "grpc": {"endpoint": format!("127.0.0.1:{grpc}")},
+                "http": {"endpoint": format!("127.0.0.1:{http}")},
+            }}},
+            "processors": {"batch": {"timeout": "100ms"}},
+            "exporters": {"jaeger_storage_exporter": {"trace_storage": "mem"}},
+        });
+        let path = dir.path().join("jaeger.yaml");
+        std::fs::write(&path, serde_yaml_ng::to_string(&config)?)?;
+        let log = std::fs::File::create(dir.path().join("jaeger.log"))?;
+        let child = Command::new(bin)
+            .arg("--config")
+            .arg(&path)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting jaeger")?;
+        let j = Self {
+            _proc: ServiceProcess::new("jaeger", child),
+            grpc,
+            http,
+            query,
+            dir,
+        };
+        for port in [grpc, http, query] {
+            wait_for_tcp(&format!("127.0.0.1:{port}"), Duration::from_secs(60))
+                .with_context(|| format!("jaeger did not listen on {port}\n{}", j.log()))?;
+        }
+        Ok(j)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("jaeger.log")).unwrap_or_default()
+    }
+
+    /// The traces of `service`, as Jaeger's query API returns them.
+    fn traces(&self, service: &str) -> anyhow::Result<Vec<Value>> {
+        let url = format!("http://127.0.0.1:{}/api/traces?service={service}&limit=20", self.query);
+        let body: Value = serde_json::from_str(&reqwest::blocking::get(url)?.text()?)?;
+        Ok(body["data"].as_array().cloned().unwrap_or_default())
+    }
+}
+
+/// Run the agent once (dry run: the node keeps its taint, so both runs check it) with `env`.
+fn run_once(api: &ApiServer, dir: &Path, env: &[(&str, String)]) -> AgentRun {
+    let profile = write_profile(dir, "p.yaml", "8gpu-two-domains", "{}").unwrap();
+    let config = write_config(dir, "c.yaml", "{}").unwrap();
+    let mut args = agent_args(&profile, &config, api, true);
+    args.push("--dry-run".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut cmd = agent_command(&args).unwrap();
+    for v in [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ] {
+        cmd.env_remove(v);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let run = RunningAgent::spawn(cmd)
+        .unwrap()
+        .wait(Duration::from_secs(120))
+        .unwrap();
+    assert!(!run.timed_out, "{}", run.text());
+    assert_eq!(run.code, Some(0), "{}", run.text());
+    run
+}
+
+fn tag<'a>(span: &'a Value, key: &str) -> Option<&'a Value> {
+    span["tags"]
+        .as_array()?
+        .iter()
+        .find(|t| t["key"] == key)
+        .map(|t| &t["value"])
+}
+
+/// The trace Jaeger holds for this run equals the agent's timeline.
+fn check_trace(trace: &Value, t: &Timeline) {
+    let spans = trace["spans"].as_array().unwrap();
+    let by_name: BTreeMap<&str, &Value> = spans
+        .iter()
+        .map(|s| (s["operationName"].as_str().unwrap(), s))
+        .collect();
+    let root = by_name
+        .get("bootstrap")
+        .unwrap_or_else(|| panic!("no root span: {trace:#}"));
+    assert!(
+        root["references"].as_array().is_none_or(|r| r.is_empty()),
+        "the root has no parent"
+    );
+    let v = t.verdict.as_ref().unwrap();
+    assert_eq!(tag(root, "taintgate.reason"), Some(&json!(v.reason)));
+    let us = |ts: jiff::Timestamp| ts.as_microsecond();
+    let mut stages = 0;
+    for r in t
+        .stages
+        .iter()
+        .filter(|r| matches!(r.outcome, Outcome::Passed | Outcome::Failed | Outcome::Cancelled))
+    {
+        let s = by_name
+            .get(r.stage.as_str())
+            .unwrap_or_else(|| panic!("no span for stage {}: {trace:#}", r.stage));
+        assert_eq!(s["references"][0]["refType"], "CHILD_OF", "{}", r.stage);
+        assert_eq!(
+            s["references"][0]["spanID"], root["spanID"],
+            "{} hangs off the root",
+            r.stage
+        );
+        assert_eq!(
+            tag(s, "taintgate.outcome"),
+            Some(&json!(r.outcome.as_str())),
+            "{}",
+            r.stage
+        );
+        assert_eq!(
+            tag(s, "taintgate.reason").cloned(),
+            r.reason.clone().map(Value::from),
+            "{}",
+            r.stage
+        );
+        assert_eq!(s["startTime"].as_i64(), Some(us(r.start)), "{} start", r.stage);
+        assert_eq!(
+            s["duration"].as_i64(),
+            Some(r.duration_ms as i64 * 1000),
+            "{} duration",
+            r.stage
+        );
+        stages += 1;
+    }
+    assert!(stages >= 8, "every stage that ran: {stages}");
+    // The pre-agent intervals (the Node's creation and the kubelet's Ready, from the Node),
+    // children of the root too, the last one ending at the agent start.
+    let pre: Vec<&Value> = spans
+        .iter()
+        .filter(|s| s["operationName"].as_str().is_some_and(|n| n.starts_with("pre-agent:")))
+        .collect();
+    assert!(!pre.is_empty(), "no pre-agent span: {trace:#}");
+    assert!(pre.iter().all(|s| s["references"][0]["spanID"] == root["spanID"]));
+    let last_end = pre
+        .iter()
+        .map(|s| s["startTime"].as_i64().unwrap() + s["duration"].as_i64().unwrap())
+        .max();
+    assert_eq!(
+        last_end,
+        Some(us(t.agent_start)),
+        "the last pre-agent interval ends at the agent start"
+    );
+}
+
+#[test]
+fn traces_read_back_from_jaeger_over_grpc_and_http_equal_the_timeline() {
+    let jaeger = require_service!("jaeger", Jaeger::start());
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    api.put_object(node_with_foreign_taint()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+
+    for (service, protocol, endpoint) in [
+        ("taintgate-grpc", "grpc", format!("http://127.0.0.1:{}", jaeger.grpc)),
+        (
+            "taintgate-http",
+            "http/protobuf",
+            format!("http://127.0.0.1:{}", jaeger.http),
+        ),
+    ] {
+        let run = run_once(
+            &api,
+            dir.path(),
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol.to_string()),
+                ("OTEL_SERVICE_NAME", service.to_string()),
+            ],
+        );
+        let t = run.timeline().unwrap_or_else(|| panic!("no timeline\n{}", run.text()));
+        let mut traces = Vec::new();
+        let found = wait_until(
+            &format!("a {protocol} trace in jaeger"),
+            Duration::from_secs(30),
+            || {
+                traces = jaeger.traces(service).unwrap_or_default();
+                !traces.is_empty()
+            },
+        );
+        if let Err(e) = found {
+            panic!("{e}\n{}\n--- jaeger\n{}", run.text(), jaeger.log());
+        }
+        assert_eq!(traces.len(), 1, "one trace per bootstrap: {traces:#?}");
+        check_trace(&traces[0], &t);
+        assert!(!run.stderr.contains("OtlpExport"), "{}", run.stderr);
+    }
+}
+
+#[test]
+fn a_collector_that_is_gone_or_silent_does_not_stop_the_verdict() {
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    api.put_object(node_with_foreign_taint()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens: the connection is refused at once.
+    let gone = free_port().unwrap();
+    let run = run_once(
+        &api,
+        dir.path(),
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{gone}"))],
+    );
+    assert_eq!(
+        run.timeline().and_then(|t| t.verdict).map(|v| v.reason),
+        Some("WouldRelease".into())
+    );
+    assert!(
+        run.stderr.contains("OtlpExport"),
+        "the failure is logged with its reason\n{}",
+        run.stderr
+    );
+    // A listener that accepts and never answers: the export's own deadline ends it.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let run = run_once(
+        &api,
+        dir.path(),
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}")),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".into()),
+        ],
+    );
+    assert_eq!(
+        run.timeline().and_then(|t| t.verdict).map(|v| v.reason),
+        Some("WouldRelease".into())
+    );
+    assert!(
+        run.stderr.contains("OtlpExportTimeout") || run.stderr.contains("OtlpExportFailed"),
+        "{}",
+        run.stderr
+    );
+    drop(silent);
+    // A protocol the agent does not speak: a clear configuration error, the verdict stands.
+    let run = run_once(
+        &api,
+        dir.path(),
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{gone}")),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json".into()),
+        ],
+    );
+    assert!(
+        run.stderr.contains("OtlpConfigInvalid") && run.stderr.contains("http/json"),
+        "{}",
+        run.stderr
+    );
+}
