@@ -9,6 +9,8 @@
 //! 3. **bootstrap loop**: one bootstrap after another ([`super::bootstrap`]), a held node
 //!    re-evaluated on [`HELD_RETRY`], until one releases the node (or `--once`, dry-run, a
 //!    signal);
+//!    After each bootstrap whose `models` stage passed, the model cache's garbage
+//!    collection runs (`models.cache_gc`, never in dry-run);
 //! 4. **resident**: [`super::resident`] until cancelled.
 //!
 //! The CLI parses and dispatches; how a verdict is shown is the caller's (`show`).
@@ -207,8 +209,11 @@ impl Agent {
         let mut start_node = start_node;
         let mut held = HELD_RETRY.backoff();
         loop {
+            let ctx = self.context();
             let BootstrapResult { timeline, exit_code } =
-                bootstrap(self.context(), &self.node_name, start_node.take()).await;
+                bootstrap(ctx.clone(), &self.node_name, start_node.take()).await;
+            // The cache's housekeeping, once the verdict is out: never part of the evidence.
+            collect_garbage(&ctx).await;
             self.metrics.observe_timeline(&timeline);
             let released = exit_code == exit::RELEASED;
             self.ready.store(released && !self.dry_run, Ordering::Release);
@@ -242,6 +247,7 @@ impl Agent {
             prefetch_observer: self.metrics.clone(),
             events_observer: self.metrics.clone(),
             publication: Default::default(),
+            prefetched: OnceLock::new(),
             dry_run: self.dry_run,
         })
     }
@@ -290,4 +296,46 @@ fn spawn_signal_handler(cancel: CancellationToken) {
         }
         cancel.cancel();
     });
+}
+
+/// The cache's garbage collection after a bootstrap whose `models` stage passed
+/// (`models.cache_gc`; never in dry-run): the views of bundles no longer configured and
+/// what no configured bundle needs. Its failure is logged and never holds the node: the
+/// bundles this node needs are in place.
+async fn collect_garbage(ctx: &Context) -> Option<taintgate_prefetch::gc::GcReport> {
+    let gc = &ctx.config.models.cache_gc;
+    let report = ctx.prefetched.get()?;
+    if !gc.enabled || ctx.dry_run {
+        return None;
+    }
+    let root = ctx.config.models.fetch.cache_dir.clone();
+    let keep = report.bundles.iter().map(|b| b.name.clone()).collect();
+    // Files and manifests: a configured bundle's manifest blob is needed for a warm
+    // restart with the origin gone.
+    let needed = report.needed_blobs();
+    let grace = gc.grace;
+    let done = crate::stages::context::blocking("cache GC", move || {
+        taintgate_prefetch::gc::collect_garbage(&root, &keep, &needed, grace, std::time::SystemTime::now())
+    })
+    .await;
+    match done {
+        Ok(Ok(r)) => {
+            tracing::info!(
+                views_removed = r.views_removed.len(),
+                blobs_removed = r.blobs_removed.len(),
+                partials_removed = r.partials_removed.len(),
+                bytes_freed = r.bytes_freed,
+                "cache GC done"
+            );
+            Some(r)
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(reason = taintgate_validators::reason::ReasonCode::reason(&e), error = %e, "cache garbage collection failed; nothing else is affected");
+            None
+        }
+        Err(f) => {
+            tracing::warn!(error = %f.message, "cache garbage collection did not run");
+            None
+        }
+    }
 }
