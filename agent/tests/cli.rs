@@ -971,10 +971,10 @@ fn a_bundle_that_left_the_config_leaves_the_cache() {
 }
 
 /// Under `--simulate` the model cache's reserve comes from the node profile's simulated
-/// kubelet (`kubelet.eviction_hard`); the host's kubelet (a kubelet process in `/proc`, the
-/// files of `kubelet.config_files`) is not read. The config names a kubelet file that
-/// reserves 99% of the disk: had it been read, the disk preflight would refuse the bundle
-/// (`DiskTooSmall`), as it did before the reserve became a boundary.
+/// kubelet (`kubelet.eviction_hard`): with the default `kubelet` settings the host's kubelet
+/// (a `kubelet` process in `/proc`, the well-known config files) is not read. A config that
+/// names kubelet files of its own reads them, as on a node: one reserving 99% of the disk
+/// makes the preflight refuse the bundle, naming that file.
 #[test]
 fn under_simulate_the_reserve_comes_from_the_simulated_kubelet() {
     let dir = tempfile::tempdir().unwrap();
@@ -983,46 +983,51 @@ fn under_simulate_the_reserve_comes_from_the_simulated_kubelet() {
     std::fs::write(origin.join("w.bin"), vec![7u8; 100_000]).unwrap();
     let manifest = dir.path().join("manifest.yaml");
     let digest = bundle_create(&origin, &manifest);
-    let host_kubelet = dir.path().join("kubelet-config.yaml");
-    std::fs::write(
-        &host_kubelet,
-        "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nevictionHard:\n  nodefs.available: \"99%\"\n",
-    )
-    .unwrap();
     let profile = dir.path().join("profile.yaml");
     std::fs::write(
         &profile,
         "extends: builtin\nkubelet:\n  eviction_hard:\n    nodefs.available: \"1%\"\n",
     )
     .unwrap();
-    let cfg = dir.path().join("c.yaml");
-    std::fs::write(
-        &cfg,
+    // A cache of its own for each run: a bundle already cached needs no space.
+    let models = |cache: &str| {
         format!(
-            "models:\n  bundles:\n    - {{name: m, manifest_uri: \"file://{}\", manifest_sha256: {digest}}}\n  fetch: {{cache_dir: {}}}\nkubelet:\n  process: kubelet\n  config_files: [{}]\nstages:\n  images: {{enabled: false}}\n",
+            "models:\n  bundles:\n    - {{name: m, manifest_uri: \"file://{}\", manifest_sha256: {digest}}}\n  fetch: {{cache_dir: {}}}\nstages:\n  images: {{enabled: false}}\n",
             manifest.display(),
-            dir.path().join("cache").display(),
-            host_kubelet.display()
-        ),
-    )
-    .unwrap();
-    let o = bin()
-        .args(["check", "--simulate"])
-        .arg(&profile)
-        .arg("--config")
-        .arg(&cfg)
-        .env("RUST_LOG", "info")
-        .output()
-        .unwrap();
-    let out = text(&o);
-    assert_eq!(o.status.code(), Some(0), "{out}");
+            dir.path().join(cache).display(),
+        )
+    };
+    let check = |config: &str| {
+        let cfg = dir.path().join("c.yaml");
+        std::fs::write(&cfg, config).unwrap();
+        let o = bin()
+            .args(["check", "--simulate"])
+            .arg(&profile)
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info")
+            .output()
+            .unwrap();
+        (o.status.code(), text(&o))
+    };
+    let (code, out) = check(&models("cache-1"));
+    assert_eq!(code, Some(0), "{out}");
     assert!(
         out.contains("from=the simulated kubelet's evictionHard nodefs.available<1% (node profile)"),
         "{out}"
     );
-    assert!(
-        !out.contains("kubelet-config.yaml"),
-        "the host's kubelet file was read:\n{out}"
-    );
     assert!(out.contains("models         1 bundles, 1 files verified"), "{out}");
+    // Files of its own: read, as on a node.
+    let own = dir.path().join("own-kubelet.yaml");
+    std::fs::write(&own, "evictionHard:\n  nodefs.available: \"99%\"\n").unwrap();
+    let (code, out) = check(&format!(
+        "{}kubelet:\n  process: null\n  config_files: [{}]\n",
+        models("cache-2"),
+        own.display()
+    ));
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("DiskInsufficient") && out.contains("own-kubelet.yaml"),
+        "{out}"
+    );
 }

@@ -133,16 +133,20 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
         // from the stage, not a failed start.
         _ => Arc::new(CriImageRuntime::connect(&cfg.images.socket).map_err(|e| format!("images.socket: {e}"))?),
     };
-    // The kubelet's disk thresholds: a simulated node's kubelet is the profile's; the
-    // host's `/proc` and kubelet files are not read under `--simulate`.
+    // The kubelet's disk thresholds: a simulated node's kubelet is the profile's, and the
+    // host's `/proc` and kubelet files are not read, unless the config names a kubelet
+    // process or files of its own (a real kubelet on purpose, as the fault matrix's disk
+    // rows do with a process and files they start and write).
+    let defaults = crate::config::KubeletConfig::default();
+    let own_kubelet = k.process != defaults.process || k.config_files != defaults.config_files;
     let kubelet_disk: Arc<dyn KubeletDisk> = match a.profile {
-        Some(p) => {
+        Some(p) if !own_kubelet => {
             simulated.push(BoundaryKind::KubeletDisk);
             Arc::new(SimulatedKubelet {
                 eviction_hard: p.kubelet.eviction_hard.clone(),
             })
         }
-        None => Arc::new(HostKubelet {
+        _ => Arc::new(HostKubelet {
             proc_root: "/proc".into(),
             process: k.process.clone(),
             config_files: k.config_files.clone(),
