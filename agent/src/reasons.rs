@@ -408,7 +408,7 @@ pub const REASONS: &[Reason] = &[
     ),
     r(
         "RuntimeInjectionMissing",
-        &[In(Stage::Runtime)],
+        &[In(Stage::Cdi)],
         "A device has no CDI entry, or its device nodes are missing: containers would get no GPU. Regenerate the CDI spec (nvidia-ctk cdi generate).",
     ),
     r(

@@ -11,6 +11,17 @@ use std::str::FromStr;
 /// a hardware failure when it does.
 pub const XID_WATCH: &str = "xid-watch";
 
+/// How a node publishes its GPUs to the kubelet: the stages of a path the node does not
+/// use pass as "not applicable" without running (the executor applies it, see
+/// [`Stage::publication_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublicationPath {
+    /// A device plugin: Node allocatable, the plugin's devices, CDI, fit on allocatable.
+    DevicePlugin,
+    /// A DRA driver: ResourceSlices.
+    Dra,
+}
+
 /// One stage of the bootstrap graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Stage {
@@ -28,8 +39,10 @@ pub enum Stage {
     DevicePlugin,
     /// The DRA driver's ResourceSlices equal NVML, and its kubelet plugin registers.
     Dra,
-    /// CDI specs name every device.
-    Runtime,
+    /// CDI specs name every device, so the container runtime can inject them. Its name
+    /// (config key, timeline record, annotation, metric label) is `runtime`, as it always
+    /// was: only the Rust identifier says what it checks.
+    Cdi,
     /// The serving group fits the allocatable.
     Fit,
     /// Model bundles are prefetched and sha256-verified.
@@ -49,7 +62,7 @@ impl Stage {
         Stage::Allocatable,
         Stage::DevicePlugin,
         Stage::Dra,
-        Stage::Runtime,
+        Stage::Cdi,
         Stage::Fit,
         Stage::Models,
         Stage::Images,
@@ -65,7 +78,7 @@ impl Stage {
             Stage::Allocatable => "allocatable",
             Stage::DevicePlugin => "device-plugin",
             Stage::Dra => "dra",
-            Stage::Runtime => "runtime",
+            Stage::Cdi => "runtime",
             Stage::Fit => "fit",
             Stage::Models => "models",
             Stage::Images => "images",
@@ -81,7 +94,7 @@ impl Stage {
     /// need the driver inventory; fit needs the allocatable the device plugin published.
     pub const fn deps(self) -> &'static [Stage] {
         match self {
-            Stage::Smoke | Stage::PeerBw | Stage::Allocatable | Stage::DevicePlugin | Stage::Dra | Stage::Runtime => {
+            Stage::Smoke | Stage::PeerBw | Stage::Allocatable | Stage::DevicePlugin | Stage::Dra | Stage::Cdi => {
                 &[Stage::Driver]
             }
             Stage::Fit => &[Stage::Allocatable],
@@ -99,6 +112,16 @@ impl Stage {
         matches!(self, Stage::Register | Stage::Allocatable | Stage::Dra | Stage::Fit)
     }
 
+    /// The publication path the stage checks, if it belongs to one: the executor runs it
+    /// only on a node that publishes through that path (like [`Stage::needs_cluster`]).
+    pub const fn publication_path(self) -> Option<PublicationPath> {
+        match self {
+            Stage::Allocatable | Stage::DevicePlugin | Stage::Cdi | Stage::Fit => Some(PublicationPath::DevicePlugin),
+            Stage::Dra => Some(PublicationPath::Dra),
+            Stage::Register | Stage::Driver | Stage::Smoke | Stage::PeerBw | Stage::Models | Stage::Images => None,
+        }
+    }
+
     /// What the stage's interval stands for, in the fleet view's words.
     pub const fn meaning(self) -> &'static str {
         match self {
@@ -109,7 +132,7 @@ impl Stage {
             Stage::Allocatable => "device plugin publishing allocatable via kubelet",
             Stage::DevicePlugin => "device plugin gRPC and kubelet PodResources",
             Stage::Dra => "DRA driver ResourceSlices and kubelet plugin registration",
-            Stage::Runtime => "CDI spec naming every device",
+            Stage::Cdi => "CDI spec naming every device",
             Stage::Fit => "serving-group fit on allocatable",
             Stage::Models => "model bytes downloaded and sha256-verified (model cache)",
             Stage::Images => "images pulled into containerd (image cache)",
@@ -173,26 +196,29 @@ mod tests {
 
     #[test]
     fn edges_and_families() {
+        use PublicationPath::{DevicePlugin as Dp, Dra};
         let table = [
-            (Stage::Register, &[][..], false, true),
-            (Stage::Driver, &[][..], true, false),
-            (Stage::Smoke, &[Stage::Driver][..], true, false),
-            (Stage::PeerBw, &[Stage::Driver][..], true, false),
-            (Stage::Allocatable, &[Stage::Driver][..], false, true),
-            (Stage::DevicePlugin, &[Stage::Driver][..], false, false),
-            (Stage::Dra, &[Stage::Driver][..], false, true),
-            (Stage::Runtime, &[Stage::Driver][..], false, false),
-            (Stage::Fit, &[Stage::Allocatable][..], false, true),
-            (Stage::Models, &[][..], false, false),
-            (Stage::Images, &[][..], false, false),
+            (Stage::Register, &[][..], false, true, None),
+            (Stage::Driver, &[][..], true, false, None),
+            (Stage::Smoke, &[Stage::Driver][..], true, false, None),
+            (Stage::PeerBw, &[Stage::Driver][..], true, false, None),
+            (Stage::Allocatable, &[Stage::Driver][..], false, true, Some(Dp)),
+            (Stage::DevicePlugin, &[Stage::Driver][..], false, false, Some(Dp)),
+            (Stage::Dra, &[Stage::Driver][..], false, true, Some(Dra)),
+            (Stage::Cdi, &[Stage::Driver][..], false, false, Some(Dp)),
+            (Stage::Fit, &[Stage::Allocatable][..], false, true, Some(Dp)),
+            (Stage::Models, &[][..], false, false, None),
+            (Stage::Images, &[][..], false, false, None),
         ];
         assert_eq!(table.len(), Stage::ALL.len());
-        for (s, deps, hw, cluster) in table {
+        for (s, deps, hw, cluster, path) in table {
             assert_eq!(
-                (s.deps(), s.is_hardware(), s.needs_cluster()),
-                (deps, hw, cluster),
+                (s.deps(), s.is_hardware(), s.needs_cluster(), s.publication_path()),
+                (deps, hw, cluster, path),
                 "{s}"
             );
         }
+        // The CDI check keeps its user-facing name.
+        assert_eq!("runtime".parse::<Stage>(), Ok(Stage::Cdi));
     }
 }

@@ -969,3 +969,65 @@ fn a_bundle_that_left_the_config_leaves_the_cache() {
     want.sort();
     assert_eq!(blobs, want, "only the configured bundle's blobs are left");
 }
+
+/// Under `--simulate` the model cache's reserve comes from the node profile's simulated
+/// kubelet (`kubelet.eviction_hard`): with the default `kubelet` settings the host's kubelet
+/// (a `kubelet` process in `/proc`, the well-known config files) is not read. A config that
+/// names kubelet files of its own reads them, as on a node: one reserving 99% of the disk
+/// makes the preflight refuse the bundle, naming that file.
+#[test]
+fn under_simulate_the_reserve_comes_from_the_simulated_kubelet() {
+    let dir = tempfile::tempdir().unwrap();
+    let origin = dir.path().join("origin");
+    std::fs::create_dir_all(&origin).unwrap();
+    std::fs::write(origin.join("w.bin"), vec![7u8; 100_000]).unwrap();
+    let manifest = dir.path().join("manifest.yaml");
+    let digest = bundle_create(&origin, &manifest);
+    let profile = dir.path().join("profile.yaml");
+    std::fs::write(
+        &profile,
+        "extends: builtin\nkubelet:\n  eviction_hard:\n    nodefs.available: \"1%\"\n",
+    )
+    .unwrap();
+    // A cache of its own for each run: a bundle already cached needs no space.
+    let models = |cache: &str| {
+        format!(
+            "models:\n  bundles:\n    - {{name: m, manifest_uri: \"file://{}\", manifest_sha256: {digest}}}\n  fetch: {{cache_dir: {}}}\nstages:\n  images: {{enabled: false}}\n",
+            manifest.display(),
+            dir.path().join(cache).display(),
+        )
+    };
+    let check = |config: &str| {
+        let cfg = dir.path().join("c.yaml");
+        std::fs::write(&cfg, config).unwrap();
+        let o = bin()
+            .args(["check", "--simulate"])
+            .arg(&profile)
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info")
+            .output()
+            .unwrap();
+        (o.status.code(), text(&o))
+    };
+    let (code, out) = check(&models("cache-1"));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("from=the simulated kubelet's evictionHard nodefs.available<1% (node profile)"),
+        "{out}"
+    );
+    assert!(out.contains("models         1 bundles, 1 files verified"), "{out}");
+    // Files of its own: read, as on a node.
+    let own = dir.path().join("own-kubelet.yaml");
+    std::fs::write(&own, "evictionHard:\n  nodefs.available: \"99%\"\n").unwrap();
+    let (code, out) = check(&format!(
+        "{}kubelet:\n  process: null\n  config_files: [{}]\n",
+        models("cache-2"),
+        own.display()
+    ));
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("DiskInsufficient") && out.contains("own-kubelet.yaml"),
+        "{out}"
+    );
+}

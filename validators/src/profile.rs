@@ -188,6 +188,10 @@ pub struct SimKubelet {
     pub kubelet_missing_devices: BTreeSet<String>,
     /// Device IDs without a CDI spec entry.
     pub cdi_missing_devices: BTreeSet<String>,
+    /// The simulated kubelet's disk eviction thresholds by signal, in the kubelet's own
+    /// syntax (`nodefs.available: "10%"`, `imagefs.available: "5Gi"`): the reserve the model
+    /// cache keeps free under `--simulate`. Empty: a kubelet with every disk threshold off.
+    pub eviction_hard: std::collections::BTreeMap<String, String>,
 }
 
 /// Faults injected while the agent runs.

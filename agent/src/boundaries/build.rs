@@ -5,6 +5,7 @@
 use super::cdi::{CdiDirs, CdiSide, SimulatedCdi};
 use super::device_plugin::{DevicePluginSide, KubeletView, ListAndWatch, Simulated};
 use super::dra::{DraSide, KubeDra, SimulatedDra};
+use super::kubelet_disk::{HostKubelet, KubeletDisk, SimulatedKubelet};
 use super::{Boundaries, BoundaryKind};
 use crate::config::Config;
 use crate::node::kube::KubeNodeApi;
@@ -97,7 +98,7 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
                 Arc::new(SimulatedCdi {
                     sim: p.kubelet.clone(),
                     kind: k.cdi_kind.clone(),
-                    latency: p.latency(Stage::Runtime.name()),
+                    latency: p.latency(Stage::Cdi.name()),
                 }),
             )
         }
@@ -132,6 +133,25 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
         // from the stage, not a failed start.
         _ => Arc::new(CriImageRuntime::connect(&cfg.images.socket).map_err(|e| format!("images.socket: {e}"))?),
     };
+    // The kubelet's disk thresholds: a simulated node's kubelet is the profile's, and the
+    // host's `/proc` and kubelet files are not read, unless the config names a kubelet
+    // process or files of its own (a real kubelet on purpose, as the fault matrix's disk
+    // rows do with a process and files they start and write).
+    let defaults = crate::config::KubeletConfig::default();
+    let own_kubelet = k.process != defaults.process || k.config_files != defaults.config_files;
+    let kubelet_disk: Arc<dyn KubeletDisk> = match a.profile {
+        Some(p) if !own_kubelet => {
+            simulated.push(BoundaryKind::KubeletDisk);
+            Arc::new(SimulatedKubelet {
+                eviction_hard: p.kubelet.eviction_hard.clone(),
+            })
+        }
+        _ => Arc::new(HostKubelet {
+            proc_root: "/proc".into(),
+            process: k.process.clone(),
+            config_files: k.config_files.clone(),
+        }),
+    };
     Ok(Boundaries {
         gpu,
         api,
@@ -139,6 +159,7 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
         cdi,
         dra,
         images,
+        kubelet_disk,
         stamps,
         simulated,
     })

@@ -12,6 +12,7 @@
 //! | CDI | [`cdi::CdiSide`] | spec directories | profile's kubelet |
 //! | DRA | [`dra::DraSide`] | field-selected ResourceSlice watch, registration socket | profile's `dra:` |
 //! | image runtime | `taintgate_prefetch::images::ImageRuntime` | CRI socket | in memory |
+//! | kubelet disk thresholds | [`kubelet_disk::KubeletDisk`] | `/proc` and the kubelet's files | profile's `kubelet.eviction_hard` |
 //! | pre-agent stamps | [`crate::telemetry::prestamps::StampSource`] | kube-rs | none |
 
 pub mod build;
@@ -19,6 +20,7 @@ pub mod cdi;
 pub mod device_plugin;
 pub mod dra;
 pub mod gpu;
+pub mod kubelet_disk;
 
 pub use build::{BuildArgs, build};
 
@@ -43,6 +45,8 @@ pub enum BoundaryKind {
     Dra,
     /// The CRI image service.
     ImageRuntime,
+    /// The kubelet's disk thresholds (`/proc`, its config files).
+    KubeletDisk,
 }
 
 impl BoundaryKind {
@@ -55,6 +59,7 @@ impl BoundaryKind {
             BoundaryKind::Cdi => "cdi",
             BoundaryKind::Dra => "dra",
             BoundaryKind::ImageRuntime => "image-runtime",
+            BoundaryKind::KubeletDisk => "kubelet-disk",
         }
     }
 }
@@ -73,6 +78,8 @@ pub struct Boundaries {
     pub dra: Option<Arc<dyn dra::DraSide>>,
     /// The container runtime's image service.
     pub images: Arc<dyn ImageRuntime>,
+    /// The kubelet's disk thresholds (the model cache's reserve).
+    pub kubelet_disk: Arc<dyn kubelet_disk::KubeletDisk>,
     /// Where pre-agent stamps (the Karpenter NodeClaim) are read, if anywhere.
     pub stamps: Option<Arc<dyn StampSource>>,
     /// The boundaries that are simulated in this run.

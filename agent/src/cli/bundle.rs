@@ -1,7 +1,7 @@
 //! `taintgate bundle create|fetch`: write a pinned manifest for a model directory, and run
 //! the models stage's download engine on its own (warm a cache, benchmark, debug a source).
 
-use crate::run::bootstrap::exit;
+use crate::run::exit;
 use clap::Subcommand;
 use std::path::PathBuf;
 use taintgate_prefetch::{

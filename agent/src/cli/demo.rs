@@ -86,8 +86,6 @@ impl Demo {
             manifest_sha256: taintgate_prefetch::manifest::sha256_hex(text.as_bytes()),
         });
         config.models.fetch.cache_dir = demo.dir.join("cache");
-        // No kubelet or host to reserve space for on a developer machine.
-        config.models.fetch.reserve_bytes = Some(0);
         config.images.images = IMAGES
             .iter()
             .map(|n| format!("{n}@sha256:{}", taintgate_prefetch::manifest::sha256_hex(n.as_bytes())))
@@ -105,7 +103,7 @@ impl Demo {
     /// What the demo run simulates and what it runs for real, for the report.
     pub fn note() -> &'static str {
         "demo config (check --simulate builtin without --config): simulated: GPUs (NVML, CUDA), \
-         Node API, kubelet (device plugin, pod-resources, CDI), container runtime (images); \
+         Node API, kubelet (device plugin, pod-resources, CDI, disk thresholds), container runtime (images); \
          real: the fit arithmetic, and the model download engine fetching and sha256-verifying \
          a generated bundle from a local file:// source into a temporary cache"
     }

@@ -143,20 +143,28 @@ pub fn add_taint_patch(node: &Node, taint: &TaintConfig) -> Patch {
 pub const REGATE_DEADLINE: Duration = Duration::from_secs(90);
 
 /// Re-add the taint if this boot has not been validated. Returns whether it was added.
-/// Conflicts, failed tests and server or transport errors are retried with the `api`
-/// settings' backoff until `api.untaint_deadline` or [`REGATE_DEADLINE`], whichever comes
-/// first; a refusal (403) is not.
+/// `known`: the Node read at start ([`read_start_state`]), so the start rule and this
+/// decision read one and the same object; a retry reads again (its guarded patch failed,
+/// so the Node changed). Conflicts, failed tests and server or transport errors are
+/// retried with the `api` settings' backoff until `api.untaint_deadline` or
+/// [`REGATE_DEADLINE`], whichever comes first; a refusal (403) is not.
 pub async fn regate(
     api: &dyn NodeApi,
     taint: &TaintConfig,
     reporting: &ReportingConfig,
     settings: &ApiConfig,
+    known: Option<Node>,
 ) -> Result<bool, ApiError> {
     let mut retry = Retry::for_api(settings, REGATE_DEADLINE, "the re-gate deadline");
+    let mut known = known;
     loop {
         // First boot: the kubelet has not created the Node yet, so there is nothing to
         // re-gate (the kubelet registers it with its taints).
-        let node = match api.get().await {
+        let read = match known.take() {
+            Some(n) => Ok(n),
+            None => api.get().await,
+        };
+        let node = match read {
             Ok(n) => n,
             Err(e) if e.kind == crate::node::ApiErrorKind::NotFound => return Ok(false),
             Err(e) => {
@@ -225,7 +233,9 @@ mod tests {
             backoff_max: ms(5),
             ..ApiConfig::default()
         };
-        let added = regate(&api, &t, &r, &within(Duration::from_secs(10))).await.unwrap();
+        let added = regate(&api, &t, &r, &within(Duration::from_secs(10)), None)
+            .await
+            .unwrap();
         assert!(added);
         assert!(
             taint_index(&api.sim.get().await.unwrap(), &t).is_some(),
@@ -234,14 +244,32 @@ mod tests {
         assert!(api.gets.load(Ordering::SeqCst) >= 4, "three failed reads, then more");
         // The same outage for longer than the deadline: an error naming the deadline.
         let api = released_node_behind(503, u32::MAX, 0).await;
-        let e = regate(&api, &t, &r, &within(ms(50))).await.unwrap_err();
+        let e = regate(&api, &t, &r, &within(ms(50)), None).await.unwrap_err();
         assert!(e.message.contains("gave up at the re-gate deadline"), "{}", e.message);
         // A refusal is not retried.
         let api = released_node_behind(403, u32::MAX, 0).await;
-        regate(&api, &t, &r, &within(Duration::from_secs(10)))
+        regate(&api, &t, &r, &within(Duration::from_secs(10)), None)
             .await
             .unwrap_err();
         assert_eq!(api.gets.load(Ordering::SeqCst), 1);
+    }
+
+    /// The re-gate decides from the Node the start rule read (one object, no second
+    /// read) and re-reads only to retry.
+    #[tokio::test]
+    async fn the_regate_decides_from_the_node_read_at_start() {
+        let (t, r) = (TaintConfig::default(), ReportingConfig::default());
+        let api = released_node_behind(503, 0, 0).await;
+        let at_start = api.sim.get().await.unwrap();
+        let added = regate(&api, &t, &r, &ApiConfig::default(), Some(at_start))
+            .await
+            .unwrap();
+        assert!(added);
+        assert_eq!(api.gets.load(Ordering::SeqCst), 0, "no read besides the start's");
+        assert!(
+            taint_index(&api.sim.get().await.unwrap(), &t).is_some(),
+            "taint back on"
+        );
     }
 
     /// The start rule, case by case: only a registered node without the startup taint is

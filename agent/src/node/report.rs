@@ -11,6 +11,7 @@ use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOper
 use k8s_openapi::api::core::v1::{Event, EventSource, Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde_json::json;
+use taintgate_validators::retry::RetryPolicy;
 
 /// The compact timeline written to the annotation, without pre-agent stamps: per stage
 /// `[name, start_ms, duration_ms, outcome, reason]`, trimmed until it fits `max_bytes`
@@ -154,6 +155,13 @@ pub async fn emit_event(api: &dyn NodeApi, event: &Event, observer: &dyn crate::
     }
 }
 
+/// The condition write's retries: five, from 100 ms doubling up to 1.6 s, jittered.
+const CONDITION_RETRY: RetryPolicy = RetryPolicy::new(
+    std::time::Duration::from_millis(100),
+    std::time::Duration::from_millis(1600),
+)
+.with_max_times(5);
+
 /// Write a condition with re-read-and-retry on 409/422 (bounded attempts; reporting must
 /// not block the verdict forever, but a lost condition is retried on the next pass).
 /// `known`: a Node already held (the previous write's response), used for the first
@@ -166,10 +174,13 @@ pub async fn set_condition(
 ) -> Result<Node, crate::node::ApiError> {
     let mut known = known;
     let mut last = None;
-    for attempt in 0..6u32 {
+    let mut delays = CONDITION_RETRY.backoff();
+    for attempt in 0.. {
         if attempt > 0 {
-            // Back off between attempts: 100 ms, 200 ms, ... 1.6 s.
-            tokio::time::sleep(std::time::Duration::from_millis(100 << (attempt - 1))).await;
+            match delays.next() {
+                Some(d) => tokio::time::sleep(d).await,
+                None => break,
+            }
         }
         let node = match known.take() {
             Some(n) => n,
@@ -227,6 +238,117 @@ pub async fn write_annotation(
         match api.merge_patch(&patch).await {
             Ok(n) => return Ok(n),
             Err(e) => retry.after(e, "annotation write").await?,
+        }
+    }
+}
+
+/// What one bootstrap's verdict report writes from.
+pub struct VerdictReport<'a> {
+    /// The timeline with its verdict.
+    pub timeline: &'a Timeline,
+    /// The pre-agent stamps (NodeClaim, Node creation, kubelet Ready).
+    pub pre: &'a [crate::telemetry::prestamps::Stamp],
+    /// The first blocking stage, if the node is held.
+    pub failed_stage: Option<&'a str>,
+    /// The Node as the untaint left it (each write's response is the next write's start,
+    /// so the report reads the Node only when it holds no copy).
+    pub latest: Option<Node>,
+}
+
+/// Write a verdict's annotation, conditions and Events. Reporting failures are logged,
+/// never fatal: the taint decision is already made and must not be undone by a report
+/// write (node-readiness-controller #207 re-applied a taint after a failed annotation
+/// write).
+pub async fn report_verdict(
+    api: &dyn NodeApi,
+    config: &crate::config::Config,
+    events: &dyn crate::node::EventObserver,
+    r: VerdictReport<'_>,
+) {
+    use crate::stage::{Stage, XID_WATCH};
+    use crate::timeline::Outcome;
+    let (cfg, t, failed_stage) = (&config.reporting, r.timeline, r.failed_stage);
+    let Some(v) = &t.verdict else { return };
+    let mut latest = r.latest;
+    let boot = if v.released {
+        let node = match &latest {
+            Some(n) => Some(n.clone()),
+            None => api.get().await.ok(),
+        };
+        node.as_ref().and_then(crate::node::regate::current_boot_id)
+    } else {
+        None
+    };
+    match write_annotation(api, cfg, t, r.pre, boot.as_deref(), &config.api).await {
+        Ok(n) => latest = Some(n),
+        Err(e) => tracing::warn!(error = %e, "writing the timeline annotation failed"),
+    }
+    let cond = ConditionValue {
+        type_: cfg.condition_type.clone(),
+        status: v.released,
+        reason: v.reason.clone(),
+        message: v.message.clone(),
+    };
+    match set_condition(api, &cond, latest.take()).await {
+        Ok(n) => latest = Some(n),
+        Err(e) => tracing::warn!(error = %e, "writing the node condition failed"),
+    }
+    if !cfg.hardware_condition_type.is_empty() {
+        // Only evidence that contention on a serving GPU cannot produce condemns the
+        // hardware (node repair replaces the node on it); the rest holds without condemning.
+        let hw_failed = failed_stage
+            .is_some_and(|s| s == XID_WATCH || Stage::from_name(s).is_some_and(Stage::is_hardware))
+            && crate::reasons::condemns_hardware(&v.reason);
+        let hw_passed = Stage::ALL.iter().filter(|s| s.is_hardware()).all(|s| {
+            t.stage(s.name())
+                .is_some_and(|r| r.outcome == Outcome::Passed || r.outcome == Outcome::Disabled)
+        });
+        if hw_failed || hw_passed {
+            let c = ConditionValue {
+                type_: cfg.hardware_condition_type.clone(),
+                status: !hw_failed,
+                reason: if hw_failed {
+                    v.reason.clone()
+                } else {
+                    "HardwareVerified".into()
+                },
+                message: if hw_failed {
+                    v.message.clone()
+                } else {
+                    "driver, smoke and peer-bandwidth evidence complete".into()
+                },
+            };
+            match set_condition(api, &c, latest.take()).await {
+                Ok(n) => latest = Some(n),
+                Err(e) => tracing::warn!(error = %e, "writing the hardware condition failed"),
+            }
+        }
+    }
+    if cfg.events {
+        // An Event names the Node by name and uid only: any copy will do.
+        let node = match latest {
+            Some(n) => Ok(n),
+            None => api.get().await,
+        };
+        match node {
+            Ok(node) => {
+                // One Event for the verdict (the release, or the first blocking failure),
+                // and one for each other failed stage.
+                let mut list = vec![node_event(&node, !v.released, &v.reason, &v.message, Timestamp::now())];
+                for s in t
+                    .stages
+                    .iter()
+                    .filter(|s| s.outcome == Outcome::Failed && Some(s.stage.as_str()) != failed_stage)
+                {
+                    let reason = s.reason.as_deref().unwrap_or("StageFailed");
+                    let msg = format!("stage {}: {}", s.stage, s.message.as_deref().unwrap_or(""));
+                    list.push(node_event(&node, true, reason, &msg, Timestamp::now()));
+                }
+                for ev in list {
+                    emit_event(api, &ev, events, "verdict").await;
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reading the node for the event failed"),
         }
     }
 }

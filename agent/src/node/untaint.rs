@@ -10,7 +10,7 @@
 //! Adding a taint (continuous mode, on a fatal XID) follows the same rules: one appended
 //! entry, a `test` of the list it was built from, re-read and retry on conflict.
 
-use crate::config::TaintConfig;
+use crate::config::{ApiConfig, TaintConfig};
 use crate::node::{ApiError, ApiErrorKind, NodeApi};
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, TestOperation};
 use k8s_openapi::api::core::v1::Node;
@@ -113,10 +113,15 @@ impl Retry {
         }
     }
 
+    /// The taint write loops' retry: the `api` settings' backoff until `api.untaint_deadline`.
+    pub(crate) fn untaint(api: &ApiConfig) -> Self {
+        Self::new(api.untaint_deadline, api.backoff_min, api.backoff_max)
+    }
+
     /// The retry of a write outside the taint loops (the re-gate, the annotation): the
     /// `api` settings' backoff, until `api.untaint_deadline` or `longest`, whichever comes
     /// first; `limit` names that bound in the error when it gives up.
-    pub(crate) fn for_api(api: &crate::config::ApiConfig, longest: Duration, limit: &'static str) -> Self {
+    pub(crate) fn for_api(api: &ApiConfig, longest: Duration, limit: &'static str) -> Self {
         Self::new(api.untaint_deadline.min(longest), api.backoff_min, api.backoff_max).limited_by(limit)
     }
 
@@ -216,20 +221,18 @@ async fn write_loop(
     }
 }
 
-/// Remove the configured startup taint from the Node, retrying until `deadline`.
-/// `known`: a Node this process already read. Used for the first attempt when it shows the
+/// Remove the configured startup taint from the Node, retrying with `settings`' backoff
+/// until `api.untaint_deadline`. `known`: a Node this process already read. Used for the first attempt when it shows the
 /// taint; when it does not, the Node is read again, since absence cannot be `test`ed and a
 /// stale view could miss a taint put back since. A duplicate entry (same key and effect,
 /// after a bad actor's write) is removed too, starting from the patch's response.
 pub async fn remove_startup_taint(
     api: &dyn NodeApi,
     taint: &TaintConfig,
-    deadline: Duration,
-    backoff_min: Duration,
-    backoff_max: Duration,
+    settings: &ApiConfig,
     known: Option<Node>,
 ) -> Result<UntaintOutcome, ApiError> {
-    let retry = Retry::new(deadline, backoff_min, backoff_max);
+    let retry = Retry::untaint(settings);
     write_loop(api, retry, known, "taint removal", |n| {
         taint_index(n, taint).map(|i| removal_patch(i, taint))
     })
@@ -238,17 +241,15 @@ pub async fn remove_startup_taint(
 
 /// Add `taint` to the Node unless an entry with its key and effect is there, retrying
 /// conflicts (409), failed tests (422) and server errors with a fresh read until
-/// `deadline`. Never touches another taint: the patch appends one entry and `test`s the
+/// `api.untaint_deadline`. Never touches another taint: the patch appends one entry and `test`s the
 /// list it was built from ([`add_patch`]). `changed` in the outcome means "added by this call".
 pub async fn add_taint(
     api: &dyn NodeApi,
     taint: &TaintConfig,
-    deadline: Duration,
-    backoff_min: Duration,
-    backoff_max: Duration,
+    settings: &ApiConfig,
     known: Option<Node>,
 ) -> Result<UntaintOutcome, ApiError> {
-    let retry = Retry::new(deadline, backoff_min, backoff_max);
+    let retry = Retry::untaint(settings);
     // Presence seen in an old copy may be gone now: only a view without it is a useful start.
     write_loop(api, retry, known, "adding the taint", |n| {
         taint_index(n, taint).is_none().then(|| add_patch(n, taint))

@@ -235,7 +235,17 @@ async fn retry_loop(
     let mut left = settings.retries;
     loop {
         attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        match stage_body(ctx.clone(), name, progress.clone()).await {
+        // A stage of a publication path this node does not use passes without running.
+        let skip = match name.publication_path() {
+            Some(path) => crate::stages::dra::not_applicable(&ctx, path).await,
+            None => Ok(None),
+        };
+        let result = match skip {
+            Ok(Some(ev)) => Ok(ev),
+            Ok(None) => stage_body(ctx.clone(), name, progress.clone()).await,
+            Err(f) => Err(f),
+        };
+        match result {
             Ok(e) => return Ok(e),
             Err(f) if f.transient && left > 0 => {
                 left -= 1;
@@ -277,6 +287,8 @@ mod tests {
             s.deadline = Duration::from_secs(30);
             s.retries = 3;
         }
+        // Every publication path, so every stage's scripted body runs.
+        config.publication.mode = taintgate_validators::dra::evidence::PublicationMode::Both;
         tweak(&mut config);
         let boundaries = crate::boundaries::build(crate::boundaries::BuildArgs {
             config: &config,
@@ -299,6 +311,7 @@ mod tests {
             prefetch_observer: Arc::new(taintgate_prefetch::NoopObserver),
             events_observer: Arc::new(crate::node::NoEventObserver),
             publication: Default::default(),
+            prefetched: OnceLock::new(),
             dry_run: true,
         })
     }
@@ -410,6 +423,37 @@ mod tests {
                     smoke.message.as_deref().unwrap().contains("`driver`"),
                     "{what}: {smoke:?}"
                 );
+            }
+        }
+    }
+
+    /// The publication path is the executor's to apply: on a device-plugin node the `dra`
+    /// stage passes as not applicable and its body never runs; on a DRA node the
+    /// device-plugin stages do.
+    #[tokio::test]
+    async fn a_stage_of_an_unused_publication_path_passes_without_running() {
+        use taintgate_validators::dra::evidence::PublicationMode;
+        for (mode, unused) in [
+            (PublicationMode::DevicePlugin, vec!["dra"]),
+            (
+                PublicationMode::Dra,
+                vec!["allocatable", "device-plugin", "runtime", "fit"],
+            ),
+        ] {
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let ctx = context(|c| c.publication.mode = mode).await;
+            let records = run_graph_with(ctx, scripted(vec![], log.clone())).await;
+            let got = by_stage(&records);
+            let log = log.lock().unwrap().clone();
+            for stage in Stage::ALL.map(Stage::name) {
+                let ran = log.contains(&format!("{stage}.start"));
+                assert_eq!(got[stage].outcome, Outcome::Passed, "{mode:?}: {stage}");
+                if unused.contains(&stage) {
+                    assert!(!ran, "{mode:?}: {stage} ran: {log:?}");
+                    assert!(got[stage].summary.starts_with("not applicable: "), "{:?}", got[stage]);
+                } else {
+                    assert!(ran, "{mode:?}: {stage} did not run: {log:?}");
+                }
             }
         }
     }

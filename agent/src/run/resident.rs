@@ -90,14 +90,7 @@ pub async fn guard_release(
         match reappeared {
             Ok(node) => {
                 tracing::warn!(taint = %taint.key, "startup taint re-added after release; removing it again");
-                let removal = remove_startup_taint(
-                    api,
-                    taint,
-                    config.api.untaint_deadline,
-                    config.api.backoff_min,
-                    config.api.backoff_max,
-                    Some(node),
-                );
+                let removal = remove_startup_taint(api, taint, &config.api, Some(node));
                 tokio::select! {
                     r = removal => match r {
                         Ok(o) => tracing::info!(attempts = o.attempts, "startup taint removed again"),
@@ -278,15 +271,7 @@ async fn mark_unhealthy(r: &Resident, fatal: &[(u32, u32)], evidence_stands: &At
     let t = &cfg.continuous.taint.as_taint();
     // First: from now on a re-added startup taint stays.
     evidence_stands.store(false, Ordering::Release);
-    let added = add_taint(
-        r.api.as_ref(),
-        t,
-        cfg.api.untaint_deadline,
-        cfg.api.backoff_min,
-        cfg.api.backoff_max,
-        None,
-    )
-    .await;
+    let added = add_taint(r.api.as_ref(), t, &cfg.api, None).await;
     let (mut latest, taint_note) = match added {
         Ok(o) => {
             tracing::warn!(taint = %t.key, effect = t.effect.as_str(), added = o.changed, attempts = o.attempts, "node tainted after a fatal XID");

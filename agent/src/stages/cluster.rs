@@ -34,9 +34,6 @@ pub async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, St
 
 /// The `allocatable` stage: waits on the Node watch until allocatable equals the expectation.
 pub async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
-    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
-        return Ok(ev);
-    }
     use kubelet::allocatable::evaluate_node;
     let api = ctx.api()?;
     let inv = ctx.inventory()?;
@@ -101,9 +98,6 @@ fn resources_absent(expected: &std::collections::BTreeMap<String, u64>, node: &N
 
 /// The `fit` stage: the serving group fits the Node's allocatable minus the Pods already bound.
 pub async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
-    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
-        return Ok(ev);
-    }
     let Some(fc) = &ctx.config.fit else {
         return Ok(Evidence {
             summary: "no serving group configured".into(),

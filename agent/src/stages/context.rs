@@ -112,8 +112,12 @@ pub struct Context {
     /// Told of every refused Event write (the agent's metrics).
     pub events_observer: Arc<dyn crate::node::EventObserver>,
     /// Dry-run (`check`, `run --dry-run`): nothing is removed or written outside the
-    /// model cache's downloads (the cache's garbage collection does not run).
+    /// model cache's downloads (the cache's garbage collection does not run). Decided once,
+    /// by the command line; every part of a bootstrap reads it here.
     pub dry_run: bool,
+    /// The `models` stage's report (set when it passed): what the cache's garbage
+    /// collection keeps, run by the lifecycle after the bootstrap.
+    pub prefetched: OnceLock<taintgate_prefetch::PrefetchReport>,
     /// How the node publishes its GPUs, decided once (see [`super::dra::publication`]).
     pub publication: tokio::sync::OnceCell<taintgate_validators::dra::evidence::Publication>,
 }

@@ -1,22 +1,15 @@
 //! The `dra` stage, and the publication decision the kubelet-side stages share: a node
 //! publishes its GPUs through a device plugin (Node allocatable), a DRA driver
-//! (ResourceSlices), or both. The stages of a path the node does not use pass with
-//! "not applicable" and the reason, so the report says what was decided and why.
+//! (ResourceSlices), or both. The executor applies it ([`crate::stage::Stage::publication_path`]):
+//! the stages of a path the node does not use pass with "not applicable" and the reason,
+//! so the report says what was decided and why.
 
 use super::context::{Context, Evidence, Progress, StageFailure};
+use crate::stage::PublicationPath;
 use serde_json::json;
 use taintgate_validators::dra::evidence::{
     Publication, PublicationMode, decide_publication, evaluate, expected_from_inventory,
 };
-
-/// Which path a stage belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Path {
-    /// allocatable, device-plugin, runtime (CDI), fit.
-    DevicePlugin,
-    /// dra.
-    Dra,
-}
 
 /// How this node publishes its GPUs, decided once per bootstrap from the config and the
 /// Node's labels (read once; none without an API).
@@ -45,11 +38,11 @@ pub async fn publication(ctx: &Context) -> Result<&Publication, StageFailure> {
 
 /// `Some(evidence)` when the node does not publish through `path`: the stage passes with
 /// it instead of checking.
-pub async fn not_applicable(ctx: &Context, path: Path) -> Result<Option<Evidence>, StageFailure> {
+pub async fn not_applicable(ctx: &Context, path: PublicationPath) -> Result<Option<Evidence>, StageFailure> {
     let p = publication(ctx).await?;
     let used = match path {
-        Path::DevicePlugin => p.device_plugin,
-        Path::Dra => p.dra,
+        PublicationPath::DevicePlugin => p.device_plugin,
+        PublicationPath::Dra => p.dra,
     };
     Ok((!used).then(|| Evidence {
         summary: format!("not applicable: {}", p.why),
@@ -60,9 +53,6 @@ pub async fn not_applicable(ctx: &Context, path: Path) -> Result<Option<Evidence
 /// The `dra` stage: this node's ResourceSlices of the driver form complete pools whose
 /// devices equal NVML's, and the driver's kubelet plugin answers registration.
 pub async fn dra(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
-    if let Some(ev) = not_applicable(ctx, Path::Dra).await? {
-        return Ok(ev);
-    }
     let cfg = &ctx.config.publication;
     let side = ctx
         .boundaries

@@ -21,9 +21,6 @@ pub fn expected_allocatable(ctx: &Context) -> Result<BTreeMap<String, u64>, Stag
 
 /// The `device-plugin` stage: the published devices equal NVML (see [`crate::boundaries::device_plugin`]).
 pub async fn device_plugin(ctx: &Context) -> Result<Evidence, StageFailure> {
-    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
-        return Ok(ev);
-    }
     let inv = ctx.inventory()?;
     let expected = kubelet::plugin_config::expected_device_ids(inv, &ctx.plugin_config)
         .map_err(|e| plugin_config_failure(&e, e.reason()))?;
@@ -64,11 +61,9 @@ pub async fn node_device_capacity(ctx: &Context) -> BTreeMap<String, u64> {
     out
 }
 
-/// The `runtime` stage: the CDI specs name every expected device (see [`crate::boundaries::cdi`]).
-pub async fn runtime(ctx: &Context) -> Result<Evidence, StageFailure> {
-    if let Some(ev) = super::dra::not_applicable(ctx, super::dra::Path::DevicePlugin).await? {
-        return Ok(ev);
-    }
+/// The CDI stage ([`crate::stage::Stage::Cdi`], named `runtime`): the CDI specs name every
+/// expected device (see [`crate::boundaries::cdi`]).
+pub async fn cdi(ctx: &Context) -> Result<Evidence, StageFailure> {
     let inv = ctx.inventory()?;
     let devices = kubelet::plugin_config::expected_devices(inv, &ctx.plugin_config)
         .map_err(|e| plugin_config_failure(&e, e.reason()))?;

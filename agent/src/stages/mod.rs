@@ -27,7 +27,7 @@ pub async fn run_stage_body(ctx: &Context, stage: Stage, progress: &Progress) ->
         Stage::Allocatable => cluster::allocatable(ctx, progress).await,
         Stage::DevicePlugin => kubelet::device_plugin(ctx).await,
         Stage::Dra => dra::dra(ctx, progress).await,
-        Stage::Runtime => kubelet::runtime(ctx).await,
+        Stage::Cdi => kubelet::cdi(ctx).await,
         Stage::Fit => cluster::fit(ctx).await,
         Stage::Models => prefetch::models(ctx).await,
         Stage::Images => prefetch::images(ctx).await,
