@@ -118,12 +118,17 @@ pub struct VerdictEntry {
     pub reason: String,
     /// Milliseconds from agent start.
     pub at_ms: u64,
-    /// Wall-clock time of the verdict.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Wall-clock time of the verdict. Informational (`at_ms` is the offset readers use): a
+    /// value that is not a timestamp reads as absent rather than losing the whole record.
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "lenient_time")]
     pub at: Option<Timestamp>,
     /// Message (the first thing trimmed when the document is too long).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+}
+
+fn lenient_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Timestamp>, D::Error> {
+    Ok(Option::<serde_json::Value>::deserialize(d)?.and_then(|v| v.as_str().and_then(|s| s.parse().ok())))
 }
 
 /// How the readiness chain after release ended, as stored.
@@ -413,6 +418,13 @@ mod tests {
         let old = r#"{"v":1,"start":"2026-01-01T00:00:00Z","gpu":"nvml","stages":[["driver",0,10,"passed",""]],"verdict":null}"#;
         let d = decode(old).unwrap();
         assert!(d.pre.is_empty() && d.verdict.is_none());
+        // An unreadable informational field does not lose the record.
+        let odd = r#"{"v":1,"start":"2026-01-01T00:00:00Z","stages":[["driver",0,10,"passed",""]],"verdict":{"released":true,"atMs":9,"at":"x"}}"#;
+        let d = decode(odd).unwrap();
+        assert_eq!(
+            (d.stages.len(), d.verdict.as_ref().map(|v| (v.at_ms, v.at))),
+            (1, Some((9, None)))
+        );
         assert_eq!(d.stages[0].name, "driver");
         assert_eq!(d.stages[0].outcome, Outcome::Passed);
         for bad in [
