@@ -71,7 +71,10 @@ fn the_table_has_every_figure_including_each_tests_first() {
         "{table}"
     );
     assert!(
-        has("copy ", &["0 -> 1", "389.2 GB/s", "450.0 GB/s", "86%", "direct=true", "NvSwitch"]),
+        has(
+            "copy ",
+            &["0 -> 1", "389.2 GB/s", "450.0 GB/s", "86%", "direct=true", "NvSwitch"]
+        ),
         "{table}"
     );
     assert!(has("smoke ", &["gpu=0", "12.3 ms"]), "{table}");

@@ -80,15 +80,9 @@ fn healthy_hgx_node_passes_the_driver_stage() {
     let inv = gpu.inventory().unwrap();
     assert_eq!(inv.gpus.len(), profile.gpus.len());
     for (got, want) in inv.gpus.iter().zip(&profile.gpus) {
-        // The fake has one far end per GPU (`nvlink_remote`, the first link's); every
-        // other field of the profile must come back unchanged.
-        let mut want = want.clone();
-        let remote = want.nvlinks.first().and_then(|l| l.remote_pci_bus_id.clone());
-        for l in &mut want.nvlinks {
-            l.remote_pci_bus_id = remote.clone();
-        }
+        // Every field, each NVLink's far end included, comes back as the profile states it.
         assert_eq!(
-            got, &want,
+            got, want,
             "GPU {} read through NVML differs from the profile",
             want.index
         );
@@ -660,4 +654,49 @@ fn eight() -> DriverExpectations {
         gpu_count: Some(8),
         ..Default::default()
     }
+}
+
+/// issue 49 §2 through NVML: each NVLink's far end (`nvmlDeviceGetNvLinkRemotePciInfo_v2`)
+/// makes the reference node's pairs NVLink-direct, 6 links each; a PCIe node's pairs take
+/// their common ancestor (`nvmlDeviceGetTopologyCommonAncestor`).
+#[test]
+fn pair_paths_read_through_nvml() {
+    use taintgate_validators::gpu::PcieAncestor;
+    use taintgate_validators::gpu::decide::{PairPath, pair_path, pair_path_gbps};
+    let inv = Node::new(&h100_8()).inventory();
+    let d = &inv.domains[0];
+    for (a, b) in [(0, 1), (0, 3), (2, 1)] {
+        assert_eq!(
+            pair_path(&inv, d, a, b),
+            Some(PairPath::NvlinkDirect { version: 4, links: 6 }),
+            "{a}-{b}"
+        );
+    }
+    // Four PCIe gen4 cards: 0-1 and 2-3 under a switch each, all four on one CPU.
+    let inv = Node::new(
+        "gpus=4\nnvlinks=0\np2p_pcie=all\npcie_switch=0,1;2,3\npcie_node=0,1,2,3\n\
+         gpu.0.pcie=4,4,16,16\ngpu.1.pcie=4,4,16,16\ngpu.2.pcie=4,4,16,16\ngpu.3.pcie=4,4,16,16\n",
+    )
+    .inventory();
+    assert_eq!(inv.domains.len(), 1, "{:?}", inv.domains);
+    let d = &inv.domains[0];
+    let path = |a, b| pair_path(&inv, d, a, b).unwrap();
+    assert_eq!(
+        path(0, 1),
+        PairPath::Pcie {
+            ancestor: Some(PcieAncestor::Single),
+            generation: 4,
+            width: 16
+        }
+    );
+    assert_eq!(pair_path_gbps(&path(0, 1)), Some(31.5));
+    assert_eq!(
+        path(1, 2),
+        PairPath::Pcie {
+            ancestor: Some(PcieAncestor::Node),
+            generation: 4,
+            width: 16
+        }
+    );
+    assert_eq!(pair_path_gbps(&path(1, 2)), Some(15.75));
 }

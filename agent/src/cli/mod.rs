@@ -345,6 +345,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
     // no stage runs, so no CUDA context, allocation or bandwidth test touches its GPUs.
     // The agent goes straight to resident mode, ready at once, with the read-only evidence
     // (NVML health, XIDs) feeding continuous mode as after its own release.
+    let mut start_node = None;
     if !dry_run && let Some(api) = &boundaries.api {
         let cfg = &config;
         match crate::node::regate::read_start_state(
@@ -374,18 +375,24 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
                 resident(api.clone(), &boundaries, &config, &metrics, &cancel).await;
                 return exit::RELEASED;
             }
-            Ok((state, _)) => tracing::debug!(?state, "start: the node is gated"),
+            Ok((state, node)) => {
+                tracing::debug!(?state, "start: the node is gated");
+                start_node = node;
+            }
             // Without the Node the agent cannot tell; it goes on as on a new node, and the
             // stages that need the API wait for it.
             Err(e) => tracing::warn!(error = %e, "could not read the node at start; validating as a new node"),
         }
     }
+    // The Node's facts (instance type) for the expected GPU count: read once, here.
+    let mut node_facts = crate::node::facts::at_start(boundaries.api.as_deref(), start_node.as_ref()).await;
     let mut held_backoff = Duration::from_secs(15);
     loop {
         let ctx = Arc::new(Context {
             config: config.clone(),
             boundaries: boundaries.clone(),
             plugin_config: plugin_config.clone(),
+            node_facts: node_facts.clone(),
             inventory: OnceLock::new(),
             clock: Clock::start(),
             cancel: cancel.clone(),
@@ -426,6 +433,7 @@ async fn run(args: RunArgs, dry_run: bool) -> i32 {
             _ = cancel.cancelled() => return exit_code,
         }
         held_backoff = (held_backoff * 2).min(Duration::from_secs(600));
+        node_facts = crate::node::facts::refresh(boundaries.api.as_deref(), node_facts).await;
     }
 }
 

@@ -361,7 +361,7 @@ pub fn expected_gpu_count(exp: &DriverExpectations, node: &NodeFacts) -> Expecte
         Some(t) => match instance_type_gpus(t, &exp.instance_types) {
             Some(count) => ExpectedCount::Known {
                 count,
-                source: format!("instance type {t:?} ({from})"),
+                source: format!("instance type {t:?}, {from}"),
             },
             None => ExpectedCount::Unknown {
                 tried: format!(
@@ -957,8 +957,8 @@ pub struct PairVerdict {
 }
 
 /// Judge a domain pair by pair: each pair against its own path ([`pair_path`]) x
-/// `efficiency`, or `pair_gbps` when set; the all-reduce busbw against the domain's
-/// threshold as [`evaluate_peer_bw_with`] does. Every pair of a peer domain is expected to
+/// `efficiency`, or `pair_gbps` when set; the all-reduce busbw against `busbw_gbps`, else
+/// the slowest pair path x `busbw_efficiency`. Every pair of a peer domain is expected to
 /// copy directly (the domain is built from NVLink or P2P-capable PCIe paths), so a copy
 /// staged through host memory is `PeerNotDirect`, whatever its speed. Returns every pair's
 /// verdict for the report.
@@ -1033,11 +1033,33 @@ pub fn evaluate_domain_pairs(
             ),
         });
     }
-    let busbw_only = super::DomainBandwidth {
-        pairs: Vec::new(),
-        ..measured.clone()
-    };
-    evaluate_peer_bw_with(domain, &busbw_only, t.efficiency, t.busbw_efficiency, t.busbw_gbps)?;
+    // A ring all-reduce crosses every pair's path in turn, so the slowest path bounds its
+    // busbw: on an NVSwitch board that is the GPU's whole link rate (as before), on a
+    // 4-GPU NVLink board a pair's third, on PCIe the pair's common ancestor.
+    let slowest_path = verdicts
+        .iter()
+        .filter_map(|v| v.path_gbps)
+        .min_by(|a, b| a.total_cmp(b));
+    let busbw_threshold = t
+        .busbw_gbps
+        .or(slowest_path.map(|g| g * t.busbw_efficiency))
+        .or_else(|| domain_threshold_gbps(&domain.interconnect, t.busbw_efficiency, None));
+    if let (Some(bus), Some(th)) = (measured.allreduce_busbw_gbps, busbw_threshold)
+        && bus < th
+    {
+        return Err(PeerBwFailure {
+            reason: "PeerBandwidthLow",
+            message: format!(
+                "domain {}: all-reduce busbw {bus:.1} GB/s below {th:.1} GB/s ({})",
+                domain.id,
+                if t.busbw_gbps.is_some() {
+                    "gpu.peer_bw.busbw_gbps".to_string()
+                } else {
+                    format!("{} x the slowest pair path", t.busbw_efficiency)
+                }
+            ),
+        });
+    }
     Ok(verdicts)
 }
 
@@ -1597,11 +1619,20 @@ mod tests {
             r(&h8, &d8, &measured(&[(0, 1, 85.0, true)], None), &over),
             Err("PeerBandwidthLow")
         );
-        // The all-reduce busbw keeps its domain threshold (0.6 x 450 = 270).
+        // The all-reduce busbw: 0.6 x the slowest pair path (NVSwitch 450 -> 270; a
+        // 4-GPU board's 150 -> 90), or busbw_gbps.
         assert_eq!(
             r(&h8, &d8, &measured(&[(0, 1, 380.0, true)], Some(200.0)), &DEFAULT_T),
             Err("PeerBandwidthLow")
         );
+        let hgx4_bus = |bus: f64, t: &PeerThresholds| r(&h4, &d4, &measured(&[(0, 1, 130.0, true)], Some(bus)), t);
+        assert_eq!(hgx4_bus(120.0, &DEFAULT_T), Ok(()));
+        assert_eq!(hgx4_bus(80.0, &DEFAULT_T), Err("PeerBandwidthLow"));
+        let bus = PeerThresholds {
+            busbw_gbps: Some(125.0),
+            ..DEFAULT_T
+        };
+        assert_eq!(hgx4_bus(120.0, &bus), Err("PeerBandwidthLow"));
         // The report names each pair's path, threshold and directness.
         let v = evaluate_domain_pairs(&h4, &d4, &measured(&[(2, 3, 140.0, true)], None), &DEFAULT_T).unwrap();
         assert_eq!(v[0].path, Some(PairPath::NvlinkDirect { version: 4, links: 6 }));
