@@ -156,7 +156,7 @@ pub struct DriverExpectations {
     /// XID policy.
     pub xid: XidPolicy,
     /// Must every NVLink link the GPU reports be active? `None`: required on SXM/HGX
-    /// products (the product table) or when `nvlink_links` is set; a PCIe card with NVLink
+    /// products (the SXM table) or when `nvlink_links` is set; a PCIe card with NVLink
     /// but no bridge reports its links present and inactive, which only warns.
     pub nvlink_required: Option<bool>,
     /// NVML calls whose answer is required (e.g. `nvmlDeviceGetRemappedRows`): when one
@@ -1235,6 +1235,9 @@ mod tests {
         }
     }
 
+    /// (config count, config instance type, Node label, site table, expected count).
+    type CountCase = (Option<u32>, Option<&'static str>, Option<&'static str>, bool, Option<u32>);
+
     /// issue 49 §1: where the expected count comes from, in order; never from the product
     /// or from what NVML counts.
     #[test]
@@ -1244,7 +1247,7 @@ mod tests {
                 .into_iter()
                 .collect();
         #[rustfmt::skip]
-        let table: [(Option<u32>, Option<&str>, Option<&str>, bool, Option<u32>); 10] = [
+        let table: [CountCase; 10] = [
             // (config count, config instance type, Node label, site table, want)
             (Some(3), Some("p5.48xlarge"), Some("p5.48xlarge"), false, Some(3)),
             (None, None, Some("p5.48xlarge"), false, Some(8)),
