@@ -60,7 +60,7 @@ table() {
     $2 == "smoke"  { kv(); printf "smoke  gpu=%-3s %10.1f ms  (%s bytes)\n", f["index"], f["ms"], f["bytes"] }
     $2 == "domain" { print "domain " substr($0, index($0, $3)) }
     $2 == "busbw"  { kv(); printf "busbw  domain=%-3s gpus=%-3s %8s GB/s  threshold %s GB/s  (%s)\n", f["domain"], f["gpus"], f["gbps"], f["threshold"], f["skipped"] }
-    $2 == "pair"   { kv(); printf "copy   domain=%-3s %2s -> %-2s %8s GB/s  link %8s GB/s  %6s of link\n", f["domain"], f["src"], f["dst"], f["gbps"], f["link_gbps"], f["of_link"] }
+    $2 == "pair"   { kv(); printf "copy   domain=%-3s %2s -> %-2s %8s GB/s  link %8s GB/s  %6s of link  direct=%s %s\n", f["domain"], f["src"], f["dst"], f["gbps"], f["link_gbps"], f["of_link"], f["direct"], f["path"] }
     $2 == "verdict" || $2 == "warning" { print }
   '
 }

@@ -189,7 +189,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "GpuCountMismatch",
         &[In(Stage::Driver)],
-        "NVML sees fewer (or more) GPUs than `gpu.expect.gpu_count` or the product's count; the message lists the PCI ids present.",
+        "NVML sees fewer (or more) GPUs than expected: `gpu.expect.gpu_count`, else the instance type's count (`gpu.expect.instance_type` or the Node's `node.kubernetes.io/instance-type` label, in `gpu.expect.instance_types` or the shipped table); the message names the source and lists the PCI ids present.",
     ),
     r(
         "GpuProductMismatch",
@@ -269,12 +269,17 @@ pub const REASONS: &[Reason] = &[
     r(
         "PeerBandwidthLow",
         &[In(Stage::PeerBw)],
-        "A peer domain is below its threshold; the message names the slowest pair and the figures.",
+        "A pair copies below its own threshold (the rate of the NVLinks joining it, the switch fabric, or its PCIe path, x `efficiency`; or `gpu.peer_bw.pair_gbps`), or a domain's all-reduce busbw is below its threshold; the message names the pair and the figures.",
+    ),
+    r(
+        "PeerNotDirect",
+        &[In(Stage::PeerBw)],
+        "CUDA gave a pair of one peer domain no direct peer access, so its copies went through host memory; NVML said the pair is joined by NVLink or P2P-capable PCIe. Check IOMMU/ACS settings, the fabric manager and the driver; the message names the pairs.",
     ),
     r(
         "PeerBandwidthUnknown",
         &[In(Stage::PeerBw)],
-        "No link rate is known for the interconnect; set `gpu.peer_bw.busbw_gbps`.",
+        "No link rate is known for a pair's path or the domain's interconnect; set `gpu.peer_bw.pair_gbps` and `gpu.peer_bw.busbw_gbps`.",
     ),
     r(
         "PeerBandwidthFailed",
@@ -289,7 +294,7 @@ pub const REASONS: &[Reason] = &[
     r(
         "GpuCountUnconfigured",
         &[In(Stage::Driver)],
-        "The product is not in the table of fixed-count HGX/SXM boards (exact NVML names), so the expected GPU count is unknown; set `gpu.expect.gpu_count`.",
+        "Nothing independent of the node says how many GPUs it must have: no `gpu.expect.gpu_count`, and its instance type (`gpu.expect.instance_type`, else the Node's `node.kubernetes.io/instance-type` label) is missing or in neither `gpu.expect.instance_types` nor the shipped table. Set one of them; NVML's own count is never taken.",
     ),
     r(
         "CudaWorkerCrashed",
@@ -658,6 +663,11 @@ pub const HARDWARE_CONTENTION: &[Contention] = &[
         "PeerBandwidthLow",
         true,
         "copies share NVLink, PCIe and copy engines with the workload",
+    ),
+    c(
+        "PeerNotDirect",
+        false,
+        "peer access is granted by the platform (IOMMU, ACS, driver), whatever the load",
     ),
     c("PeerBandwidthUnknown", false, "a configuration gap: no link rate known"),
     c(

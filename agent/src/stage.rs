@@ -102,6 +102,17 @@ impl Stage {
         }
     }
 
+    /// Stages this one waits for without needing their evidence: it starts once they
+    /// ended, whatever their outcome, except that a failed one skips it as a dependency
+    /// would (a disabled one does not). peer-bw after smoke: bandwidth is measured on GPUs
+    /// no smoke kernel is loading, and a GPU whose kernel failed is not measured.
+    pub const fn after(self) -> &'static [Stage] {
+        match self {
+            Stage::PeerBw => &[Stage::Smoke],
+            _ => &[],
+        }
+    }
+
     /// Proves hardware health: its failure sets the hardware condition False.
     pub const fn is_hardware(self) -> bool {
         matches!(self, Stage::Driver | Stage::Smoke | Stage::PeerBw)
@@ -174,7 +185,7 @@ mod tests {
     #[test]
     fn every_dependency_comes_first_in_report_order() {
         for (i, s) in Stage::ALL.iter().enumerate() {
-            for d in s.deps() {
+            for d in s.deps().iter().chain(s.after()) {
                 let j = Stage::ALL.iter().position(|x| x == d);
                 assert!(j.is_some_and(|j| j < i), "{s} depends on {d}, which is not before it");
             }
@@ -211,6 +222,11 @@ mod tests {
             (Stage::Images, &[][..], false, false, None),
         ];
         assert_eq!(table.len(), Stage::ALL.len());
+        // Ordering only: peer-bw runs on GPUs smoke has finished with.
+        for s in Stage::ALL {
+            let want: &[Stage] = if s == Stage::PeerBw { &[Stage::Smoke] } else { &[] };
+            assert_eq!(s.after(), want, "{s}");
+        }
         for (s, deps, hw, cluster, path) in table {
             assert_eq!(
                 (s.deps(), s.is_hardware(), s.needs_cluster(), s.publication_path()),

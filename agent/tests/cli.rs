@@ -158,6 +158,7 @@ fn each_faulty_profile_is_held_with_its_reason() {
         ("nvlink-down", "NvlinkInactive", "driver"),
         ("smoke-fail", "SmokeFailed", "smoke"),
         ("slow-peer", "PeerBandwidthLow", "peer-bw"),
+        ("peer-not-direct", "PeerNotDirect", "peer-bw"),
         ("no-driver", "DriverNotLoaded", "driver"),
         ("plugin-unhealthy", "PluginDeviceUnhealthy", "device-plugin"),
     ];
@@ -406,8 +407,21 @@ fn check_without_a_driver_says_driver_not_loaded() {
 fn check_drives_the_real_nvml_path_against_the_fake_library() {
     let dir = tempfile::tempdir().unwrap();
     let lib = fake_nvml(dir.path(), "gpus=8\np2p_nvlink=0,1,2,3;4,5,6,7\n");
+    // Outside a cluster nothing names the machine's shape: NVML's own count is not taken.
     let o = bin()
         .args(["check", "--stages", "driver", "--output", "json"])
+        .env("TAINTGATE_NVML_LIBRARY", &lib)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["verdict"]["reason"], "GpuCountUnconfigured", "{t}");
+    // The shape in the config (as the systemd unit's config gives it before the Node exists).
+    let eight = dir.path().join("eight.yaml");
+    std::fs::write(&eight, "gpu:\n  expect:\n    instance_type: p5.48xlarge\n").unwrap();
+    let o = bin()
+        .args(["check", "--stages", "driver", "--output", "json", "--config"])
+        .arg(&eight)
         .env("TAINTGATE_NVML_LIBRARY", &lib)
         .output()
         .unwrap();
@@ -425,7 +439,8 @@ fn check_drives_the_real_nvml_path_against_the_fake_library() {
 
     std::fs::write(dir.path().join("profile.txt"), "gpus=8\ngpu.5.remap=0,0,1,0\n").unwrap();
     let o = bin()
-        .args(["check", "--stages", "driver", "--output", "json"])
+        .args(["check", "--stages", "driver", "--output", "json", "--config"])
+        .arg(&eight)
         .env("TAINTGATE_NVML_LIBRARY", &lib)
         .output()
         .unwrap();
@@ -786,6 +801,151 @@ fn bundle_fetch_draws_a_progress_bar_on_a_terminal_only() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(!text(&o).contains("[=="), "a bar off a terminal: {}", text(&o));
     assert!(text(&o).contains("verified: 3145728 bytes fetched"), "{}", text(&o));
+}
+
+/// `run --simulate PROFILE --once --output json` (plus `extra` args): exit code and timeline.
+fn run_json(profile: &Path, extra: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let o = bin()
+        .args(["run", "--simulate"])
+        .arg(profile)
+        .args(["--once", "--output", "json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let t = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+    (o.status.code(), t, text(&o))
+}
+
+fn stage<'a>(t: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    t["stages"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["stage"] == name))
+        .unwrap_or_else(|| panic!("no stage {name} in {t}"))
+}
+
+/// issue 49 §1: the expected GPU count comes from the instance type (the Node's label, or
+/// the config), never from the product or from what NVML and GFD count. A 1-GPU H200 VM
+/// and a 4-GPU HGX board release with the default config; 7 GPUs on an 8-GPU instance
+/// type are held; an unknown shape is held `GpuCountUnconfigured` until configured.
+#[test]
+fn machine_shapes_get_their_gpu_count_from_the_instance_type() {
+    for (p, gpus, instance_type) in [
+        ("h200-1gpu", 1, "gpu-h200x1-141gb"),
+        ("hgx-h100-4gpu", 4, "H100-SXM-4-80G"),
+    ] {
+        let (code, t, out) = run_json(Path::new(&profile(p)), &[]);
+        assert_eq!(code, Some(0), "{p}: {out}");
+        assert_eq!(t["verdict"]["reason"], "Released", "{p}");
+        let driver = &stage(&t, "driver")["evidence"];
+        assert_eq!(driver["gpus"], gpus, "{p}");
+        let from = driver["expectedCountFrom"].as_str().unwrap();
+        assert!(
+            from.contains(instance_type) && from.contains("node.kubernetes.io/instance-type"),
+            "{p}: {from}"
+        );
+    }
+    // 7 of 8 on a p5.48xlarge, GFD's label saying 7 as well: held, the message names the source.
+    let (code, t, out) = run_json(Path::new(&profile("gpu-missing")), &[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(t["verdict"]["reason"], "GpuCountMismatch");
+    let msg = stage(&t, "driver")["message"].as_str().unwrap().to_string();
+    assert!(
+        msg.contains("expected 8 GPUs") && msg.contains("p5.48xlarge") && msg.contains("NVML reports 7"),
+        "{msg}"
+    );
+
+    // A shape no table knows: held GpuCountUnconfigured, naming it; the site's table or the
+    // config's instance type (the systemd unit before the Node exists) releases it.
+    let dir = tempfile::tempdir().unwrap();
+    let unknown = dir.path().join("unknown-shape.yaml");
+    std::fs::write(
+        &unknown,
+        format!(
+            "extends: {}
+description: an unlisted shape
+node:
+  labels:
+    node.kubernetes.io/instance-type: x9.metal
+",
+            profile("hgx-h100-4gpu")
+        ),
+    )
+    .unwrap();
+    let (code, t, out) = run_json(&unknown, &[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(t["verdict"]["reason"], "GpuCountUnconfigured", "{out}");
+    assert!(
+        stage(&t, "driver")["message"]
+            .as_str()
+            .unwrap()
+            .contains("\"x9.metal\""),
+        "{t}"
+    );
+    for (name, cfg) in [
+        ("site table", "gpu:\n  expect:\n    instance_types: {x9.metal: 4}\n"),
+        (
+            "config instance type",
+            "gpu:\n  expect:\n    instance_type: H100-SXM-4-80G\n",
+        ),
+        ("config count", "gpu:\n  expect:\n    gpu_count: 4\n"),
+    ] {
+        let c = dir.path().join("c.yaml");
+        std::fs::write(&c, cfg).unwrap();
+        let (code, t, out) = run_json(&unknown, &["--config", c.to_str().unwrap()]);
+        assert_eq!(code, Some(0), "{name}: {out}");
+        assert_eq!(t["verdict"]["reason"], "Released", "{name}");
+    }
+    // A configured count that disagrees with NVML holds, whatever the label says.
+    let c = dir.path().join("c.yaml");
+    std::fs::write(&c, "gpu:\n  expect:\n    instance_types: {x9.metal: 8}\n").unwrap();
+    let (code, t, _) = run_json(&unknown, &["--config", c.to_str().unwrap()]);
+    assert_eq!(
+        (code, t["verdict"]["reason"].as_str()),
+        (Some(1), Some("GpuCountMismatch"))
+    );
+}
+
+/// issue 49 §2: on a 4-GPU HGX board each pair is judged against the 6 NVLinks joining it
+/// (150 GB/s, threshold 112.5), so the ~130 GB/s a pair reaches passes; the report says
+/// each pair's path and that it was direct; peer-bw starts once smoke has ended.
+#[test]
+fn peer_bw_judges_each_pair_by_its_own_links_after_smoke() {
+    let (code, t, out) = run_json(Path::new(&profile("hgx-h100-4gpu")), &[]);
+    assert_eq!(code, Some(0), "{out}");
+    let peer = stage(&t, "peer-bw");
+    let pairs = peer["evidence"][0]["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 12, "{peer}");
+    for p in pairs {
+        assert_eq!(p["path"]["kind"], "nvlink_direct", "{p}");
+        assert_eq!(p["path"]["links"], 6, "{p}");
+        assert_eq!(p["thresholdGbps"], 112.5, "{p}");
+        assert_eq!(p["direct"], true, "{p}");
+    }
+    assert!(
+        peer["summary"].as_str().unwrap().contains("12/12 pairs direct"),
+        "{peer}"
+    );
+    let smoke = stage(&t, "smoke");
+    let smoke_end = smoke["start_ms"].as_u64().unwrap() + smoke["duration_ms"].as_u64().unwrap();
+    assert!(
+        peer["start_ms"].as_u64().unwrap() >= smoke_end,
+        "peer-bw {peer} before smoke ended {smoke}"
+    );
+    // Without smoke (not selected), peer-bw still runs: the edge orders, it does not require.
+    let o = bin()
+        .args([
+            "check",
+            "--simulate",
+            &profile("hgx-h100-4gpu"),
+            "--stages",
+            "driver,peer-bw",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(stage(&t, "peer-bw")["outcome"], "passed", "{}", text(&o));
 }
 
 /// A one-GPU machine (a developer's workstation, or a node whose peer domain is one GPU):

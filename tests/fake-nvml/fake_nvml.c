@@ -528,7 +528,8 @@ nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t d, nvmlGpuFabricInfoV_t *i
 }
 
 /* NVLink: gpu.N.nvlinks (count, default nvlinks= key, else 18), gpu.N.nvlink_inactive=3,7,
- * gpu.N.nvlink_version (default 4), gpu.N.nvlink_remote (default an NVSwitch 0000:05:00.0). */
+ * gpu.N.nvlink_version (default 4), gpu.N.nvlink_remote.L (link L's far end), else
+ * gpu.N.nvlink_remote (every link's), else an NVSwitch 0000:05:00.0. */
 static unsigned int nvlink_count(unsigned int idx) {
 	const char *g = get("nvlinks");
 	return (unsigned int)gnum(idx, "nvlinks", g ? strtoull(g, NULL, 0) : 18);
@@ -561,7 +562,9 @@ nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t d, unsigned int link, unsig
 nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t d, unsigned int link, nvmlPciInfo_t *pci) {
 	GPU_GUARD(dev, d);
 	if (link >= nvlink_count(dev->index)) return NVML_ERROR_NOT_SUPPORTED;
-	pci_of(dev->index, "nvlink_remote", 0x05, pci);
+	char field[64];
+	snprintf(field, sizeof field, "nvlink_remote.%u", link);
+	pci_of(dev->index, gget(dev->index, field) ? field : "nvlink_remote", 0x05, pci);
 	return NVML_SUCCESS;
 }
 nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t d, unsigned int link, nvmlPciInfo_t *pci) {
@@ -586,7 +589,11 @@ nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t d1, nvmlDevice_t d2, nvmlGpuP2P
 nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t d1, nvmlDevice_t d2, nvmlGpuTopologyLevel_t *level) {
 	GPU_GUARD(a, d1);
 	GPU_GUARD(b, d2);
-	*level = same_group(get("pcie_switch"), a->index, b->index) ? NVML_TOPOLOGY_SINGLE : NVML_TOPOLOGY_SYSTEM;
+	/* pcie_switch groups share a switch; pcie_node groups share a CPU (across its root
+	 * ports); anything else is across sockets. */
+	*level = same_group(get("pcie_switch"), a->index, b->index) ? NVML_TOPOLOGY_SINGLE
+		 : same_group(get("pcie_node"), a->index, b->index) ? NVML_TOPOLOGY_NODE
+								     : NVML_TOPOLOGY_SYSTEM;
 	return NVML_SUCCESS;
 }
 

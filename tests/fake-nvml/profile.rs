@@ -7,7 +7,7 @@
 //! `cuda_version` ← the first GPU's (CUDA `12.4` → `12040`, as NVML encodes it); per GPU
 //! `gpu.N.uuid`, `.pci`, `.name`, `.memory`, `.numa`, `.vbios`, `.persistence`, `.mig`,
 //! `.mig_devices`, `.pcie`, `.nvlinks`, `.nvlink_inactive`, `.nvlink_version`,
-//! `.nvlink_remote` (the first link's far end), `.fabric`, `.lost`, `.ecc_uncorrectable`,
+//! `.nvlink_remote` (the first link's far end) and `.nvlink_remote.L` (link L's), `.fabric`, `.lost`, `.ecc_uncorrectable`,
 //! `.remap`, `.retired_pages`, `.pending_retirement`, `.xid_events`; `p2p_nvlink` ← the
 //! NVLink peer domains. Extra lines (`xid_trigger=...`) are appended by the caller.
 
@@ -100,6 +100,12 @@ pub fn fake_nvml_profile(p: &NodeProfile) -> String {
         }
         if let Some(r) = g.nvlinks.iter().find_map(|l| l.remote_pci_bus_id.clone()) {
             kv(k("nvlink_remote"), r);
+        }
+        // Each link's own far end (a 4-GPU board's links end at three different GPUs).
+        for l in &g.nvlinks {
+            if let Some(r) = &l.remote_pci_bus_id {
+                kv(k(&format!("nvlink_remote.{}", l.link)), r.clone());
+            }
         }
         kv(k("fabric"), fabric_key(g.fabric).to_string());
         let h = &g.health;

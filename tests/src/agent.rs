@@ -21,10 +21,12 @@ pub fn profile(name: &str) -> String {
 }
 
 /// The reference node as Kubernetes would serve it once Karpenter registered it: startup
-/// taint, permanent GPU taint, GFD labels, allocatable from the device plugin.
+/// taint, permanent GPU taint, its instance type (the expected GPU count comes from it),
+/// GFD labels, allocatable from the device plugin.
 pub fn reference_node(registered: bool) -> NodeBuilder {
     let mut b = NodeBuilder::new(NODE)
         .label("kubernetes.io/hostname", NODE)
+        .label("node.kubernetes.io/instance-type", "p5.48xlarge")
         .label("karpenter.sh/nodepool", "gpu-h100")
         .label("taintgate.io/gpu-node", "true")
         .label("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")

@@ -19,7 +19,7 @@ GPUCHECK gpu index=1 uuid=GPU-bbbbbbbb-0000-0000-0000-000000000000 pci=0000:2a:0
 GPUCHECK domain id=0 gpus=[0, 1] interconnect=Nvlink { version: 4, links: 18 }
 ok
 test hw_no_xids_during_the_run ... ok
-test hw_peer_bandwidth_per_domain ... GPUCHECK pair domain=0 src=0 dst=1 gbps=389.2 link_gbps=450.0 of_link=86%
+test hw_peer_bandwidth_per_domain ... GPUCHECK pair domain=0 src=0 dst=1 gbps=389.2 link_gbps=450.0 of_link=86% direct=true path=NvSwitch{version:4,links:18}
 GPUCHECK pair domain=0 src=1 dst=0 gbps=391.7 link_gbps=450.0 of_link=87%
 GPUCHECK busbw domain=0 gpus=2 gbps=362.4 threshold=270.0 skipped=None
 ok
@@ -70,7 +70,13 @@ fn the_table_has_every_figure_including_each_tests_first() {
         ),
         "{table}"
     );
-    assert!(has("copy ", &["0 -> 1", "389.2 GB/s", "450.0 GB/s", "86%"]), "{table}");
+    assert!(
+        has(
+            "copy ",
+            &["0 -> 1", "389.2 GB/s", "450.0 GB/s", "86%", "direct=true", "NvSwitch"]
+        ),
+        "{table}"
+    );
     assert!(has("smoke ", &["gpu=0", "12.3 ms"]), "{table}");
     // The rest.
     assert!(has("gpu ", &["GPU-bbbbbbbb"]), "{table}");

@@ -148,7 +148,7 @@ fn the_driver_stage_waits_for_a_driver_that_loads_late() {
     std::fs::write(
         &config,
         format!(
-            "gpu: {{nvml_library: {}}}\nstages: {{driver: {{deadline: 60s}}}}\n",
+            "gpu: {{nvml_library: {}, expect: {{gpu_count: 8}}}}\nstages: {{driver: {{deadline: 60s}}}}\n",
             lib.display()
         ),
     )

@@ -339,9 +339,12 @@ const CONFIG_KEYS: &[&str] = &[
     "fatal",
     "ignore",
     "gpu_count",
+    "instance_type",
+    "instance_types",
     "peer_bw",
     "efficiency",
     "busbw_gbps",
+    "pair_gbps",
     "api",
     "untaint_deadline",
     "backoff_min",
@@ -482,6 +485,15 @@ proptest! {
                     nvswitch_sxids: Vec::new(),
                 };
                 let _ = taintgate_validators::gpu::decide::evaluate_driver(&inv, &Default::default());
+                // The pair rule over whatever topology the profile states: an answer, no panic.
+                for d in &inv.domains {
+                    for &a in &d.gpus {
+                        for &b in &d.gpus {
+                            let path = taintgate_validators::gpu::decide::pair_path(&inv, d, a, b);
+                            let _ = path.as_ref().map(taintgate_validators::gpu::decide::pair_path_gbps);
+                        }
+                    }
+                }
             }
             Err(e) => {
                 well_formed(&e, "p.yaml")?;

@@ -170,6 +170,13 @@ pub struct SlowPair {
     pub dst: u32,
     /// GB/s.
     pub gbps: f64,
+    /// CUDA grants direct peer access (false: the copy is staged through host memory).
+    #[serde(default = "yes")]
+    pub direct: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Simulated kubelet-side state.

@@ -6,7 +6,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use taintgate_validators::gpu::decide::{
-    DriverExpectations, evaluate_driver, evaluate_peer_bw_with, interconnect_gbps, nvlink_generation_from_nvml,
+    DriverExpectations, PeerThresholds, evaluate_domain_pairs, evaluate_driver, interconnect_gbps,
+    nvlink_generation_from_nvml, pair_path, pair_path_gbps,
 };
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::gpu::{Gpu, PeerBwOptions};
@@ -121,14 +122,21 @@ fn hw_peer_bandwidth_per_domain() {
         let bw = gpu.peer_bandwidth(&inv, d, &opts).unwrap();
         let link = interconnect_gbps(&d.interconnect);
         for p in &bw.pairs {
+            // The pair's own path (NVLinks to the peer, the switch fabric, or the PCIe
+            // common ancestor), as the agent judges it.
+            let path = pair_path(&inv, d, p.src, p.dst);
+            let rate = path.as_ref().and_then(pair_path_gbps);
             println!(
-                "GPUCHECK pair domain={} src={} dst={} gbps={:.1} link_gbps={} of_link={}",
+                "GPUCHECK pair domain={} src={} dst={} gbps={:.1} link_gbps={} of_link={} direct={} path={}",
                 d.id,
                 p.src,
                 p.dst,
                 p.gbps,
-                link.map(|l| format!("{l:.1}")).unwrap_or_else(|| "-".into()),
-                link.map(|l| format!("{:.0}%", p.gbps / l * 100.0))
+                rate.map(|l| format!("{l:.1}")).unwrap_or_else(|| "-".into()),
+                rate.map(|l| format!("{:.0}%", p.gbps / l * 100.0))
+                    .unwrap_or_else(|| "-".into()),
+                p.direct,
+                path.map(|p| format!("{p:?}").replace(' ', ""))
                     .unwrap_or_else(|| "-".into())
             );
         }
@@ -142,7 +150,13 @@ fn hw_peer_bandwidth_per_domain() {
             link.map(|l| format!("{:.1}", l * 0.6)).unwrap_or_else(|| "-".into()),
             bw.allreduce_skipped.as_deref().unwrap_or("None").replace(' ', "_")
         );
-        if let Err(f) = evaluate_peer_bw_with(d, &bw, 0.75, 0.6, None) {
+        let t = PeerThresholds {
+            efficiency: 0.75,
+            busbw_efficiency: 0.6,
+            busbw_gbps: None,
+            pair_gbps: None,
+        };
+        if let Err(f) = evaluate_domain_pairs(&inv, d, &bw, &t) {
             println!("GPUCHECK verdict domain={} {}: {}", d.id, f.reason, f.message);
         }
     }

@@ -63,7 +63,7 @@ fn h100_8() -> String {
 }
 
 fn reason(inv: &Inventory) -> &'static str {
-    match evaluate_driver(inv, &DriverExpectations::default()) {
+    match evaluate_driver(inv, &eight()) {
         Ok(_) => "Ok",
         Err(f) => f.reason,
     }
@@ -80,15 +80,9 @@ fn healthy_hgx_node_passes_the_driver_stage() {
     let inv = gpu.inventory().unwrap();
     assert_eq!(inv.gpus.len(), profile.gpus.len());
     for (got, want) in inv.gpus.iter().zip(&profile.gpus) {
-        // The fake has one far end per GPU (`nvlink_remote`, the first link's); every
-        // other field of the profile must come back unchanged.
-        let mut want = want.clone();
-        let remote = want.nvlinks.first().and_then(|l| l.remote_pci_bus_id.clone());
-        for l in &mut want.nvlinks {
-            l.remote_pci_bus_id = remote.clone();
-        }
+        // Every field, each NVLink's far end included, comes back as the profile states it.
         assert_eq!(
-            got, &want,
+            got, want,
             "GPU {} read through NVML differs from the profile",
             want.index
         );
@@ -106,7 +100,7 @@ fn healthy_hgx_node_passes_the_driver_stage() {
         inv.domains[0].interconnect,
         Interconnect::Nvlink { version: 4, links: 18 }
     );
-    let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
+    let ev = evaluate_driver(&inv, &eight()).unwrap();
     assert_eq!(ev.gpu_count, 8);
     assert!(ev.warnings.is_empty(), "{:?}", ev.warnings);
     assert!(gpu.drain_xids().unwrap().is_empty());
@@ -126,7 +120,7 @@ fn healthy_hgx_node_passes_the_driver_stage() {
 fn missing_gpu_is_a_count_mismatch() {
     let inv = Node::new("gpus=7\n").inventory();
     assert_eq!(reason(&inv), "GpuCountMismatch");
-    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    let f = evaluate_driver(&inv, &eight()).unwrap_err();
     assert!(f.message.contains("expected 8"), "{}", f.message);
 }
 
@@ -196,7 +190,7 @@ fn inactive_nvlink_is_reported() {
     // The domain's link count is the weakest GPU's.
     let d = inv.domains.iter().find(|d| d.gpus.contains(&6)).unwrap();
     assert_eq!(d.interconnect, Interconnect::Nvlink { version: 4, links: 16 });
-    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    let f = evaluate_driver(&inv, &eight()).unwrap_err();
     assert_eq!(f.reason, "NvlinkInactive");
     assert!(
         f.message.contains("GPU 6") && f.message.contains("[3, 7]"),
@@ -214,12 +208,12 @@ fn xid_event_arrives_through_the_event_set() {
     // The inventory still reports it: the driver stage holds the node.
     let inv = gpu.inventory().unwrap();
     assert_eq!(inv.gpus[2].health.xids, vec![79]);
-    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    let f = evaluate_driver(&inv, &eight()).unwrap_err();
     assert_eq!(f.reason, "XidFatal");
     assert!(f.message.contains("GPU 2"), "{}", f.message);
     // A warn-class XID does not hold the node.
     let inv = Node::new(&format!("{}gpu.2.xid_events=92\n", h100_8())).inventory();
-    let ev = evaluate_driver(&inv, &DriverExpectations::default()).unwrap();
+    let ev = evaluate_driver(&inv, &eight()).unwrap();
     assert!(ev.warnings.iter().any(|w| w.contains("XID 92")), "{:?}", ev.warnings);
 }
 
@@ -249,7 +243,7 @@ fn xids_before_start_come_from_the_kernel_log() {
     let inv = gpu.inventory().unwrap();
     assert_eq!(inv.gpus[1].health.xids, vec![48]);
     assert_eq!(inv.gpus[2].health.xids, vec![13]);
-    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    let f = evaluate_driver(&inv, &eight()).unwrap_err();
     assert_eq!(f.reason, "XidFatal");
     assert!(f.message.contains("GPU 1"), "{}", f.message);
     // An unreadable log is a warning at open, not a failure.
@@ -311,8 +305,13 @@ fn two_nvlink_domains_and_pcie_domains() {
         }
     );
     assert!(inv.gpus[0].nvlinks.is_empty());
-    // An L40S node has no fixed GPU count: it must be configured.
-    assert_eq!(reason(&inv), "GpuCountUnconfigured");
+    // Nothing says how many GPUs this node must have (no count, no instance type): held.
+    assert_eq!(
+        evaluate_driver(&inv, &DriverExpectations::default())
+            .unwrap_err()
+            .reason,
+        "GpuCountUnconfigured"
+    );
     let four = DriverExpectations {
         gpu_count: Some(4),
         ..Default::default()
@@ -406,7 +405,7 @@ fn mig_devices_and_persistence() {
     assert!(!inv.gpus[1].persistence_mode);
     let strict = DriverExpectations {
         persistence_required: true,
-        ..Default::default()
+        ..eight()
     };
     assert_eq!(evaluate_driver(&inv, &strict).unwrap_err().reason, "PersistenceModeOff");
 }
@@ -646,4 +645,58 @@ fn every_symbol_nvml_wrapper_sys_loads_is_exported() {
         "the fake does not export {missing:?}, which {} loads (add them to EXTRA in tests/fake-nvml/gen-stubs.py)",
         bindings.display()
     );
+}
+
+/// The reference node's expectation: 8 GPUs, as its instance type (p5.48xlarge) says; the
+/// count comes from outside the node, never from what NVML reports.
+fn eight() -> DriverExpectations {
+    DriverExpectations {
+        gpu_count: Some(8),
+        ..Default::default()
+    }
+}
+
+/// issue 49 §2 through NVML: each NVLink's far end (`nvmlDeviceGetNvLinkRemotePciInfo_v2`)
+/// makes the reference node's pairs NVLink-direct, 6 links each; a PCIe node's pairs take
+/// their common ancestor (`nvmlDeviceGetTopologyCommonAncestor`).
+#[test]
+fn pair_paths_read_through_nvml() {
+    use taintgate_validators::gpu::PcieAncestor;
+    use taintgate_validators::gpu::decide::{PairPath, pair_path, pair_path_gbps};
+    let inv = Node::new(&h100_8()).inventory();
+    let d = &inv.domains[0];
+    for (a, b) in [(0, 1), (0, 3), (2, 1)] {
+        assert_eq!(
+            pair_path(&inv, d, a, b),
+            Some(PairPath::NvlinkDirect { version: 4, links: 6 }),
+            "{a}-{b}"
+        );
+    }
+    // Four PCIe gen4 cards: 0-1 and 2-3 under a switch each, all four on one CPU.
+    let inv = Node::new(
+        "gpus=4\nnvlinks=0\np2p_pcie=all\npcie_switch=0,1;2,3\npcie_node=0,1,2,3\n\
+         gpu.0.pcie=4,4,16,16\ngpu.1.pcie=4,4,16,16\ngpu.2.pcie=4,4,16,16\ngpu.3.pcie=4,4,16,16\n",
+    )
+    .inventory();
+    assert_eq!(inv.domains.len(), 1, "{:?}", inv.domains);
+    let d = &inv.domains[0];
+    let path = |a, b| pair_path(&inv, d, a, b).unwrap();
+    assert_eq!(
+        path(0, 1),
+        PairPath::Pcie {
+            ancestor: Some(PcieAncestor::Single),
+            generation: 4,
+            width: 16
+        }
+    );
+    assert_eq!(pair_path_gbps(&path(0, 1)), Some(31.5));
+    assert_eq!(
+        path(1, 2),
+        PairPath::Pcie {
+            ancestor: Some(PcieAncestor::Node),
+            generation: 4,
+            width: 16
+        }
+    );
+    assert_eq!(pair_path_gbps(&path(1, 2)), Some(15.75));
 }

@@ -78,7 +78,7 @@ fn mig_xid_fixture_parses_and_holds_the_parent_gpu() {
     assert_eq!(inv.gpus[0].health.xids, vec![13]);
     assert_eq!(inv.gpus[1].health.xids, vec![31]);
     assert_eq!(inv.gpus[2].health.xids, vec![79]);
-    let f = evaluate_driver(&inv, &DriverExpectations::default()).unwrap_err();
+    let f = evaluate_driver(&inv, &eight()).unwrap_err();
     assert_eq!(f.reason, "XidFatal");
     assert!(f.message.contains("GPU 2") && f.message.contains("79"), "{}", f.message);
 }
@@ -103,7 +103,7 @@ fn sxid_fixtures_parse_and_produce_their_reasons() {
     );
     assert_eq!(log.sxids[0].detail, "Link 32 egress non-posted PRIV error (First)");
 
-    let exp = DriverExpectations::default();
+    let exp = eight();
     let inv = real_inventory("", Some(fixture("sxid-fatal.kmsg")));
     assert_eq!(inv.nvswitch_sxids.len(), 2);
     assert_eq!(reason(&inv, &exp), Err("SxidFatal"));
@@ -126,7 +126,7 @@ fn sxid_fixtures_parse_and_produce_their_reasons() {
 
 #[test]
 fn recovery_action_is_read_from_nvml_and_judged() {
-    let exp = DriverExpectations::default();
+    let exp = eight();
     // A driver without the field (NOT_SUPPORTED, as before 12.9): unknown, silent, passes.
     let inv = real_inventory("gpu.3.recovery_action=unsupported\n", None);
     assert_eq!(inv.gpus[3].health.recovery_action, None);
@@ -169,7 +169,7 @@ fn a_field_without_permission_warns_unless_required() {
     let inv = real_inventory("gpu.1.recovery_action=no_permission\n", None);
     let call = inv.gpus[1].health.unreadable[0].call.clone();
     assert!(call.starts_with("nvmlDeviceGetFieldValues"), "{call}");
-    let warnings = reason(&inv, &DriverExpectations::default()).unwrap();
+    let warnings = reason(&inv, &eight()).unwrap();
     assert!(
         warnings
             .iter()
@@ -178,7 +178,7 @@ fn a_field_without_permission_warns_unless_required() {
     );
     let exp = DriverExpectations {
         required_fields: [call].into_iter().collect(),
-        ..Default::default()
+        ..eight()
     };
     assert_eq!(reason(&inv, &exp), Err("NvmlFieldUnreadable"));
 }
@@ -188,9 +188,18 @@ fn simulated_profile_expresses_recovery_action_and_sxids() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/profiles/recovery-reboot.yaml");
     let profile = NodeProfile::load(path.to_str().unwrap()).unwrap();
     let inv = SimGpu::new(profile).inventory().unwrap();
-    assert_eq!(reason(&inv, &DriverExpectations::default()), Err("GpuRecoveryRequired"));
+    assert_eq!(reason(&inv, &eight()), Err("GpuRecoveryRequired"));
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/profiles/sxid-fatal.yaml");
     let profile = NodeProfile::load(path.to_str().unwrap()).unwrap();
     let inv = SimGpu::new(profile).inventory().unwrap();
-    assert_eq!(reason(&inv, &DriverExpectations::default()), Err("SxidFatal"));
+    assert_eq!(reason(&inv, &eight()), Err("SxidFatal"));
+}
+
+/// The reference node's expectation: 8 GPUs, as its instance type (p5.48xlarge) says; the
+/// count comes from outside the node, never from what NVML reports.
+fn eight() -> DriverExpectations {
+    DriverExpectations {
+        gpu_count: Some(8),
+        ..Default::default()
+    }
 }

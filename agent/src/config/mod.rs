@@ -371,10 +371,15 @@ impl Default for GpuConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerBwConfig {
-    /// Fraction of the theoretical link rate that must be reached.
+    /// Fraction of each pair's path rate its copy must reach: the NVLinks joining the pair,
+    /// the switch fabric on NVSwitch boards, or the PCIe link through the pair's common
+    /// ancestor (docs/gpu.md).
     pub efficiency: f64,
     /// Explicit all-reduce bus bandwidth threshold in GB/s (overrides the derived one).
     pub busbw_gbps: Option<f64>,
+    /// Explicit copy threshold in GB/s for every pair (replaces path rate x `efficiency`),
+    /// for a platform whose pair figures are known (e.g. PCIe root complexes).
+    pub pair_gbps: Option<f64>,
     /// Bytes per copy / all-reduce.
     pub bytes: u64,
     /// Repetitions (median used).
@@ -392,6 +397,7 @@ impl Default for PeerBwConfig {
         Self {
             efficiency: 0.75,
             busbw_gbps: None,
+            pair_gbps: None,
             bytes: 1 << 30,
             iterations: 5,
             require_nccl: false,
@@ -615,6 +621,21 @@ impl Config {
         }
         if pb.busbw_gbps.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
             return err("gpu.peer_bw.busbw_gbps", "must be a positive number".into());
+        }
+        if pb.pair_gbps.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
+            return err("gpu.peer_bw.pair_gbps", "must be a positive number".into());
+        }
+        if self.gpu.expect.gpu_count == Some(0) {
+            return err(
+                "gpu.expect.gpu_count",
+                "must be at least 1 (leave it unset to use the instance type)".into(),
+            );
+        }
+        if let Some((t, _)) = self.gpu.expect.instance_types.iter().find(|(_, n)| **n == 0) {
+            return err(
+                &format!("gpu.expect.instance_types.{t}"),
+                "must be at least 1 GPU".into(),
+            );
         }
         if pb.iterations == 0 {
             return err("gpu.peer_bw.iterations", "must be at least 1".into());

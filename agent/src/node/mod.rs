@@ -7,6 +7,7 @@
 //! agent does through it: [`untaint`] (taint patches), [`report`] (condition, annotation,
 //! Events), [`regate`] (the reboot re-gate), [`workload`] (what the readiness chain reads).
 
+pub mod facts;
 pub mod kube;
 pub mod regate;
 pub mod report;

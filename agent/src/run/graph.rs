@@ -41,7 +41,7 @@ pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageReco
         let ready: Vec<Stage> = pending
             .iter()
             .copied()
-            .filter(|s| s.deps().iter().all(|d| futs.contains_key(d)))
+            .filter(|s| s.deps().iter().chain(s.after()).all(|d| futs.contains_key(d)))
             .collect();
         if ready.is_empty() {
             break;
@@ -53,6 +53,11 @@ pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageReco
                 .iter()
                 .filter_map(|d| Some((*d, futs.get(d)?.clone())))
                 .collect();
+            let after_futs: Vec<(Stage, StageFuture)> = name
+                .after()
+                .iter()
+                .filter_map(|d| Some((*d, futs.get(d)?.clone())))
+                .collect();
             let ctx2 = ctx.clone();
             let body2 = body.clone();
             let fut = async move {
@@ -60,6 +65,13 @@ pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageReco
                 for (d, f) in dep_futs {
                     let rec = f.await;
                     if rec.outcome != Outcome::Passed && blocked.is_none() {
+                        blocked = Some((d, rec.outcome));
+                    }
+                }
+                // Ordering only: a disabled, skipped or cancelled one does not block.
+                for (d, f) in after_futs {
+                    let rec = f.await;
+                    if rec.outcome == Outcome::Failed && blocked.is_none() {
                         blocked = Some((d, rec.outcome));
                     }
                 }
@@ -300,10 +312,12 @@ mod tests {
         })
         .await
         .unwrap();
+        let node_facts = crate::node::facts::at_start(boundaries.api.as_deref(), None).await;
         Arc::new(Context {
             config,
             boundaries: Arc::new(boundaries),
             plugin_config: Default::default(),
+            node_facts,
             inventory: OnceLock::new(),
             clock: Clock::start(),
             cancel: CancellationToken::new(),
@@ -368,13 +382,34 @@ mod tests {
                 .unwrap_or_else(|| panic!("{s} not in {log:?}"))
         };
         for name in Stage::ALL {
-            for d in name.deps() {
+            for d in name.deps().iter().chain(name.after()) {
                 assert!(
                     pos(&format!("{d}.end")) < pos(&format!("{name}.start")),
                     "{name} before {d}: {log:?}"
                 );
             }
         }
+    }
+
+    /// An ordering edge (`Stage::after`) waits, but only a failure skips: peer-bw runs
+    /// when smoke is disabled, and is skipped when smoke failed.
+    #[tokio::test]
+    async fn an_ordering_edge_skips_only_on_failure() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let ctx = context(|c| c.stages.smoke.enabled = false).await;
+        let records = run_graph_with(ctx, scripted(vec![], log.clone())).await;
+        let r = by_stage(&records);
+        assert_eq!(r["smoke"].outcome, Outcome::Disabled);
+        assert_eq!(r["peer-bw"].outcome, Outcome::Passed);
+        let records = run_graph_with(
+            context(|_| {}).await,
+            scripted(vec![("smoke", vec![Step::Fail("SmokeFailed")])], log.clone()),
+        )
+        .await;
+        let r = by_stage(&records);
+        assert_eq!(r["peer-bw"].outcome, Outcome::Skipped);
+        assert_eq!(r["peer-bw"].reason.as_deref(), Some("DependencyFailed"));
+        assert!(r["peer-bw"].message.as_deref().unwrap_or("").contains("smoke"), "{:?}", r["peer-bw"]);
     }
 
     #[tokio::test]

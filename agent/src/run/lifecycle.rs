@@ -207,9 +207,12 @@ impl Agent {
     /// dry-run or a signal ends the run. A held node is evaluated again on [`HELD_RETRY`].
     async fn bootstrap_loop(&self, start_node: Option<Node>, show: &(dyn Fn(&Timeline) + Sync)) -> i32 {
         let mut start_node = start_node;
+        // The Node's facts (instance type) for the expected GPU count: read once, here, from
+        // the start's Node read when there was one.
+        let mut node_facts = crate::node::facts::at_start(self.boundaries.api.as_deref(), start_node.as_ref()).await;
         let mut held = HELD_RETRY.backoff();
         loop {
-            let ctx = self.context();
+            let ctx = self.context(node_facts.clone());
             let BootstrapResult { timeline, exit_code } =
                 bootstrap(ctx.clone(), &self.node_name, start_node.take()).await;
             // The cache's housekeeping, once the verdict is out: never part of the evidence.
@@ -231,15 +234,17 @@ impl Agent {
                 _ = tokio::time::sleep(delay) => {}
                 _ = self.cancel.cancelled() => return exit_code,
             }
+            node_facts = crate::node::facts::refresh(self.boundaries.api.as_deref(), node_facts).await;
         }
     }
 
     /// A fresh context for one bootstrap (its own clock, inventory and Node copy).
-    fn context(&self) -> Arc<Context> {
+    fn context(&self, node_facts: taintgate_validators::gpu::decide::NodeFacts) -> Arc<Context> {
         Arc::new(Context {
             config: self.config.clone(),
             boundaries: self.boundaries.clone(),
             plugin_config: self.plugin_config.clone(),
+            node_facts,
             inventory: OnceLock::new(),
             clock: Clock::start(),
             cancel: self.cancel.clone(),

@@ -97,6 +97,9 @@ pub struct Context {
     pub boundaries: Arc<Boundaries>,
     /// The device plugin's sharing config (default: whole GPUs).
     pub plugin_config: PluginConfig,
+    /// The Node's facts read at start (its instance type), for the expected GPU count
+    /// ([`crate::node::facts`]); the driver stage itself never calls the API.
+    pub node_facts: taintgate_validators::gpu::decide::NodeFacts,
     /// The driver stage's inventory, for the stages that depend on it.
     pub inventory: OnceLock<Inventory>,
     /// Clock of this bootstrap.

@@ -5,7 +5,9 @@ use super::context::{Context, Evidence, Progress, StageFailure, blocking};
 use serde_json::json;
 use std::time::Duration;
 use taintgate_validators::gpu::PeerBwOptions;
-use taintgate_validators::gpu::decide::{evaluate_driver, evaluate_peer_bw_with, startup_record};
+use taintgate_validators::gpu::decide::{
+    ExpectedCount, PeerThresholds, evaluate_domain_pairs, evaluate_driver_with, expected_gpu_count, startup_record,
+};
 use taintgate_validators::gpu::real::driver_may_still_load;
 
 /// How often the driver stage asks NVML again while the kernel driver is not loaded yet.
@@ -30,7 +32,14 @@ pub async fn driver(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
             Err(e) => return Err(e.into()),
         }
     };
-    let ev = evaluate_driver(&inv, &ctx.config.gpu.expect)?;
+    // The expected count comes from the configuration or the instance type read at start
+    // (`ctx.node_facts`), never from what NVML or GFD report.
+    let expected = expected_gpu_count(&ctx.config.gpu.expect, &ctx.node_facts);
+    let ev = evaluate_driver_with(&inv, &ctx.config.gpu.expect, &expected)?;
+    let count_source = match &expected {
+        ExpectedCount::Known { source, .. } => source.clone(),
+        ExpectedCount::Unknown { tried } => tried.clone(),
+    };
     let product = inv.gpus.first().map(|g| g.product.clone()).unwrap_or_default();
     let driver = inv.gpus.first().map(|g| g.driver_version.clone()).unwrap_or_default();
     let summary = format!(
@@ -38,7 +47,7 @@ pub async fn driver(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
         ev.gpu_count,
         inv.domains.len()
     );
-    let detail = json!({"gpus": ev.gpu_count, "warnings": ev.warnings, "startupRecord": startup_record(&inv)});
+    let detail = json!({"gpus": ev.gpu_count, "expectedCountFrom": count_source, "warnings": ev.warnings, "startupRecord": startup_record(&inv)});
     for w in &ev.warnings {
         tracing::warn!(warning = %w, "driver stage warning");
     }
@@ -80,7 +89,9 @@ pub async fn smoke(ctx: &Context) -> Result<Evidence, StageFailure> {
     Ok(Evidence { summary, detail })
 }
 
-/// The `peer-bw` stage: each peer domain's copy matrix and all-reduce bandwidth, domains in parallel.
+/// The `peer-bw` stage: each peer domain's copy matrix and all-reduce bandwidth, domains in
+/// parallel; each pair judged against what joins it (`evaluate_domain_pairs`). It runs after
+/// `smoke` ([`crate::stage::Stage::after`]), so the GPUs it measures are otherwise idle.
 pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
     let inv = ctx.inventory()?.clone();
     let cfg = &ctx.config.gpu.peer_bw;
@@ -128,16 +139,31 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         let (d, m) = h
             .await
             .map_err(|e| StageFailure::permanent("InternalError", format!("peer-bw worker failed: {e}")))??;
-        evaluate_peer_bw_with(&d, &m, cfg.efficiency, cfg.busbw_efficiency, cfg.busbw_gbps)?;
+        let thresholds = PeerThresholds {
+            efficiency: cfg.efficiency,
+            busbw_efficiency: cfg.busbw_efficiency,
+            busbw_gbps: cfg.busbw_gbps,
+            pair_gbps: cfg.pair_gbps,
+        };
+        let verdicts = evaluate_domain_pairs(&inv, &d, &m, &thresholds)?;
         let min_pair = m.pairs.iter().map(|p| p.gbps).fold(f64::INFINITY, f64::min);
+        let direct = verdicts.iter().filter(|v| v.direct).count();
         lines.push(match m.allreduce_busbw_gbps {
-            Some(b) => format!("domain {} busbw {b:.0} GB/s", d.id),
-            None => format!("domain {} copy-only min {min_pair:.0} GB/s", d.id),
+            Some(b) => format!(
+                "domain {} busbw {b:.0} GB/s, {direct}/{} pairs direct, min pair {min_pair:.0} GB/s",
+                d.id,
+                verdicts.len()
+            ),
+            None => format!(
+                "domain {} copy-only min {min_pair:.0} GB/s, {direct}/{} pairs direct",
+                d.id,
+                verdicts.len()
+            ),
         });
         if let Some(why) = &m.allreduce_skipped {
             tracing::warn!(domain = d.id, why = %why, "all-reduce not measured");
         }
-        detail.push(json!({"domain": d.id, "gpus": d.gpus, "busbwGbps": m.allreduce_busbw_gbps, "minPairGbps": min_pair, "skipped": m.allreduce_skipped}));
+        detail.push(json!({"domain": d.id, "gpus": d.gpus, "busbwGbps": m.allreduce_busbw_gbps, "minPairGbps": min_pair, "skipped": m.allreduce_skipped, "pairs": verdicts}));
     }
     Ok(Evidence {
         summary: lines.join(", "),

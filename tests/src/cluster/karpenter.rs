@@ -17,8 +17,10 @@ use serde_json::{Value, json};
 use super::{ApiServer, go_tool};
 use crate::services::{ServiceProcess, free_port};
 
-/// The instance type the KWOK provider offers: the reference HGX node.
-pub const INSTANCE_TYPE: &str = "gpu-8x-h100";
+/// The instance type the KWOK provider offers: the reference HGX node, named as AWS names
+/// it, so the agent's shipped instance-type table gives its expected GPU count (8) from the
+/// Node's `node.kubernetes.io/instance-type` label, as on a real cloud node.
+pub const INSTANCE_TYPE: &str = "p5.48xlarge";
 
 /// A running Karpenter controller; killed when dropped.
 pub struct Karpenter {

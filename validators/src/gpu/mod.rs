@@ -279,6 +279,41 @@ pub struct PeerDomain {
     pub gpus: Vec<u32>,
     /// The interconnect between them.
     pub interconnect: Interconnect,
+    /// Each pair's PCIe common ancestor, as NVML reports it (`nvmlDeviceGetTopologyCommonAncestor`);
+    /// the pair rule ([`decide::pair_path`]) uses it for pairs not joined by NVLink.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pairs: Vec<PairTopology>,
+}
+
+/// How the PCIe paths of two GPUs meet (`nvmlGpuTopologyLevel_t`, nvml.h), nearest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PcieAncestor {
+    /// `NVML_TOPOLOGY_INTERNAL` (0): two GPUs on one board.
+    Internal,
+    /// `NVML_TOPOLOGY_SINGLE` (10): one PCIe switch between them.
+    Single,
+    /// `NVML_TOPOLOGY_MULTIPLE` (20): several switches, no host bridge.
+    Multiple,
+    /// `NVML_TOPOLOGY_HOSTBRIDGE` (30): through one host bridge.
+    HostBridge,
+    /// `NVML_TOPOLOGY_NODE` (40): across host bridges / root ports of one CPU (NUMA node).
+    Node,
+    /// `NVML_TOPOLOGY_SYSTEM` (50): across CPU sockets (SMP interconnect).
+    System,
+}
+
+/// One unordered GPU pair of a domain and its PCIe common ancestor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PairTopology {
+    /// One GPU index.
+    pub a: u32,
+    /// The other GPU index.
+    pub b: u32,
+    /// Their PCIe common ancestor; `None` when NVML could not say.
+    #[serde(default)]
+    pub ancestor: Option<PcieAncestor>,
 }
 
 /// Everything the driver stage learns about the node's GPUs.
@@ -319,6 +354,10 @@ pub struct PairBandwidth {
     pub dst: u32,
     /// Median GB/s (1e9 bytes per second).
     pub gbps: f64,
+    /// CUDA granted direct peer access (`cuDeviceCanAccessPeer`, `cuCtxEnablePeerAccess`);
+    /// false: the copy was staged through host memory.
+    #[serde(default = "yes")]
+    pub direct: bool,
 }
 
 /// Measured bandwidth of one peer domain.

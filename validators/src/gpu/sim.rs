@@ -146,13 +146,13 @@ impl Gpu for SimGpu {
                 if a == b {
                     continue;
                 }
-                let gbps = bw
-                    .slow_pairs
-                    .iter()
-                    .find(|p| p.src == a && p.dst == b)
-                    .map(|p| p.gbps)
-                    .unwrap_or(bw.pair_gbps);
-                pairs.push(PairBandwidth { src: a, dst: b, gbps });
+                let slow = bw.slow_pairs.iter().find(|p| p.src == a && p.dst == b);
+                pairs.push(PairBandwidth {
+                    src: a,
+                    dst: b,
+                    gbps: slow.map_or(bw.pair_gbps, |p| p.gbps),
+                    direct: slow.is_none_or(|p| p.direct),
+                });
             }
         }
         let (allreduce, skipped) = if domain.gpus.len() < 2 {

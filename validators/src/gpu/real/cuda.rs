@@ -370,12 +370,19 @@ impl CudaBackend {
         let bytes = len * 4;
         let loaded: Vec<Arc<Loaded>> = gpus.iter().map(|g| self.load(g)).collect::<Result<_, _>>()?;
         // Direct peer access where the hardware allows it; otherwise the copy is staged
-        // through host memory and the figure shows it.
+        // through host memory, which the pair's `direct: false` reports (PeerNotDirect).
+        // `direct[x][y]`: x's context may read and write y's memory.
+        let mut direct = vec![vec![false; loaded.len()]; loaded.len()];
         for (a, la) in loaded.iter().enumerate() {
             for (b, lb) in loaded.iter().enumerate() {
                 if a != b {
-                    let direct = enable_peer_access(la, lb, &gpus[a].uuid)?;
-                    tracing::info!(src = gpus[b].index, dst = gpus[a].index, direct, "peer access");
+                    direct[a][b] = enable_peer_access(la, lb, &gpus[a].uuid)?;
+                    tracing::info!(
+                        src = gpus[b].index,
+                        dst = gpus[a].index,
+                        direct = direct[a][b],
+                        "peer access"
+                    );
                 }
             }
         }
@@ -460,6 +467,8 @@ impl CudaBackend {
                     src: gpus[a].index,
                     dst: gpus[b].index,
                     gbps: median(&mut samples),
+                    // The copy runs on the destination's stream, reading the source's memory.
+                    direct: direct[b][a],
                 });
             }
         }

@@ -13,9 +13,11 @@ use crate::gpu::decide::group_domains;
 use crate::gpu::{
     FabricState, GpuError, GpuHealth, GpuInfo, Interconnect, Inventory, MigDevice, NvLinkState, PcieLink, PeerDomain,
 };
-use crate::gpu::{FieldError, RecoveryAction, Sxid, UnreadableField};
+use crate::gpu::{FieldError, PairTopology, PcieAncestor, RecoveryAction, Sxid, UnreadableField};
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, P2pCapabilitiesIndex, P2pStatus, RetirementCause};
+use nvml_wrapper::enum_wrappers::device::{
+    EccCounter, MemoryError, P2pCapabilitiesIndex, P2pStatus, RetirementCause, TopologyLevel,
+};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::{NvmlError, nvml_try};
 use nvml_wrapper::{Device, EventSet, Nvml};
@@ -743,7 +745,7 @@ fn fabric_info_unversioned(nvml: &Nvml, dev: &Device<'_>) -> Result<(u8, u32), N
 /// two GPUs. A common PCIe switch alone does not: without P2P (ACS redirect, a platform
 /// that disables it) copies go through host memory and would be judged against the link's
 /// rate. Lost GPUs form no domain.
-fn peer_domains(_nvml: &Nvml, gpus: &[GpuInfo], devices: &[Option<Device<'_>>]) -> Vec<PeerDomain> {
+fn peer_domains<'n>(nvml: &'n Nvml, gpus: &[GpuInfo], devices: &'n [Option<Device<'n>>]) -> Vec<PeerDomain> {
     let live: Vec<u32> = gpus.iter().filter(|g| !g.health.lost).map(|g| g.index).collect();
     let dev = |i: u32| devices.get(i as usize).and_then(Option::as_ref);
     let nvlink_ok = |a: u32, b: u32| match (dev(a), dev(b)) {
@@ -788,13 +790,56 @@ fn peer_domains(_nvml: &Nvml, gpus: &[GpuInfo], devices: &[Option<Device<'_>>]) 
                     let width = infos.iter().map(|g| g.pcie.max_width).min().unwrap_or(0);
                     Interconnect::Pcie { generation, width }
                 };
+            let pairs = pair_topology(nvml, &members, &dev);
             PeerDomain {
                 id: id as u32,
                 gpus: members,
                 interconnect,
+                pairs,
             }
         })
         .collect()
+}
+
+/// Each pair's PCIe common ancestor (`nvmlDeviceGetTopologyCommonAncestor`), for the pair
+/// rule of PCIe pairs. A call that fails leaves the pair's ancestor unknown (the rule then
+/// takes the conservative root-complex figure), with a debug line.
+fn pair_topology<'n>(
+    nvml: &'n Nvml,
+    members: &[u32],
+    dev: &dyn Fn(u32) -> Option<&'n Device<'n>>,
+) -> Vec<PairTopology> {
+    let mut out = Vec::new();
+    for (i, &a) in members.iter().enumerate() {
+        for &b in &members[i + 1..] {
+            // nvml-wrapper takes the other handle by value and `Device` is not `Clone`:
+            // fetch `b`'s handle again (`nvmlDeviceGetHandleByIndex_v2`).
+            let ancestor = match (dev(a), dev(b).and_then(|_| nvml.device_by_index(b).ok())) {
+                (Some(x), Some(y)) => match x.topology_common_ancestor(y) {
+                    Ok(level) => Some(pcie_ancestor(level)),
+                    Err(e) => {
+                        tracing::debug!(a, b, error = %e, "nvmlDeviceGetTopologyCommonAncestor");
+                        None
+                    }
+                },
+                _ => None,
+            };
+            out.push(PairTopology { a, b, ancestor });
+        }
+    }
+    out
+}
+
+/// nvml-wrapper's `TopologyLevel` (nvml.h `nvmlGpuTopologyLevel_t`) as ours.
+fn pcie_ancestor(level: TopologyLevel) -> PcieAncestor {
+    match level {
+        TopologyLevel::Internal => PcieAncestor::Internal,
+        TopologyLevel::Single => PcieAncestor::Single,
+        TopologyLevel::Multiple => PcieAncestor::Multiple,
+        TopologyLevel::HostBridge => PcieAncestor::HostBridge,
+        TopologyLevel::Node => PcieAncestor::Node,
+        TopologyLevel::System => PcieAncestor::System,
+    }
 }
 
 #[cfg(test)]
