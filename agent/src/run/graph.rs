@@ -409,7 +409,11 @@ mod tests {
         let r = by_stage(&records);
         assert_eq!(r["peer-bw"].outcome, Outcome::Skipped);
         assert_eq!(r["peer-bw"].reason.as_deref(), Some("DependencyFailed"));
-        assert!(r["peer-bw"].message.as_deref().unwrap_or("").contains("smoke"), "{:?}", r["peer-bw"]);
+        assert!(
+            r["peer-bw"].message.as_deref().unwrap_or("").contains("smoke"),
+            "{:?}",
+            r["peer-bw"]
+        );
     }
 
     #[tokio::test]

@@ -1236,7 +1236,13 @@ mod tests {
     }
 
     /// (config count, config instance type, Node label, site table, expected count).
-    type CountCase = (Option<u32>, Option<&'static str>, Option<&'static str>, bool, Option<u32>);
+    type CountCase = (
+        Option<u32>,
+        Option<&'static str>,
+        Option<&'static str>,
+        bool,
+        Option<u32>,
+    );
 
     /// issue 49 §1: where the expected count comes from, in order; never from the product
     /// or from what NVML counts.
