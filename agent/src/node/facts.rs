@@ -1,11 +1,12 @@
 //! What the driver stage needs to know about its Node ([`NodeFacts`]: the instance-type
 //! label the expected GPU count comes from), read once when the agent starts, so the
-//! driver stage never waits on the API and has no graph edge to `register`.
+//! driver stage does not wait on the API and has no graph edge to `register`.
 //!
 //! Before the Node exists (the systemd unit starts before the kubelet registers it) the
 //! facts say no Node was read; `gpu.expect.gpu_count` or `gpu.expect.instance_type` then
-//! give the count, and without either the node is held `GpuCountUnconfigured` and the
-//! facts are read again before each re-evaluation until a Node is found ([`refresh`]).
+//! give the count. Without either, the driver stage waits for the Node (watching, within
+//! its deadline; `GpuCountUnconfigured` if none comes), and a held node's facts are read
+//! again before each re-evaluation until a Node is found ([`refresh`]).
 
 use super::NodeApi;
 use k8s_openapi::api::core::v1::Node;

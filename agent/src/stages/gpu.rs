@@ -33,8 +33,23 @@ pub async fn driver(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
         }
     };
     // The expected count comes from the configuration or the instance type read at start
-    // (`ctx.node_facts`), never from what NVML or GFD report.
-    let expected = expected_gpu_count(&ctx.config.gpu.expect, &ctx.node_facts);
+    // (`ctx.node_facts`), never from what NVML or GFD report. With neither configured and
+    // no Node at start (an agent started before its Node was created), the instance type
+    // is on a Node still to come: wait for it, watching, within this stage's deadline,
+    // rather than hold a node that is only being created.
+    let expect = &ctx.config.gpu.expect;
+    let facts = match &ctx.boundaries.api {
+        Some(api) if !ctx.node_facts.node_read && expect.gpu_count.is_none() && expect.instance_type.is_none() => {
+            progress.set(StageFailure::transient(
+                "GpuCountUnconfigured",
+                "waiting for the Node: its instance type gives the expected GPU count (or set gpu.expect.gpu_count)",
+            ));
+            let node = api.wait_for(&|_| true).await?;
+            crate::node::facts::of_node(&node)
+        }
+        _ => ctx.node_facts.clone(),
+    };
+    let expected = expected_gpu_count(expect, &facts);
     let ev = evaluate_driver_with(&inv, &ctx.config.gpu.expect, &expected)?;
     let count_source = match &expected {
         ExpectedCount::Known { source, .. } => source.clone(),
