@@ -6,9 +6,10 @@
 //! reads the traces back through Jaeger's query API, as a user's UI does, and compares them
 //! with the timeline the agent printed: one root `bootstrap` span, one child per stage that
 //! ran with its outcome and reason, each starting and lasting exactly what the timeline
-//! says (to Jaeger's microsecond), and the pre-agent intervals up to the agent start. (The
-//! readiness chain's own trace, linked to this one, is checked against the project's
-//! receiver in `readiness_chain.rs`: it needs a workload after a real release.)
+//! says (to Jaeger's microsecond), and the pre-agent intervals up to the agent start. The
+//! readiness chain's own trace, exported as the resident agent exports it, comes back with
+//! its root linked to that bootstrap root span. (The chain's stamps from real Pods and
+//! EndpointSlices are checked in `readiness_chain.rs`.)
 //!
 //! With the collector gone, or accepting connections and never answering, the run still
 //! ends with its verdict; the failure is logged with its reason code (the project's own
@@ -23,6 +24,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
+use taintgate::telemetry::Stamp;
+use taintgate::telemetry::annotation::WorkloadEntry;
+use taintgate::telemetry::otlp::bootstrap_ids;
 use taintgate::timeline::{Outcome, Timeline};
 use taintgate_tests::cluster::{ApiServer, go_tool};
 use taintgate_tests::continuous::node_with_foreign_taint;
@@ -218,6 +222,7 @@ fn traces_read_back_from_jaeger_over_grpc_and_http_equal_the_timeline() {
     api.put_object(node_with_foreign_taint()).unwrap();
     let dir = tempfile::tempdir().unwrap();
 
+    let mut last = None;
     for (service, protocol, endpoint) in [
         ("taintgate-grpc", "grpc", format!("http://127.0.0.1:{}", jaeger.grpc)),
         (
@@ -251,7 +256,95 @@ fn traces_read_back_from_jaeger_over_grpc_and_http_equal_the_timeline() {
         assert_eq!(traces.len(), 1, "one trace per bootstrap: {traces:#?}");
         check_trace(&traces[0], &t);
         assert!(!run.stderr.contains("OtlpExport"), "{}", run.stderr);
+        last = Some((t, traces.remove(0)));
     }
+
+    // After release the resident agent exports the readiness chain as its own trace, its
+    // root linked to the bootstrap's root span (ids derived from the annotation's fields):
+    // exported as the agent does, read back from Jaeger, the link points at the bootstrap
+    // trace Jaeger holds.
+    let (t, boot_trace) = last.unwrap();
+    let v = t.verdict.as_ref().unwrap();
+    let released = t.agent_start + Duration::from_millis(v.at_ms);
+    let after = |s: u64| released + Duration::from_secs(s);
+    let stamps = vec![
+        Stamp::new("pod-created", after(2)),
+        Stamp::new("pod-scheduled", after(2)),
+        Stamp::new("pod-ready", after(30)),
+        Stamp::new("endpoint-ready", after(31)),
+    ];
+    let workload = WorkloadEntry {
+        outcome: "WorkloadReady".into(),
+        at_ms: after(31).as_millisecond(),
+        pods: vec!["ml/llm-0".into()],
+        group: String::new(),
+    };
+    let boot = bootstrap_ids(&t.node, t.agent_start, v.at_ms);
+    let hex = |s: &str| s.trim_start_matches('0').to_string();
+    let boot_root = boot_trace["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["operationName"] == "bootstrap")
+        .unwrap();
+    assert_eq!(
+        (
+            hex(boot_root["traceID"].as_str().unwrap()),
+            hex(boot_root["spanID"].as_str().unwrap())
+        ),
+        (hex(&boot.0.to_string()), hex(&boot.1.to_string())),
+        "the bootstrap trace carries the ids its annotation gives back"
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let n = rt
+        .block_on(taintgate::readiness::trace::export_to(
+            Some(&format!("http://127.0.0.1:{}", jaeger.grpc)),
+            &t.node,
+            released,
+            &stamps,
+            &workload,
+            Some(boot),
+        ))
+        .unwrap();
+    assert_eq!(n, 5, "a root and one span per interval");
+    let mut chain = Vec::new();
+    wait_until("the readiness trace in jaeger", Duration::from_secs(30), || {
+        chain = jaeger.traces("taintgate").unwrap_or_default();
+        !chain.is_empty()
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", jaeger.log()));
+    let spans = chain[0]["spans"].as_array().unwrap();
+    let root = spans.iter().find(|s| s["operationName"] == "readiness").unwrap();
+    let link = root["references"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["refType"] == "FOLLOWS_FROM")
+        .unwrap_or_else(|| panic!("no link on the chain's root: {root:#}"));
+    assert_eq!(
+        (
+            hex(link["traceID"].as_str().unwrap()),
+            hex(link["spanID"].as_str().unwrap())
+        ),
+        (
+            hex(boot_root["traceID"].as_str().unwrap()),
+            hex(boot_root["spanID"].as_str().unwrap())
+        )
+    );
+    assert_eq!(root["startTime"].as_i64(), Some(released.as_microsecond()));
+    assert_eq!(root["duration"].as_i64(), Some(31_000_000));
+    let mut names: Vec<&str> = spans.iter().filter_map(|s| s["operationName"].as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "readiness",
+            "readiness:endpoint-ready",
+            "readiness:pod-created",
+            "readiness:pod-ready",
+            "readiness:pod-scheduled"
+        ]
+    );
 }
 
 #[test]
