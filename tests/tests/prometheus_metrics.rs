@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use taintgate::telemetry::annotation::decode;
+use taintgate_tests::bundles::publish_manifest;
 use taintgate_tests::cluster::{ApiServer, go_tool, repo_root};
 use taintgate_tests::continuous::{ResidentAgent, node_with_foreign_taint};
 use taintgate_tests::faults::{RunningAgent, agent_args, agent_command, wait_until, write_config, write_profile};
@@ -41,7 +42,7 @@ const HELD: &str = "gpu-held";
 struct Prometheus {
     _proc: ServiceProcess,
     port: u16,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Prometheus {
@@ -71,11 +72,7 @@ impl Prometheus {
             .context("starting prometheus")?;
         let proc = ServiceProcess::new("prometheus", child);
         wait_for_tcp(&format!("127.0.0.1:{port}"), Duration::from_secs(60)).context("prometheus did not listen")?;
-        let p = Self {
-            _proc: proc,
-            port,
-            _dir: dir,
-        };
+        let p = Self { _proc: proc, port, dir };
         wait_until("prometheus ready", Duration::from_secs(60), || {
             reqwest::blocking::get(format!("http://127.0.0.1:{port}/-/ready")).is_ok_and(|r| r.status().is_success())
         })
@@ -84,7 +81,7 @@ impl Prometheus {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self._dir.path().join("prometheus.log")).unwrap_or_default()
+        std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
     }
 
     /// An instant query's whole answer, for failure messages.
@@ -185,12 +182,16 @@ fn prometheus_answers_what_the_agents_did() {
             Some(&nginx.url("/slow/model")),
             None,
         ))
-        .unwrap()
-        .to_yaml()
         .unwrap();
     let manifest_path = dir.path().join("manifest.yaml");
-    std::fs::write(&manifest_path, &manifest).unwrap();
-    let sha = taintgate_prefetch::sha256_hex(manifest.as_bytes());
+    let bundle_ref = publish_manifest(
+        dir.path(),
+        "manifest.yaml",
+        "demo",
+        format!("file://{}", manifest_path.display()),
+        &manifest,
+    )
+    .unwrap();
 
     let (a, b) = std::thread::scope(|s| {
         let a = s.spawn(ApiServer::start_blocking);
@@ -230,9 +231,11 @@ fn prometheus_answers_what_the_agents_did() {
         RunningAgent::spawn(agent_command(&args).unwrap()).unwrap()
     };
     let bundle = format!(
-        "{{models: {{bundles: [{{name: demo, manifest_uri: 'file://{}', manifest_sha256: {sha}}}], \
+        "{{models: {{bundles: [{{name: {}, manifest_uri: '{}', manifest_sha256: {}}}], \
          fetch: {{cache_dir: '{}', reserve_bytes: 0, chunk_size: 1048576}}}}, stages: {{models: {{deadline: 60s}}}}}}",
-        manifest_path.display(),
+        bundle_ref.name,
+        bundle_ref.manifest_uri,
+        bundle_ref.manifest_sha256,
         dir.path().join("cache").display()
     );
     let mut released = ResidentAgent::new(spawn("r", "8gpu-two-domains", &bundle, &api_released, port_r));
