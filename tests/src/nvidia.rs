@@ -65,6 +65,20 @@ impl DriverRoot {
         self.dir.path()
     }
 
+    /// The inventory the agent reads through its own real NVML backend from this driver
+    /// root (no kernel log, an empty sysfs).
+    pub fn agent_inventory(&self) -> anyhow::Result<taintgate_validators::gpu::Inventory> {
+        use taintgate_validators::gpu::Gpu;
+        let sys = tempfile::tempdir()?;
+        let gpu = taintgate_validators::gpu::real::RealGpu::open(&taintgate_validators::gpu::real::RealGpuOptions {
+            nvml_library: Some(self.lib_dir().join("libnvidia-ml.so.1")),
+            kmsg_path: None,
+            sysfs_root: sys.path().to_path_buf(),
+            ..Default::default()
+        })?;
+        Ok(gpu.inventory()?)
+    }
+
     /// The directory holding `libnvidia-ml.so.1`.
     pub fn lib_dir(&self) -> PathBuf {
         self.dir.path().join(LIB_SUBDIR)

@@ -21,8 +21,7 @@ use std::time::Duration;
 use taintgate_tests::kubelet::{KubeletStandIn, ResourceView, UNHEALTHY};
 use taintgate_tests::nvidia::{DevicePlugin, DriverRoot, PluginDirs, PluginRun, run_gfd};
 use taintgate_tests::require_service;
-use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
-use taintgate_validators::gpu::{Gpu, Inventory};
+use taintgate_validators::gpu::Inventory;
 use taintgate_validators::kubelet::allocatable::check_gfd_labels;
 use taintgate_validators::kubelet::device_plugin::{GrpcDevicePluginProbe, KubeletPaths, check_device_plugin};
 use taintgate_validators::kubelet::kubelet_view::check_kubelet_view;
@@ -45,19 +44,6 @@ include!("../fake-nvml/compile.rs");
 
 fn builtin() -> NodeProfile {
     NodeProfile::load("builtin").unwrap()
-}
-
-/// The inventory the agent reads through its real NVML backend from this driver root.
-fn agent_inventory(driver: &DriverRoot) -> Inventory {
-    let sys = tempfile::tempdir().unwrap();
-    let gpu = RealGpu::open(&RealGpuOptions {
-        nvml_library: Some(driver.lib_dir().join("libnvidia-ml.so.1")),
-        kmsg_path: None,
-        sysfs_root: sys.path().to_path_buf(),
-        ..Default::default()
-    })
-    .unwrap();
-    gpu.inventory().unwrap()
 }
 
 /// The agent's prediction: device IDs per resource from the plugin config and NVML.
@@ -144,7 +130,7 @@ async fn plugin_matches_prediction(
         args: Vec::new(),
     };
     let rig = taintgate_tests::services::service_or_skip("nvidia-device-plugin", Rig::start(&builtin(), &run))?;
-    let inv = agent_inventory(&rig.driver);
+    let inv = rig.driver.agent_inventory().unwrap();
     let want = predict(&inv, config);
     let views = rig.registered(&want.keys().cloned().collect()).await;
     assert_eq!(
@@ -407,7 +393,7 @@ async fn a_list_and_watch_probe_swallows_a_health_event() {
 fn gfd_labels_agree_with_the_agent() {
     let p = builtin();
     let driver = DriverRoot::new(fake_library(), &p, "").unwrap();
-    let inv = agent_inventory(&driver);
+    let inv = driver.agent_inventory().unwrap();
     for config in [None, Some(TS4)] {
         let (labels, log) = require_service!("gpu-feature-discovery", run_gfd(&driver, "p5.48xlarge", config));
         for key in [

@@ -33,8 +33,6 @@ use taintgate_tests::faults::RunningAgent;
 use taintgate_tests::nvidia::DriverRoot;
 use taintgate_tests::real_node::agent_on_node;
 use taintgate_tests::require_service;
-use taintgate_validators::gpu::Gpu;
-use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::profile::NodeProfile;
 
 include!("../fake-nvml/compile.rs");
@@ -47,19 +45,6 @@ const T: Duration = Duration::from_secs(120);
 fn fake_library() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| compile_fake_nvml(&Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/fake_nvml.c")))
-}
-
-/// The GPU count the agent's own NVML backend reads from this driver root.
-fn nvml_gpu_count(driver: &DriverRoot) -> usize {
-    let sys = tempfile::tempdir().unwrap();
-    let gpu = RealGpu::open(&RealGpuOptions {
-        nvml_library: Some(driver.lib_dir().join("libnvidia-ml.so.1")),
-        kmsg_path: None,
-        sysfs_root: sys.path().to_path_buf(),
-        ..Default::default()
-    })
-    .unwrap();
-    gpu.inventory().unwrap().gpus.len()
 }
 
 fn wait_until<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
@@ -175,7 +160,7 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
     let before = host_state();
     let profile = NodeProfile::load("builtin").unwrap();
     let driver = DriverRoot::new(fake_library(), &profile, "").unwrap();
-    let gpus = nvml_gpu_count(&driver);
+    let gpus = driver.agent_inventory().unwrap().gpus.len();
     assert!(gpus > 0, "the fake NVML reports no GPUs");
 
     let api = require_service!(
