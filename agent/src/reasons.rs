@@ -243,8 +243,68 @@ pub const REASONS: &[Reason] = &[
     ),
     r(
         "FabricNotReady",
-        &[In(Stage::Driver)],
-        "NVSwitch fabric registration did not complete (fabric manager / NVLink5). Check nvidia-fabricmanager.",
+        &[In(Stage::Fabric)],
+        "NVLink fabric registration (NVSwitch fabric manager, NVL72 NVLink5) failed on a GPU, or was still `NOT_STARTED`/`IN_PROGRESS` when `gpu.fabric.wait` ended; the message names the GPUs. Check nvidia-fabricmanager (or the NVLink5 NMX service) and its log.",
+    ),
+    r(
+        "FabricMismatch",
+        &[In(Stage::Fabric)],
+        "The GPUs disagree on their NVLink fabric: different cluster UUIDs or clique ids, or some GPUs registered in a fabric and others in none. A tray whose GPUs are split cannot run one NVLink domain; check the fabric manager's partition and the rack's cabling.",
+    ),
+    r(
+        "FabricDegraded",
+        &[In(Stage::Fabric)],
+        "NVML's fabric health mask says a GPU's fabric bandwidth is degraded or a route unhealthy (R550+ drivers; R535 reports no mask). Recoveries in progress are warnings. Check the NVLink switch trays and the fabric manager's log.",
+    ),
+    r(
+        "ImexChannelsMissing",
+        &[In(Stage::Fabric)],
+        "Fewer IMEX channel devices (`/dev/nvidia-caps-imex-channels/channel<N>`) than `gpu.fabric.imex_channels` requires: multi-node NVLink workloads cannot import memory. Check the IMEX daemon or the DRA driver's channel injection, and that the directory is mounted into the agent.",
+    ),
+    r(
+        "NetworkUnreadable",
+        &[In(Stage::Fabric), In(Stage::Network)],
+        "A sysfs, `/dev` or `/proc` file of the network half exists but could not be read or parsed; the message names it. Check the agent's host mounts (docs/deployment.md) and the file.",
+    ),
+    r(
+        "RdmaPortsMissing",
+        &[In(Stage::Network)],
+        "Fewer RDMA ports than `network.expect.ports` under `/sys/class/infiniband`: a NIC is missing, unbound from its driver, or its firmware failed. The message lists the ports present.",
+    ),
+    r(
+        "RdmaLinkLayerMismatch",
+        &[In(Stage::Network)],
+        "A port's link layer is not `network.expect.link_layer` (an InfiniBand NIC in Ethernet mode, or the reverse): check the NIC's firmware link type.",
+    ),
+    r(
+        "RdmaPortDown",
+        &[In(Stage::Network)],
+        "An RDMA port is not `ACTIVE`/`LinkUp` (still training after boot, no cable, a switch port down, or no subnet manager on InfiniBand). Transient: retried within the stage's deadline. Exclude a management NIC with `network.expect.exclude`.",
+    ),
+    r(
+        "RdmaRateLow",
+        &[In(Stage::Network)],
+        "An RDMA port runs below the fastest port of its link layer (or `network.expect.rate_gbps`): a bad cable or transceiver, or a switch port at a lower speed. The message names the port and both rates.",
+    ),
+    r(
+        "RdmaDevicesMissing",
+        &[In(Stage::Network)],
+        "`/dev/infiniband` lacks the rdma-core character devices (a `uverbs*` per RDMA device, a `umad*` per port): `ib_uverbs`/`ib_umad` not loaded, or the directory not mounted into the agent. Turn off with `network.expect.char_devices: false`.",
+    ),
+    r(
+        "RdmaLinkFlapping",
+        &[In(Stage::Network)],
+        "A port's `link_downed` or `link_error_recovery` counter rose during `network.flap_window`, or `symbol_error` rose past its limit (`network.expect.flaps`): the link is flapping. Check the cable, transceiver and switch port.",
+    ),
+    r(
+        "GpuDirectUnavailable",
+        &[In(Stage::Network)],
+        "GPUDirect RDMA is required (`network.expect.gpudirect`; by default where RDMA NICs and GPUs are both present) but `nvidia_peermem` is not loaded and dma-buf is not possible (needs NVIDIA's open kernel module and Linux 5.12+). CUDA may still claim support. Load nvidia_peermem (GPU Operator: `driver.rdma.enabled`) or use dma-buf.",
+    ),
+    r(
+        "NicAffinityBroken",
+        &[In(Stage::Network)],
+        "A GPU has no RDMA NIC under its PCIe switch (`network.expect.affinity: switch`) or on its NUMA node (`numa`): its traffic crosses the CPU interconnect. The message names the GPU and its nearest NIC.",
     ),
     r(
         "NvlinkInactive",
@@ -647,6 +707,26 @@ pub const HARDWARE_CONTENTION: &[Contention] = &[
         "a permission the container lacks says nothing about the GPU",
     ),
     c("FabricNotReady", false, "fabric registration does not depend on load"),
+    c(
+        "FabricMismatch",
+        false,
+        "cluster and clique are assigned at registration, not under load",
+    ),
+    c(
+        "FabricDegraded",
+        false,
+        "the driver sets the health mask from link and route state, not from traffic",
+    ),
+    c(
+        "ImexChannelsMissing",
+        false,
+        "device files exist or not whatever the load",
+    ),
+    c(
+        "NetworkUnreadable",
+        false,
+        "an unreadable file says nothing about the GPU's load",
+    ),
     c("NvlinkInactive", false, "a link is active or not whatever crosses it"),
     c(
         "PcieDegraded",

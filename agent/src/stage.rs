@@ -33,6 +33,11 @@ pub enum Stage {
     Smoke,
     /// Each peer domain reaches its bandwidth.
     PeerBw,
+    /// The NVLink fabric (NVSwitch, NVL72) registered every GPU in one cluster and clique,
+    /// healthy; the IMEX channels exist.
+    Fabric,
+    /// The RDMA NICs are up at their rate, GPUDirect RDMA is available, each GPU has its NIC.
+    Network,
     /// Node allocatable equals what NVML and the plugin config imply.
     Allocatable,
     /// The device plugin and the kubelet agree with NVML.
@@ -54,11 +59,13 @@ pub enum Stage {
 impl Stage {
     /// Every stage in report order. Each stage comes after the stages it depends on (a
     /// unit test holds this), which is the order the executor builds them in.
-    pub const ALL: [Stage; 11] = [
+    pub const ALL: [Stage; 13] = [
         Stage::Register,
         Stage::Driver,
         Stage::Smoke,
         Stage::PeerBw,
+        Stage::Fabric,
+        Stage::Network,
         Stage::Allocatable,
         Stage::DevicePlugin,
         Stage::Dra,
@@ -75,6 +82,8 @@ impl Stage {
             Stage::Driver => "driver",
             Stage::Smoke => "smoke",
             Stage::PeerBw => "peer-bw",
+            Stage::Fabric => "fabric",
+            Stage::Network => "network",
             Stage::Allocatable => "allocatable",
             Stage::DevicePlugin => "device-plugin",
             Stage::Dra => "dra",
@@ -94,9 +103,14 @@ impl Stage {
     /// need the driver inventory; fit needs the allocatable the device plugin published.
     pub const fn deps(self) -> &'static [Stage] {
         match self {
-            Stage::Smoke | Stage::PeerBw | Stage::Allocatable | Stage::DevicePlugin | Stage::Dra | Stage::Cdi => {
-                &[Stage::Driver]
-            }
+            Stage::Smoke
+            | Stage::PeerBw
+            | Stage::Fabric
+            | Stage::Network
+            | Stage::Allocatable
+            | Stage::DevicePlugin
+            | Stage::Dra
+            | Stage::Cdi => &[Stage::Driver],
             Stage::Fit => &[Stage::Allocatable],
             Stage::Register | Stage::Driver | Stage::Models | Stage::Images => &[],
         }
@@ -115,7 +129,7 @@ impl Stage {
 
     /// Proves hardware health: its failure sets the hardware condition False.
     pub const fn is_hardware(self) -> bool {
-        matches!(self, Stage::Driver | Stage::Smoke | Stage::PeerBw)
+        matches!(self, Stage::Driver | Stage::Smoke | Stage::PeerBw | Stage::Fabric)
     }
 
     /// Needs the Kubernetes API (not run in a dry-run outside a cluster).
@@ -129,7 +143,14 @@ impl Stage {
         match self {
             Stage::Allocatable | Stage::DevicePlugin | Stage::Cdi | Stage::Fit => Some(PublicationPath::DevicePlugin),
             Stage::Dra => Some(PublicationPath::Dra),
-            Stage::Register | Stage::Driver | Stage::Smoke | Stage::PeerBw | Stage::Models | Stage::Images => None,
+            Stage::Register
+            | Stage::Driver
+            | Stage::Smoke
+            | Stage::PeerBw
+            | Stage::Fabric
+            | Stage::Network
+            | Stage::Models
+            | Stage::Images => None,
         }
     }
 
@@ -140,6 +161,8 @@ impl Stage {
             Stage::Driver => "GPU driver: NVML init, inventory and health",
             Stage::Smoke => "CUDA smoke kernel on every GPU",
             Stage::PeerBw => "peer copy matrix and NCCL all-reduce bandwidth",
+            Stage::Fabric => "NVLink fabric registration, cluster/clique and health; IMEX channels",
+            Stage::Network => "RDMA ports up at rate, link flaps, GPUDirect RDMA, GPU-NIC affinity",
             Stage::Allocatable => "device plugin publishing allocatable via kubelet",
             Stage::DevicePlugin => "device plugin gRPC and kubelet PodResources",
             Stage::Dra => "DRA driver ResourceSlices and kubelet plugin registration",
@@ -213,6 +236,8 @@ mod tests {
             (Stage::Driver, &[][..], true, false, None),
             (Stage::Smoke, &[Stage::Driver][..], true, false, None),
             (Stage::PeerBw, &[Stage::Driver][..], true, false, None),
+            (Stage::Fabric, &[Stage::Driver][..], true, false, None),
+            (Stage::Network, &[Stage::Driver][..], false, false, None),
             (Stage::Allocatable, &[Stage::Driver][..], false, true, Some(Dp)),
             (Stage::DevicePlugin, &[Stage::Driver][..], false, false, Some(Dp)),
             (Stage::Dra, &[Stage::Driver][..], false, true, Some(Dra)),

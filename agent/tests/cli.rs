@@ -161,6 +161,9 @@ fn each_faulty_profile_is_held_with_its_reason() {
         ("peer-not-direct", "PeerNotDirect", "peer-bw"),
         ("no-driver", "DriverNotLoaded", "driver"),
         ("plugin-unhealthy", "PluginDeviceUnhealthy", "device-plugin"),
+        ("nic-down", "RdmaPortDown", "network"),
+        ("nic-slow", "RdmaRateLow", "network"),
+        ("peermem-missing", "GpuDirectUnavailable", "network"),
     ];
     for (p, reason, stage) in cases {
         let o = bin()
@@ -183,6 +186,99 @@ fn each_faulty_profile_is_held_with_its_reason() {
             "{p}: must not untaint"
         );
     }
+}
+
+/// The network half's healthy profiles release, and their evidence says what was found:
+/// each GPU's NIC under its own switch, GPUDirect through nvidia_peermem, the fabric's
+/// cluster and clique.
+#[test]
+fn network_and_fabric_profiles_release_with_their_evidence() {
+    let stage = |t: &serde_json::Value, name: &str| -> serde_json::Value {
+        t["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["stage"] == name)
+            .unwrap()
+            .clone()
+    };
+    let o = bin()
+        .args([
+            "run",
+            "--simulate",
+            &profile("hgx-h100-ib"),
+            "--once",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let net = stage(&t, "network");
+    assert_eq!(net["outcome"], "passed", "{net}");
+    let map = net["evidence"]["affinity"].as_array().unwrap();
+    assert_eq!(map.len(), 8, "{net}");
+    for m in map {
+        let gpu = m["gpu"].as_u64().unwrap();
+        assert_eq!(m["nic"], format!("mlx5_{gpu}"), "{m}");
+        assert_eq!(m["via"], "switch", "{m}");
+    }
+    assert_eq!(net["evidence"]["gpudirect"]["peermem"], true, "{net}");
+    assert_eq!(net["evidence"]["ports"].as_array().unwrap().len(), 8, "{net}");
+
+    let o = bin()
+        .args([
+            "run",
+            "--simulate",
+            &profile("gb200-nvl72"),
+            "--once",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let fabric = stage(&t, "fabric");
+    let f = &fabric["evidence"]["fabric"];
+    assert_eq!(f["outcome"], "ready", "{fabric}");
+    assert_eq!(f["clusterUuid"], "8f0c6a52-3b1e-4e0a-9a44-6c1d2f7e9b10", "{fabric}");
+    assert_eq!(
+        (f["cliqueId"].as_u64(), f["gpus"].as_u64(), f["healthRead"].as_bool()),
+        (Some(1), Some(4), Some(true))
+    );
+}
+
+/// A GB200 tray whose GPU 2 never finishes fabric registration is held FabricNotReady
+/// under the default config, after the default wait (60 s) and not before: the stage's
+/// record spans the wait, and its message names the GPU.
+#[test]
+fn an_incomplete_fabric_is_waited_out_then_held() {
+    let o = bin()
+        .args([
+            "run",
+            "--simulate",
+            &profile("gb200-fabric-incomplete"),
+            "--once",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["verdict"]["reason"], "FabricNotReady", "{t}");
+    let msg = t["verdict"]["message"].as_str().unwrap();
+    assert!(msg.contains("GPUs [2]") && msg.contains("60s"), "{msg}");
+    let rec = t["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "fabric")
+        .unwrap();
+    let ms = rec["duration_ms"].as_u64().unwrap();
+    assert!(ms >= 60_000, "the stage waited {ms} ms: {rec}");
 }
 
 #[test]

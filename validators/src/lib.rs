@@ -5,6 +5,7 @@ pub mod dra;
 pub mod gpu;
 pub mod input;
 pub mod kubelet;
+pub mod network;
 pub mod profile;
 pub mod reason;
 pub mod retry;

@@ -48,6 +48,74 @@ pub struct NodeProfile {
     /// device plugin.
     #[serde(default)]
     pub dra: SimDra,
+    /// The host side of the network half (the NICs themselves are under `nics`).
+    #[serde(default)]
+    pub network: SimNetworkHost,
+}
+
+/// One simulated RDMA port (`nics[].ports`), in the kernel's words.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimPort {
+    /// Port number.
+    pub port: u32,
+    /// `ACTIVE`, `DOWN`, `INIT`, `ARMED`.
+    pub state: String,
+    /// `LinkUp`, `Polling`, `Disabled`.
+    pub phys_state: String,
+    /// Gb/s.
+    pub rate_gbps: f64,
+    /// `InfiniBand` or `Ethernet`.
+    pub link_layer: String,
+    /// `link_downed` at the first read.
+    pub link_downed: u64,
+    /// How much `link_downed` rises during the flap window.
+    pub flaps: u64,
+    /// How much `symbol_error` rises during the flap window.
+    pub symbol_errors: u64,
+}
+
+impl Default for SimPort {
+    fn default() -> Self {
+        Self {
+            port: 1,
+            state: "ACTIVE".into(),
+            phys_state: "LinkUp".into(),
+            rate_gbps: 400.0,
+            link_layer: "InfiniBand".into(),
+            link_downed: 0,
+            flaps: 0,
+            symbol_errors: 0,
+        }
+    }
+}
+
+/// The simulated host's network side.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimNetworkHost {
+    /// `nvidia_peermem` is loaded.
+    pub peermem: bool,
+    /// dma-buf GPUDirect is possible (open kernel module, Linux 5.12+).
+    pub dmabuf: bool,
+    /// rdma-core's character devices are in `/dev/infiniband`.
+    pub char_devices: bool,
+    /// IMEX channel devices present (`channel0` … `channel<N-1>`).
+    pub imex_channels: u32,
+    /// The PCIe switch each GPU sits under, by index.
+    pub gpu_switches: BTreeMap<u32, String>,
+}
+
+impl Default for SimNetworkHost {
+    fn default() -> Self {
+        Self {
+            peermem: true,
+            dmabuf: false,
+            char_devices: true,
+            imex_channels: 0,
+            gpu_switches: BTreeMap::new(),
+        }
+    }
 }
 
 /// The simulated node's DRA driver: the ResourceSlices it publishes (generated from the

@@ -18,6 +18,9 @@ use taintgate_prefetch::images::{CriImageRuntime, DEFAULT_SOCKET, ImageRuntime, 
 use taintgate_validators::gpu::Gpu;
 use taintgate_validators::gpu::sim::SimGpu;
 use taintgate_validators::kubelet::device_plugin::GrpcDevicePluginProbe;
+use taintgate_validators::network::NetworkHost;
+use taintgate_validators::network::sim::SimNetwork;
+use taintgate_validators::network::sysfs::HostRoot;
 use taintgate_validators::profile::NodeProfile;
 
 /// What the composition root needs besides the config.
@@ -152,8 +155,24 @@ pub async fn build(a: BuildArgs<'_>) -> Result<Boundaries, String> {
             config_files: k.config_files.clone(),
         }),
     };
+    // The network half: a simulated node's NICs are the profile's, unless the config names
+    // a host root of its own (a built sysfs tree on purpose, as the network tests do).
+    let own_root = cfg.network.host_root != crate::config::network::NetworkConfig::default().host_root;
+    let network: Arc<dyn NetworkHost> = match a.profile {
+        Some(p) if !own_root => {
+            simulated.push(BoundaryKind::Network);
+            Arc::new(SimNetwork {
+                profile: p.clone(),
+                latency: p.latency(Stage::Network.name()),
+            })
+        }
+        _ => Arc::new(HostRoot {
+            root: cfg.network.host_root.clone(),
+        }),
+    };
     Ok(Boundaries {
         gpu,
+        network,
         api,
         device_plugin,
         cdi,

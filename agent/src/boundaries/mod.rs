@@ -12,6 +12,7 @@
 //! | CDI | [`cdi::CdiSide`] | spec directories | profile's kubelet |
 //! | DRA | [`dra::DraSide`] | field-selected ResourceSlice watch, registration socket | profile's `dra:` |
 //! | image runtime | `taintgate_prefetch::images::ImageRuntime` | CRI socket | in memory |
+//! | network half | `taintgate_validators::network::NetworkHost` | host root (`sys`, `dev`, `proc`) | profile's `nics` and `network` |
 //! | kubelet disk thresholds | [`kubelet_disk::KubeletDisk`] | `/proc` and the kubelet's files | profile's `kubelet.eviction_hard` |
 //! | pre-agent stamps | [`crate::telemetry::prestamps::StampSource`] | kube-rs | none |
 
@@ -47,6 +48,8 @@ pub enum BoundaryKind {
     ImageRuntime,
     /// The kubelet's disk thresholds (`/proc`, its config files).
     KubeletDisk,
+    /// RDMA NICs, GPUDirect, IMEX channels (the host's sysfs and `/dev`).
+    Network,
 }
 
 impl BoundaryKind {
@@ -60,6 +63,7 @@ impl BoundaryKind {
             BoundaryKind::Dra => "dra",
             BoundaryKind::ImageRuntime => "image-runtime",
             BoundaryKind::KubeletDisk => "kubelet-disk",
+            BoundaryKind::Network => "network",
         }
     }
 }
@@ -80,6 +84,8 @@ pub struct Boundaries {
     pub images: Arc<dyn ImageRuntime>,
     /// The kubelet's disk thresholds (the model cache's reserve).
     pub kubelet_disk: Arc<dyn kubelet_disk::KubeletDisk>,
+    /// The network half: RDMA ports, GPUDirect path, IMEX channels.
+    pub network: Arc<dyn taintgate_validators::network::NetworkHost>,
     /// Where pre-agent stamps (the Karpenter NodeClaim) are read, if anywhere.
     pub stamps: Option<Arc<dyn StampSource>>,
     /// The boundaries that are simulated in this run.

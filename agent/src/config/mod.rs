@@ -4,6 +4,7 @@
 
 pub mod example;
 pub mod names;
+pub mod network;
 pub mod publication;
 pub mod readiness;
 pub mod schema;
@@ -53,6 +54,8 @@ pub struct Config {
     pub readiness: crate::config::readiness::ReadinessConfig,
     /// How the node publishes its GPUs: device plugin, DRA driver, or both.
     pub publication: crate::config::publication::PublicationConfig,
+    /// The network half: RDMA ports, flaps, GPUDirect RDMA, GPU↔NIC affinity (`network` stage).
+    pub network: crate::config::network::NetworkConfig,
 }
 
 impl Default for Config {
@@ -73,6 +76,7 @@ impl Default for Config {
             continuous: Default::default(),
             readiness: Default::default(),
             publication: Default::default(),
+            network: Default::default(),
         }
     }
 }
@@ -266,6 +270,10 @@ pub struct StagesConfig {
     pub smoke: StageSettings,
     /// Peer-domain bandwidth.
     pub peer_bw: StageSettings,
+    /// NVLink fabric registration and IMEX channels.
+    pub fabric: StageSettings,
+    /// RDMA NICs, GPUDirect RDMA, GPU↔NIC affinity.
+    pub network: StageSettings,
     /// Node allocatable equals the expected count.
     pub allocatable: StageSettings,
     /// Device plugin and kubelet agree with NVML.
@@ -289,6 +297,8 @@ impl Default for StagesConfig {
             driver: StageSettings::with_deadline(120),
             smoke: StageSettings::with_deadline(300),
             peer_bw: StageSettings::with_deadline(600),
+            fabric: StageSettings::with_deadline(180),
+            network: StageSettings::with_deadline(300),
             allocatable: StageSettings::with_deadline(600),
             device_plugin: StageSettings::with_deadline(300),
             dra: StageSettings::with_deadline(600),
@@ -308,6 +318,8 @@ impl StagesConfig {
             Stage::Driver => &self.driver,
             Stage::Smoke => &self.smoke,
             Stage::PeerBw => &self.peer_bw,
+            Stage::Fabric => &self.fabric,
+            Stage::Network => &self.network,
             Stage::Allocatable => &self.allocatable,
             Stage::DevicePlugin => &self.device_plugin,
             Stage::Dra => &self.dra,
@@ -325,6 +337,8 @@ impl StagesConfig {
             Stage::Driver => &mut self.driver,
             Stage::Smoke => &mut self.smoke,
             Stage::PeerBw => &mut self.peer_bw,
+            Stage::Fabric => &mut self.fabric,
+            Stage::Network => &mut self.network,
             Stage::Allocatable => &mut self.allocatable,
             Stage::DevicePlugin => &mut self.device_plugin,
             Stage::Dra => &mut self.dra,
@@ -346,6 +360,8 @@ pub struct GpuConfig {
     pub smoke_bytes: u64,
     /// Peer bandwidth measurement.
     pub peer_bw: PeerBwConfig,
+    /// The NVLink fabric stage.
+    pub fabric: crate::config::network::FabricConfig,
     /// Path to `libnvidia-ml.so.1` (default: the loader's search path).
     pub nvml_library: Option<PathBuf>,
     /// Bound on one CUDA worker process (smoke of one GPU, or one peer domain's
@@ -361,6 +377,7 @@ impl Default for GpuConfig {
             expect: DriverExpectations::default(),
             smoke_bytes: 1 << 30,
             peer_bw: PeerBwConfig::default(),
+            fabric: Default::default(),
             nvml_library: None,
             cuda_worker_timeout: Duration::from_secs(240),
         }
@@ -566,6 +583,38 @@ impl Config {
                 format!(
                     "{:?} is not a valid taint key (a qualified name, optional DNS prefix)",
                     self.taint.key
+                ),
+            );
+        }
+        let net = &self.network;
+        if let Some(r) = net.expect.rate_gbps
+            && !(r.is_finite() && r > 0.0)
+        {
+            return err("network.expect.rate_gbps", format!("{r} is not a rate in Gb/s"));
+        }
+        if let Some(l) = &net.expect.link_layer
+            && !["InfiniBand", "Ethernet"].iter().any(|k| k.eq_ignore_ascii_case(l))
+        {
+            return err(
+                "network.expect.link_layer",
+                format!("{l:?} is not a link layer (InfiniBand or Ethernet)"),
+            );
+        }
+        if net.flap_window >= self.stages.network.deadline {
+            return err(
+                "network.flap_window",
+                format!(
+                    "{:?} is not shorter than stages.network.deadline ({:?}): the window counts against it",
+                    net.flap_window, self.stages.network.deadline
+                ),
+            );
+        }
+        if self.gpu.fabric.wait >= self.stages.fabric.deadline {
+            return err(
+                "gpu.fabric.wait",
+                format!(
+                    "{:?} is not shorter than stages.fabric.deadline ({:?})",
+                    self.gpu.fabric.wait, self.stages.fabric.deadline
                 ),
             );
         }

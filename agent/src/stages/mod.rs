@@ -2,7 +2,7 @@
 //! stable reason code, by calling the pure decisions in `taintgate-validators` /
 //! `taintgate-prefetch` over data read through the boundaries in [`context::Context`].
 //! By family: [`cluster`] (register, allocatable, fit), [`gpu`] (driver, smoke, peer-bw),
-//! [`kubelet`] (device-plugin, runtime), [`dra`] (dra, and which publication path the
+//! [`network`] (fabric, network), [`kubelet`] (device-plugin, runtime), [`dra`] (dra, and which publication path the
 //! node uses), [`prefetch`] (models, images).
 
 pub mod cluster;
@@ -10,6 +10,7 @@ pub mod context;
 pub mod dra;
 pub mod gpu;
 pub mod kubelet;
+pub mod network;
 pub mod prefetch;
 
 pub use crate::node::is_registered;
@@ -24,6 +25,8 @@ pub async fn run_stage_body(ctx: &Context, stage: Stage, progress: &Progress) ->
         Stage::Driver => gpu::driver(ctx, progress).await,
         Stage::Smoke => gpu::smoke(ctx).await,
         Stage::PeerBw => gpu::peer_bw(ctx).await,
+        Stage::Fabric => network::fabric(ctx, progress).await,
+        Stage::Network => network::network(ctx).await,
         Stage::Allocatable => cluster::allocatable(ctx, progress).await,
         Stage::DevicePlugin => kubelet::device_plugin(ctx).await,
         Stage::Dra => dra::dra(ctx, progress).await,

@@ -4,9 +4,7 @@
 //! Figures come from `shared/reference/anchors.md` (DCGM diag thresholds, the device
 //! plugin's XID list, nccl-tests formulas, NVLink/PCIe link rates).
 
-use super::{
-    FabricState, FieldError, GpuInfo, Interconnect, Inventory, PeerDomain, RecoveryAction, Sxid, UnreadableField,
-};
+use super::{FieldError, GpuInfo, Interconnect, Inventory, PeerDomain, RecoveryAction, Sxid, UnreadableField};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
@@ -271,6 +269,7 @@ pub const INSTANCE_TYPE_GPUS: &[(&str, u32)] = &[
     ("a2-ultragpu-2g", 2),
     ("a2-ultragpu-4g", 4),
     ("a2-ultragpu-8g", 8),
+    ("a4x-highgpu-4g", 4),
     ("a3-highgpu-1g", 1),
     ("a3-highgpu-2g", 2),
     ("a3-highgpu-4g", 4),
@@ -389,7 +388,7 @@ pub fn evaluate_driver(inv: &Inventory, exp: &DriverExpectations) -> Result<Driv
 
 /// Decide the driver stage over an inventory against `expected` ([`expected_gpu_count`]).
 /// Checks in order of how clearly they name a bad node: lost GPUs, count, memory health,
-/// XIDs, fabric, NVLink, PCIe, persistence.
+/// XIDs, NVLink, PCIe, persistence.
 pub fn evaluate_driver_with(
     inv: &Inventory,
     exp: &DriverExpectations,
@@ -517,15 +516,8 @@ pub fn evaluate_driver_with(
                 XidClass::Ignore => {}
             }
         }
-        match g.fabric {
-            Some(FabricState::NotStarted) | Some(FabricState::InProgress) | Some(FabricState::Failed) => {
-                return Err(fail(
-                    "FabricNotReady",
-                    format!("{id}: NVSwitch fabric state {:?}", g.fabric),
-                ));
-            }
-            _ => {}
-        }
+        // The NVLink fabric (registration, cluster and clique, health mask) is the fabric
+        // stage's: it waits out a registration in progress, which this stage must not.
         let active = g.nvlinks.iter().filter(|l| l.active).count() as u32;
         if !g.nvlinks.is_empty() {
             let want = exp.nvlink_links.unwrap_or(g.nvlinks.len() as u32);
@@ -1162,6 +1154,7 @@ mod tests {
             nvlinks: Vec::new(),
             health: Default::default(),
             fabric: None,
+            fabric_identity: None,
         }
     }
 

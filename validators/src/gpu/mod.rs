@@ -6,6 +6,7 @@
 //! Decisions over this data live in [`decide`] as pure functions.
 
 pub mod decide;
+pub mod fabric;
 pub mod real;
 pub mod sim;
 
@@ -59,6 +60,10 @@ pub struct GpuInfo {
     /// NVSwitch fabric state (None where the system has no fabric).
     #[serde(default)]
     pub fabric: Option<FabricState>,
+    /// Where the fabric placed the GPU and how healthy its routes are (NVML's fabric info),
+    /// when the driver reports a fabric.
+    #[serde(default)]
+    pub fabric_identity: Option<FabricIdentity>,
 }
 
 fn yes() -> bool {
@@ -238,8 +243,23 @@ pub enum FabricState {
     Failed,
 }
 
-/// A network interface near some GPUs (for the startup record).
+/// The GPU's place in an NVLink fabric, as `nvmlDeviceGetGpuFabricInfo(V)` reports it:
+/// the GPUs of one NVL72 tray agree on cluster UUID and clique id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FabricIdentity {
+    /// `clusterUuid`, as a hyphenated UUID.
+    pub cluster_uuid: String,
+    /// `cliqueId`.
+    pub clique_id: u32,
+    /// `healthMask` (nvml.h's `NVML_GPU_FABRIC_HEALTH_MASK_*` fields): `None` where the
+    /// driver has only the unversioned call (R535), which carries no mask.
+    #[serde(default)]
+    pub health_mask: Option<u32>,
+}
+
+/// A network interface near some GPUs (for the startup record).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Nic {
     /// Device name, e.g. `mlx5_0`.
@@ -247,6 +267,15 @@ pub struct Nic {
     /// NUMA node of the NIC.
     #[serde(default)]
     pub numa_node: Option<u32>,
+    /// PCI address (a node profile's simulated network; the real one reads sysfs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_bus_id: Option<String>,
+    /// The PCIe switch it sits under (a node profile's simulated network).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub switch: Option<String>,
+    /// Its RDMA ports (a node profile's simulated network; none: not an RDMA NIC).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<crate::profile::SimPort>,
 }
 
 /// How GPUs of a peer domain talk to each other.

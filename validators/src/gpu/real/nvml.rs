@@ -11,7 +11,8 @@ use super::kmsg::{self, KmsgXid};
 use super::sysfs;
 use crate::gpu::decide::group_domains;
 use crate::gpu::{
-    FabricState, GpuError, GpuHealth, GpuInfo, Interconnect, Inventory, MigDevice, NvLinkState, PcieLink, PeerDomain,
+    FabricIdentity, FabricState, GpuError, GpuHealth, GpuInfo, Interconnect, Inventory, MigDevice, NvLinkState,
+    PcieLink, PeerDomain,
 };
 use crate::gpu::{FieldError, PairTopology, PcieAncestor, RecoveryAction, Sxid, UnreadableField};
 use nvml_wrapper::bitmasks::event::EventTypes;
@@ -440,6 +441,7 @@ fn lost_gpu(index: u32, detail: &str) -> GpuInfo {
             ..Default::default()
         },
         fabric: None,
+        fabric_identity: None,
     }
 }
 
@@ -565,7 +567,9 @@ fn read_gpu<'n>(nvml: &'n Nvml, index: u32, sysfs_root: &Path) -> Result<(GpuInf
             dev.are_pages_pending_retired(),
         )?
         .unwrap_or(false);
-    let fabric = q.get("nvmlDeviceGetGpuFabricInfoV", fabric_state(nvml, &dev))?;
+    let (fabric, fabric_identity) = q
+        .get("nvmlDeviceGetGpuFabricInfoV", fabric_state(nvml, &dev))?
+        .map_or((None, None), |(state, identity)| (Some(state), identity));
     let mut nvlinks = Vec::new();
     for l in 0..MAX_NVLINKS {
         let link = dev.link_wrapper_for(l);
@@ -627,6 +631,7 @@ fn read_gpu<'n>(nvml: &'n Nvml, index: u32, sysfs_root: &Path) -> Result<(GpuInf
         nvlinks,
         health,
         fabric,
+        fabric_identity,
     };
     Ok((info, if q.lost { None } else { Some(dev) }))
 }
@@ -658,30 +663,48 @@ fn remapped_rows(nvml: &Nvml, dev: &Device<'_>) -> Result<(u32, u32, bool, bool)
     Ok((corr, unc, pending != 0, failure != 0))
 }
 
-/// NVSwitch / NVLink fabric registration state. A completed registration whose status is an
-/// error is `Failed`.
+/// NVSwitch / NVLink fabric registration state, and the GPU's place in the fabric when it
+/// has one. A completed registration whose status is an error is `Failed`.
 ///
 /// The versioned `nvmlDeviceGetGpuFabricInfoV` (R550 and later; NVIDIA's successor of the
-/// unversioned call) is asked first; where the library does not export it (the 535 branch
-/// does not, `nm -D`) or does not know the struct version, the unversioned
-/// `nvmlDeviceGetGpuFabricInfo` (R525 and later) answers, as NVIDIA's go-nvlib does.
-/// `nvml-wrapper` 0.13 has a safe wrapper for neither.
-fn fabric_state(nvml: &Nvml, dev: &Device<'_>) -> Result<FabricState, NvmlError> {
+/// unversioned call) is asked first, and alone carries the health mask; where the library
+/// does not export it (the 535 branch does not, `nm -D`) or does not know the struct
+/// version, the unversioned `nvmlDeviceGetGpuFabricInfo` (R525 and later) answers, as
+/// NVIDIA's go-nvlib does, without a mask. `nvml-wrapper` 0.13 has a safe wrapper for
+/// neither.
+fn fabric_state(nvml: &Nvml, dev: &Device<'_>) -> Result<(FabricState, Option<FabricIdentity>), NvmlError> {
     use nvml_wrapper_sys::bindings as b;
-    let (state, status) = match fabric_info_v(nvml, dev) {
+    let raw = match fabric_info_v(nvml, dev) {
         Err(NvmlError::FailedToLoadSymbol(_) | NvmlError::FunctionNotFound) => fabric_info_unversioned(nvml, dev)?,
         Err(NvmlError::UnexpectedVariant(b::nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH)) => {
             fabric_info_unversioned(nvml, dev)?
         }
         other => other?,
     };
-    Ok(match u32::from(state) {
+    let state = match u32::from(raw.state) {
         b::NVML_GPU_FABRIC_STATE_NOT_SUPPORTED => FabricState::NotSupported,
         b::NVML_GPU_FABRIC_STATE_NOT_STARTED => FabricState::NotStarted,
         b::NVML_GPU_FABRIC_STATE_IN_PROGRESS => FabricState::InProgress,
-        b::NVML_GPU_FABRIC_STATE_COMPLETED if status == b::nvmlReturn_enum_NVML_SUCCESS => FabricState::Completed,
+        b::NVML_GPU_FABRIC_STATE_COMPLETED if raw.status == b::nvmlReturn_enum_NVML_SUCCESS => FabricState::Completed,
         _ => FabricState::Failed,
-    })
+    };
+    // The cluster and clique are assigned by registration: only a completed one has them.
+    let identity = (state == FabricState::Completed).then(|| FabricIdentity {
+        cluster_uuid: crate::gpu::fabric::uuid_text(&raw.cluster_uuid),
+        clique_id: raw.clique_id,
+        health_mask: raw.health_mask,
+    });
+    Ok((state, identity))
+}
+
+/// One answer of either fabric call.
+struct RawFabric {
+    state: u8,
+    status: u32,
+    cluster_uuid: [u8; 16],
+    clique_id: u32,
+    /// Only the versioned call has it.
+    health_mask: Option<u32>,
 }
 
 /// `nvmlGpuFabricInfo_v2`: `NVML_STRUCT_VERSION(GpuFabricInfo, 2)`, the size of the v2
@@ -691,9 +714,9 @@ fn fabric_state(nvml: &Nvml, dev: &Device<'_>) -> Result<FabricState, NvmlError>
 const FABRIC_INFO_V2: u32 =
     std::mem::size_of::<nvml_wrapper_sys::bindings::nvmlGpuFabricInfo_v2_t>() as u32 | (2 << 24);
 
-/// `nvmlDeviceGetGpuFabricInfoV` with a v2 request: (state, status).
+/// `nvmlDeviceGetGpuFabricInfoV` with a v2 request.
 #[allow(unsafe_code)]
-fn fabric_info_v(nvml: &Nvml, dev: &Device<'_>) -> Result<(u8, u32), NvmlError> {
+fn fabric_info_v(nvml: &Nvml, dev: &Device<'_>) -> Result<RawFabric, NvmlError> {
     use nvml_wrapper_sys::bindings as b;
     let f = nvml
         .lib()
@@ -715,12 +738,18 @@ fn fabric_info_v(nvml: &Nvml, dev: &Device<'_>) -> Result<(u8, u32), NvmlError> 
     // lives across the call.
     let code = unsafe { f(dev.handle(), &mut info) };
     nvml_try(code)?;
-    Ok((info.state, info.status))
+    Ok(RawFabric {
+        state: info.state,
+        status: info.status,
+        cluster_uuid: info.clusterUuid,
+        clique_id: info.cliqueId,
+        health_mask: Some(info.healthMask),
+    })
 }
 
-/// `nvmlDeviceGetGpuFabricInfo` (unversioned, R525+): (state, status).
+/// `nvmlDeviceGetGpuFabricInfo` (unversioned, R525+): no health mask.
 #[allow(unsafe_code)]
-fn fabric_info_unversioned(nvml: &Nvml, dev: &Device<'_>) -> Result<(u8, u32), NvmlError> {
+fn fabric_info_unversioned(nvml: &Nvml, dev: &Device<'_>) -> Result<RawFabric, NvmlError> {
     use nvml_wrapper_sys::bindings as b;
     let f = nvml
         .lib()
@@ -738,7 +767,13 @@ fn fabric_info_unversioned(nvml: &Nvml, dev: &Device<'_>) -> Result<(u8, u32), N
     // valid, initialised struct of the layout the binding declares and lives across the call.
     let code = unsafe { f(dev.handle(), &mut info) };
     nvml_try(code)?;
-    Ok((info.state, info.status))
+    Ok(RawFabric {
+        state: info.state,
+        status: info.status,
+        cluster_uuid: info.clusterUuid,
+        clique_id: info.cliqueId,
+        health_mask: None,
+    })
 }
 
 /// Group GPUs into peer domains: an NVLink P2P path or a supported PCIe P2P read connects

@@ -60,6 +60,9 @@ fn list_class(sysfs_root: &Path, class: &str) -> Vec<Nic> {
             Some(Nic {
                 name,
                 numa_node: read_numa(&device.join("numa_node")),
+                pci_bus_id: None,
+                switch: None,
+                ports: Vec::new(),
             })
         })
         .collect()
@@ -97,7 +100,10 @@ mod tests {
             discover_nics(r),
             vec![Nic {
                 name: "eth0".into(),
-                numa_node: Some(0)
+                numa_node: Some(0),
+                pci_bus_id: None,
+                switch: None,
+                ports: Vec::new(),
             }]
         );
         // RDMA devices take precedence.
