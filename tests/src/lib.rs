@@ -14,6 +14,7 @@ pub mod continuous;
 pub mod deploy;
 pub mod event_rbac;
 pub mod faults;
+pub mod host_tree;
 pub mod kubelet;
 pub mod mounts;
 pub mod nvidia;
