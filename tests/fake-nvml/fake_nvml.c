@@ -486,44 +486,69 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t d, unsigned int *corr, unsig
 }
 
 /* gpu.N.fabric=absent|not_supported|not_started|in_progress|completed|failed (default: the
- * fabric= key, else absent). `absent` is NOT_SUPPORTED from the call itself (no fabric). */
-static nvmlReturn_t fabric_of(fake_gpu *dev, nvmlGpuFabricState_t *state, nvmlReturn_t *status) {
+ * fabric= key, else absent). `absent` is NOT_SUPPORTED from the call itself (no fabric).
+ * A registered GPU's place: gpu.N.fabric_cluster (32 hex digits, the UUID's bytes; default
+ * the fabric_cluster= key, else zeros), gpu.N.fabric_clique (default fabric_clique=, else 0),
+ * and, from the versioned call only, gpu.N.fabric_health (the health mask; default
+ * fabric_health=, else 0). */
+typedef struct {
+	nvmlGpuFabricState_t state;
+	nvmlReturn_t status;
+	unsigned char cluster[NVML_GPU_FABRIC_UUID_LEN];
+	unsigned int clique;
+	unsigned int health;
+} fake_fabric;
+static nvmlReturn_t fabric_of(fake_gpu *dev, fake_fabric *f) {
 	const char *v = gget(dev->index, "fabric");
 	if (!v) v = get("fabric");
 	if (!v || strcmp(v, "absent") == 0) return NVML_ERROR_NOT_SUPPORTED;
-	*status = NVML_SUCCESS;
-	if (strcmp(v, "not_supported") == 0) *state = NVML_GPU_FABRIC_STATE_NOT_SUPPORTED;
-	else if (strcmp(v, "not_started") == 0) *state = NVML_GPU_FABRIC_STATE_NOT_STARTED;
-	else if (strcmp(v, "in_progress") == 0) *state = NVML_GPU_FABRIC_STATE_IN_PROGRESS;
-	else if (strcmp(v, "completed") == 0) *state = NVML_GPU_FABRIC_STATE_COMPLETED;
-	else { *state = NVML_GPU_FABRIC_STATE_COMPLETED; *status = NVML_ERROR_UNKNOWN; }
+	memset(f, 0, sizeof *f);
+	f->status = NVML_SUCCESS;
+	if (strcmp(v, "not_supported") == 0) f->state = NVML_GPU_FABRIC_STATE_NOT_SUPPORTED;
+	else if (strcmp(v, "not_started") == 0) f->state = NVML_GPU_FABRIC_STATE_NOT_STARTED;
+	else if (strcmp(v, "in_progress") == 0) f->state = NVML_GPU_FABRIC_STATE_IN_PROGRESS;
+	else if (strcmp(v, "completed") == 0) f->state = NVML_GPU_FABRIC_STATE_COMPLETED;
+	else { f->state = NVML_GPU_FABRIC_STATE_COMPLETED; f->status = NVML_ERROR_UNKNOWN; }
+	const char *c = gget(dev->index, "fabric_cluster");
+	if (!c) c = get("fabric_cluster");
+	for (int i = 0; c && i < NVML_GPU_FABRIC_UUID_LEN && c[2 * i] && c[2 * i + 1]; i++) {
+		char byte[3] = {c[2 * i], c[2 * i + 1], 0};
+		f->cluster[i] = (unsigned char)strtoul(byte, NULL, 16);
+	}
+	const char *q = get("fabric_clique");
+	f->clique = (unsigned int)gnum(dev->index, "fabric_clique", q ? strtoull(q, NULL, 0) : 0);
+	const char *h = get("fabric_health");
+	f->health = (unsigned int)gnum(dev->index, "fabric_health", h ? strtoull(h, NULL, 0) : 0);
 	return NVML_SUCCESS;
 }
 nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t d, nvmlGpuFabricInfo_t *info) {
 	GPU_GUARD(dev, d);
 	if (!info) return NVML_ERROR_INVALID_ARGUMENT;
-	nvmlGpuFabricState_t state;
-	nvmlReturn_t status;
-	nvmlReturn_t r = fabric_of(dev, &state, &status);
+	fake_fabric f;
+	nvmlReturn_t r = fabric_of(dev, &f);
 	if (r != NVML_SUCCESS) return r;
 	memset(info, 0, sizeof *info);
-	info->state = state;
-	info->status = status;
+	info->state = f.state;
+	info->status = f.status;
+	memcpy(info->clusterUuid, f.cluster, sizeof f.cluster);
+	info->cliqueId = f.clique;
 	return NVML_SUCCESS;
 }
 nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t d, nvmlGpuFabricInfoV_t *info) {
 	GPU_GUARD(dev, d);
 	if (!info) return NVML_ERROR_INVALID_ARGUMENT;
 	if (info->version != nvmlGpuFabricInfo_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-	nvmlGpuFabricState_t state;
-	nvmlReturn_t status;
-	nvmlReturn_t r = fabric_of(dev, &state, &status);
+	fake_fabric f;
+	nvmlReturn_t r = fabric_of(dev, &f);
 	if (r != NVML_SUCCESS) return r;
 	unsigned int version = info->version;
 	memset(info, 0, sizeof *info);
 	info->version = version;
-	info->state = state;
-	info->status = status;
+	info->state = f.state;
+	info->status = f.status;
+	memcpy(info->clusterUuid, f.cluster, sizeof f.cluster);
+	info->cliqueId = f.clique;
+	info->healthMask = f.health;
 	return NVML_SUCCESS;
 }
 

@@ -7,7 +7,8 @@
 //! `cuda_version` ← the first GPU's (CUDA `12.4` → `12040`, as NVML encodes it); per GPU
 //! `gpu.N.uuid`, `.pci`, `.name`, `.memory`, `.numa`, `.vbios`, `.persistence`, `.mig`,
 //! `.mig_devices`, `.pcie`, `.nvlinks`, `.nvlink_inactive`, `.nvlink_version`,
-//! `.nvlink_remote` (the first link's far end) and `.nvlink_remote.L` (link L's), `.fabric`, `.lost`, `.ecc_uncorrectable`,
+//! `.nvlink_remote` (the first link's far end) and `.nvlink_remote.L` (link L's), `.fabric`,
+//! `.fabric_cluster`, `.fabric_clique`, `.fabric_health` (the fabric identity), `.lost`, `.ecc_uncorrectable`,
 //! `.remap`, `.retired_pages`, `.pending_retirement`, `.xid_events`; `p2p_nvlink` ← the
 //! NVLink peer domains. Extra lines (`xid_trigger=...`) are appended by the caller.
 
@@ -108,6 +109,11 @@ pub fn fake_nvml_profile(p: &NodeProfile) -> String {
             }
         }
         kv(k("fabric"), fabric_key(g.fabric).to_string());
+        if let Some(id) = &g.fabric_identity {
+            kv(k("fabric_cluster"), id.cluster_uuid.replace('-', ""));
+            kv(k("fabric_clique"), id.clique_id.to_string());
+            kv(k("fabric_health"), id.health_mask.unwrap_or(0).to_string());
+        }
         let h = &g.health;
         kv(k("lost"), u8::from(h.lost).to_string());
         kv(k("ecc_uncorrectable"), h.ecc_uncorrectable.to_string());

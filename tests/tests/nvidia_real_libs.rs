@@ -344,8 +344,11 @@ struct Variant {
 
 /// Two H100s on NVLink behind a completed fabric, MIG on GPU 0, row remapping and an XID
 /// event on GPU 1, NUMA node 1 as NVML reports it (where NVML can).
+/// Both GPUs registered in one fabric (cluster 8f0c6a52-…, clique 7), GPU 1's health mask
+/// saying its bandwidth is degraded (0xa9: degraded-bandwidth TRUE, every other field FALSE).
 const PROFILE: &str = "gpus=2\nfabric=completed\ngpu.0.numa=1\ngpu.1.numa=1\ngpu.0.mig=1\n\
-gpu.0.mig_devices=MIG-aaaa:1g.10gb\ngpu.1.remap=1,2,0,0\ngpu.1.xid_events=79\n";
+gpu.0.mig_devices=MIG-aaaa:1g.10gb\ngpu.1.remap=1,2,0,0\ngpu.1.xid_events=79\n\
+fabric_cluster=8f0c6a523b1e4e0a9a446c1d2f7e9b10\nfabric_clique=7\nfabric_health=0xaa\ngpu.1.fabric_health=0xa9\n";
 
 impl Variant {
     fn new(lib: &Path, sysfs_numa: bool) -> Self {
@@ -392,6 +395,25 @@ fn the_fallbacks_give_the_same_inventory_over_535s_symbols() {
     let g0 = &full.gpus[0];
     assert_eq!(g0.numa_node, Some(1));
     assert_eq!(g0.fabric, Some(taintgate_validators::gpu::FabricState::Completed));
+    // The versioned call gives the fabric identity and the health mask, which the fabric
+    // stage's decision reads as GPU 1's degraded bandwidth.
+    let id = |inv: &taintgate_validators::gpu::Inventory, i: usize| inv.gpus[i].fabric_identity.clone().unwrap();
+    assert_eq!(id(&full, 0).cluster_uuid, "8f0c6a52-3b1e-4e0a-9a44-6c1d2f7e9b10");
+    assert_eq!((id(&full, 0).clique_id, id(&full, 0).health_mask), (7, Some(0xaa)));
+    assert_eq!(id(&full, 1).health_mask, Some(0xa9));
+    let verdict = taintgate_validators::gpu::fabric::evaluate_fabric(&full.gpus).unwrap_err();
+    assert_eq!(verdict.reason, "FabricDegraded");
+    assert!(verdict.message.contains("GPU 1: degraded bandwidth"), "{verdict}");
+    // 535 has only the unversioned call: the same cluster and clique, no mask, so the
+    // health is not read and the fabric is ready.
+    let without_mask = |mut inv: taintgate_validators::gpu::Inventory| {
+        for g in &mut inv.gpus {
+            if let Some(id) = &mut g.fabric_identity {
+                id.health_mask = None;
+            }
+        }
+        inv
+    };
     assert_eq!(g0.mig_devices.len(), 1);
     assert_eq!(full.gpus[1].health.remap_uncorrectable_rows, 2);
     assert_eq!(full.gpus[1].health.xids, vec![79]);
@@ -400,7 +422,18 @@ fn the_fallbacks_give_the_same_inventory_over_535s_symbols() {
     let only_535 = compile_fake_nvml_exporting(&fake_src(), Some(&real));
     let e = exports(&only_535);
     assert!(!e.contains("nvmlDeviceGetNumaNodeId") && !e.contains("nvmlDeviceGetGpuFabricInfoV"));
-    assert_eq!(Variant::new(&only_535, true).inventory(), full, "over 535's symbols");
+    let over_535 = Variant::new(&only_535, true).inventory();
+    assert!(
+        over_535
+            .gpus
+            .iter()
+            .all(|g| g.fabric_identity.as_ref().is_some_and(|i| i.health_mask.is_none()))
+    );
+    assert!(matches!(
+        taintgate_validators::gpu::fabric::evaluate_fabric(&over_535.gpus),
+        Ok(taintgate_validators::gpu::fabric::FabricOutcome::Ready(ref ev)) if !ev.health_read && ev.clique_id == 7
+    ));
+    assert_eq!(over_535, without_mask(full.clone()), "over 535's symbols");
     // The NUMA node did come from sysfs: without it there is none.
     let no_sysfs = Variant::new(&only_535, false).inventory();
     assert_eq!(no_sysfs.gpus[0].numa_node, None);
