@@ -426,3 +426,23 @@ fn gfd_labels_agree_with_the_agent() {
     let e = check_gfd_labels(&labels, &other).unwrap_err();
     assert!(e.to_string().contains("nvidia.com/gpu.count"), "{e}");
 }
+
+/// GFD's `nvidia.com/gpu.clique` label, written from the fabric info NVML gives it, names
+/// the cluster and clique the agent's fabric stage reads from the same NVML (a GB200
+/// tray's profile, through the fake built on nvml.h).
+#[test]
+fn gfd_clique_label_is_the_fabric_the_agent_reads() {
+    use taintgate_validators::gpu::fabric::{FabricOutcome, evaluate_fabric};
+    let p = NodeProfile::load(&taintgate_tests::agent::profile("gb200-nvl72")).unwrap();
+    let driver = DriverRoot::new(fake_library(), &p, "").unwrap();
+    let inv = driver.agent_inventory().unwrap();
+    let Ok(FabricOutcome::Ready(ev)) = evaluate_fabric(&inv.gpus) else {
+        panic!("the agent reads no ready fabric: {:?}", evaluate_fabric(&inv.gpus));
+    };
+    let (labels, log) = require_service!("gpu-feature-discovery", run_gfd(&driver, "a4x-highgpu-4g", None));
+    assert_eq!(
+        labels.get("nvidia.com/gpu.clique"),
+        Some(&format!("{}.{}", ev.cluster_uuid, ev.clique_id)),
+        "{labels:?}\n{log}"
+    );
+}
