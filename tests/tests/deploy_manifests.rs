@@ -408,6 +408,9 @@ fn daemonset_pod_shape() {
         "/etc/cdi",
         "/var/run/cdi",
         "/var/lib/taintgate",
+        // The network and fabric stages list these devices by name (read-only).
+        "/dev/infiniband",
+        "/dev/nvidia-caps-imex-channels",
     ]
     .into();
     assert_eq!(
