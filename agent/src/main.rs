@@ -6,7 +6,7 @@
 //! freed and reallocated all run long. glibc trims and refaults that memory page by page:
 //! about 95 000 page faults per 4 GiB fetch, 8–10 % of the run's samples in zeroing fresh
 //! pages. jemalloc with transparent huge pages backs the same churn with a few thousand
-//! faults; the A/B is in the README's benchmark section.
+//! faults; the A/B is in `bench/results/2026-12-02-prefetch-history.md`.
 
 use clap::Parser;
 

@@ -99,7 +99,7 @@ impl Stage {
         Stage::ALL.into_iter().find(|s| s.name() == name)
     }
 
-    /// The stages whose evidence this one needs (DESIGN.md's edges): GPU-derived stages
+    /// The stages whose evidence this one needs (docs/architecture.md's graph): GPU-derived stages
     /// need the driver inventory; fit needs the allocatable the device plugin published.
     pub const fn deps(self) -> &'static [Stage] {
         match self {

@@ -4,8 +4,9 @@
 //! (containerd, docker-registry, skopeo, nginx, moto), and helpers to run the `taintgate`
 //! binary itself.
 //!
-//! The harness deliberately does not link the agent library: end-to-end tests drive the
-//! real binary, so what they prove is what ships.
+//! End-to-end tests drive the real binary, so what they prove is what ships. The harness
+//! links the agent library only for its types (the timeline a test reads back), never to
+//! run the agent in-process.
 
 pub mod agent;
 pub mod bundles;
