@@ -1,7 +1,9 @@
 //! The stages of a bootstrap as a type. Every place that names a stage (config keys, the
 //! graph's edges, the reports, the fleet view, the reason catalogue) is keyed on [`Stage`],
 //! so adding a stage is a compile error wherever it is not yet handled, and no stage name
-//! is spelled twice. This module imports nothing of the crate: everything else may use it.
+//! is spelled twice. A timeline record's kind ([`RecordKind`]) is a stage or one of the
+//! steps around the graph. This module imports nothing of the crate: everything else may
+//! use it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -10,6 +12,83 @@ use std::str::FromStr;
 /// over the validation's XID events), but a timeline record that can hold the node, and
 /// a hardware failure when it does.
 pub const XID_WATCH: &str = "xid-watch";
+
+/// What a timeline record stands for: a stage of the graph, or one of the steps around it
+/// that can hold the node. Its name is the record's `stage` field wherever a timeline is
+/// written (the JSON report, the annotation, spans and metric labels): the stage's name,
+/// `regate`, `xid-watch` or `untaint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RecordKind {
+    /// A stage of the graph.
+    Stage(Stage),
+    /// The boot re-gate: a node released under another boot got its startup taint back.
+    Regate,
+    /// The XID gate over the validation's XID events, after the graph.
+    XidWatch,
+    /// The startup-taint removal.
+    Untaint,
+}
+
+impl RecordKind {
+    /// The record's name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            RecordKind::Stage(s) => s.name(),
+            RecordKind::Regate => "regate",
+            RecordKind::XidWatch => XID_WATCH,
+            RecordKind::Untaint => "untaint",
+        }
+    }
+
+    /// The kind named `name`, if any.
+    pub fn from_name(name: &str) -> Option<RecordKind> {
+        match name {
+            "regate" => Some(RecordKind::Regate),
+            XID_WATCH => Some(RecordKind::XidWatch),
+            "untaint" => Some(RecordKind::Untaint),
+            other => Stage::from_name(other).map(RecordKind::Stage),
+        }
+    }
+
+    /// The stage, when the record is one.
+    pub const fn stage(self) -> Option<Stage> {
+        match self {
+            RecordKind::Stage(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+impl From<Stage> for RecordKind {
+    fn from(s: Stage) -> Self {
+        RecordKind::Stage(s)
+    }
+}
+
+impl fmt::Display for RecordKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Written as its name, read back from it; an unknown name is an error naming the known ones.
+impl serde::Serialize for RecordKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for RecordKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        RecordKind::from_name(&name).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "{UnknownStage}, or regate, {XID_WATCH}, untaint",
+                UnknownStage = UnknownStage(name.into_owned())
+            ))
+        })
+    }
+}
 
 /// How a node publishes its GPUs to the kubelet: the stages of a path the node does not
 /// use pass as "not applicable" without running (the executor applies it, see
@@ -226,6 +305,24 @@ mod tests {
         assert_eq!(names.len(), Stage::ALL.len());
         let e = "gpu".parse::<Stage>().unwrap_err().to_string();
         assert!(e.contains("\"gpu\"") && e.contains("peer-bw"), "{e}");
+    }
+
+    #[test]
+    fn record_kinds_round_trip_by_name() {
+        let mut all: Vec<RecordKind> = Stage::ALL.into_iter().map(RecordKind::Stage).collect();
+        all.extend([RecordKind::Regate, RecordKind::XidWatch, RecordKind::Untaint]);
+        for k in &all {
+            assert_eq!(RecordKind::from_name(k.name()), Some(*k));
+            let json = serde_json::to_string(k).unwrap();
+            assert_eq!(json, format!("\"{}\"", k.name()));
+            assert_eq!(serde_json::from_str::<RecordKind>(&json).unwrap(), *k);
+        }
+        let mut names: Vec<&str> = all.iter().map(|k| k.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), all.len(), "a step shares a name with a stage");
+        let e = serde_json::from_str::<RecordKind>("\"gpu\"").unwrap_err().to_string();
+        assert!(e.contains("\"gpu\"") && e.contains("untaint"), "{e}");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! the stage's tracing span (see [`crate::run::graph`]), so spans and timeline never disagree.
 //! Renders as a table for people and as JSON for the Node annotation and tools.
 
+use crate::stage::RecordKind;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant, SystemTime};
@@ -70,14 +71,11 @@ impl Outcome {
     }
 }
 
-/// The record name of the startup-taint removal step (not an evidence stage).
-pub const UNTAINT_STEP: &str = "untaint";
-
 /// One stage's entry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StageRecord {
-    /// Stage name.
-    pub stage: String,
+    /// What the record stands for (written as its name).
+    pub stage: RecordKind,
     /// Wall-clock start.
     pub start: Timestamp,
     /// Milliseconds from agent start (monotonic).
@@ -147,13 +145,17 @@ pub struct Timeline {
 impl Timeline {
     /// Sort stages by start offset, then name (stable order for reports).
     pub fn sort(&mut self) {
-        self.stages
-            .sort_by(|a, b| a.start_ms.cmp(&b.start_ms).then_with(|| a.stage.cmp(&b.stage)));
+        self.stages.sort_by(|a, b| {
+            a.start_ms
+                .cmp(&b.start_ms)
+                .then_with(|| a.stage.name().cmp(b.stage.name()))
+        });
     }
 
-    /// Record for a stage.
-    pub fn stage(&self, name: &str) -> Option<&StageRecord> {
-        self.stages.iter().find(|s| s.stage == name)
+    /// The record of `kind` (a [`Stage`] converts).
+    pub fn stage(&self, kind: impl Into<RecordKind>) -> Option<&StageRecord> {
+        let kind = kind.into();
+        self.stages.iter().find(|s| s.stage == kind)
     }
 
     /// The stage whose evidence arrived last among passed stages: the critical path's end.
@@ -170,8 +172,12 @@ impl Timeline {
     pub fn waited_for(&self) -> Option<&StageRecord> {
         self.stages
             .iter()
-            .filter(|s| s.outcome == Outcome::Passed && s.stage != UNTAINT_STEP)
-            .max_by(|a, b| a.end_ms().cmp(&b.end_ms()).then_with(|| b.stage.cmp(&a.stage)))
+            .filter(|s| s.outcome == Outcome::Passed && s.stage != RecordKind::Untaint)
+            .max_by(|a, b| {
+                a.end_ms()
+                    .cmp(&b.end_ms())
+                    .then_with(|| b.stage.name().cmp(a.stage.name()))
+            })
     }
 
     /// Human table: stage, start offset, duration, result, reason, and a bar.
@@ -246,7 +252,7 @@ mod tests {
 
     fn rec(stage: &str, start: u64, dur: u64, outcome: Outcome) -> StageRecord {
         StageRecord {
-            stage: stage.into(),
+            stage: RecordKind::from_name(stage).unwrap(),
             start: Timestamp::UNIX_EPOCH,
             start_ms: start,
             duration_ms: dur,
@@ -275,10 +281,10 @@ mod tests {
         };
         t.sort();
         assert_eq!(
-            t.stages.iter().map(|s| s.stage.as_str()).collect::<Vec<_>>(),
+            t.stages.iter().map(|s| s.stage.name()).collect::<Vec<_>>(),
             ["driver", "models", "smoke"]
         );
-        assert_eq!(t.last_evidence().unwrap().stage, "models");
+        assert_eq!(t.last_evidence().unwrap().stage.name(), "models");
         let table = t.render_table();
         assert!(table.contains("driver") && table.contains("2.200s"), "{table}");
         let json = serde_json::to_string(&t).unwrap();
@@ -295,7 +301,7 @@ mod tests {
                 vec![
                     rec("driver", 0, 400, Outcome::Passed),
                     rec("models", 0, 2200, Outcome::Passed),
-                    rec(UNTAINT_STEP, 2200, 50, Outcome::Passed),
+                    rec("untaint", 2200, 50, Outcome::Passed),
                 ],
                 Some("models"),
             ),
@@ -315,7 +321,7 @@ mod tests {
                 ],
                 Some("driver"),
             ),
-            ("only the untaint", vec![rec(UNTAINT_STEP, 0, 5, Outcome::Passed)], None),
+            ("only the untaint", vec![rec("untaint", 0, 5, Outcome::Passed)], None),
             ("nothing ran", vec![rec("models", 0, 0, Outcome::Skipped)], None),
         ];
         for (name, stages, want) in cases {
@@ -326,7 +332,7 @@ mod tests {
                 stages,
                 verdict: None,
             };
-            assert_eq!(t.waited_for().map(|s| s.stage.as_str()), want, "{name}");
+            assert_eq!(t.waited_for().map(|s| s.stage.name()), want, "{name}");
         }
     }
 

@@ -57,7 +57,7 @@ fn nearest_rank_matches_its_definition() {
 fn timeline() -> Timeline {
     let start: Timestamp = "2026-03-01T10:00:00.250Z".parse().unwrap();
     let rec = |stage: &str, s: u64, d: u64, o: Outcome, reason: Option<&str>| StageRecord {
-        stage: stage.into(),
+        stage: taintgate::stage::RecordKind::from_name(stage).unwrap(),
         start,
         start_ms: s,
         duration_ms: d,

@@ -27,7 +27,7 @@ async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String, String) {
 
 fn rec(stage: &str, start_ms: u64, dur: u64, outcome: Outcome, reason: Option<&str>) -> StageRecord {
     StageRecord {
-        stage: stage.into(),
+        stage: taintgate::stage::RecordKind::from_name(stage).unwrap(),
         start: Timestamp::UNIX_EPOCH,
         start_ms,
         duration_ms: dur,

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
+use taintgate::stage::RecordKind;
 use taintgate::timeline::{Outcome, Timeline};
 
 /// Stage latencies (ms) for fast simulated runs: small but non-zero, so stages overlap
@@ -309,7 +310,7 @@ pub fn taint_removals(emu: &ApiServer, node: &str) -> Vec<RecordedRequest> {
 pub fn evidence_complete_at(t: &Timeline) -> Option<SystemTime> {
     t.stages
         .iter()
-        .filter(|s| s.required && s.outcome == Outcome::Passed && s.stage != "untaint")
+        .filter(|s| s.required && s.outcome == Outcome::Passed && s.stage != RecordKind::Untaint)
         .map(|s| SystemTime::from(s.start) + Duration::from_millis(s.duration_ms))
         .max()
 }
@@ -317,11 +318,11 @@ pub fn evidence_complete_at(t: &Timeline) -> Option<SystemTime> {
 /// Milliseconds from the last evidence to the taint being gone (end of `untaint`), from
 /// the timeline's monotonic offsets.
 pub fn evidence_to_untaint_ms(t: &Timeline) -> Option<u64> {
-    let u = t.stage("untaint").filter(|u| u.outcome == Outcome::Passed)?;
+    let u = t.stage(RecordKind::Untaint).filter(|u| u.outcome == Outcome::Passed)?;
     let last = t
         .stages
         .iter()
-        .filter(|s| s.required && s.outcome == Outcome::Passed && s.stage != "untaint")
+        .filter(|s| s.required && s.outcome == Outcome::Passed && s.stage != RecordKind::Untaint)
         .map(|s| s.end_ms())
         .max()?;
     Some(u.end_ms().saturating_sub(last))

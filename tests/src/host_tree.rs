@@ -38,17 +38,27 @@ pub struct HostTree {
     dir: tempfile::TempDir,
 }
 
-fn write(path: &Path, text: &str) {
-    std::fs::create_dir_all(path.parent().expect("a file has a parent")).expect("create dirs");
-    std::fs::write(path, format!("{text}\n")).expect("write");
+fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(path, format!("{text}\n"))?;
+    Ok(())
+}
+
+fn last<'a>(chain: &[&'a str]) -> anyhow::Result<&'a str> {
+    chain
+        .last()
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("an empty PCI chain"))
 }
 
 impl HostTree {
     /// An empty root.
-    pub fn new() -> Self {
-        Self {
-            dir: tempfile::tempdir().expect("tempdir"),
-        }
+    pub fn new() -> anyhow::Result<Self> {
+        Ok(Self {
+            dir: tempfile::tempdir()?,
+        })
     }
 
     /// The root (`network.host_root`).
@@ -58,44 +68,44 @@ impl HostTree {
 
     /// A PCI function at `chain` (`["pci0000:10", "0000:10:01.0", …, "<bdf>"]`) on NUMA
     /// node `numa`, with its `sys/bus/pci/devices/<bdf>` link. Returns its directory.
-    pub fn pci(&self, chain: &[&str], numa: i32) -> PathBuf {
+    pub fn pci(&self, chain: &[&str], numa: i32) -> anyhow::Result<PathBuf> {
         let rel: PathBuf = chain.iter().collect();
         let dir = self.root().join("sys/devices").join(&rel);
-        write(&dir.join("numa_node"), &numa.to_string());
-        let bdf = chain.last().expect("a chain names the device");
-        let link = self.root().join("sys/bus/pci/devices").join(bdf);
-        std::fs::create_dir_all(link.parent().expect("parent")).expect("create dirs");
+        write(&dir.join("numa_node"), &numa.to_string())?;
+        let links = self.root().join("sys/bus/pci/devices");
+        std::fs::create_dir_all(&links)?;
+        let link = links.join(last(chain)?);
         let _ = std::fs::remove_file(&link);
-        symlink(Path::new("../../../devices").join(&rel), &link).expect("symlink");
-        dir
+        symlink(Path::new("../../../devices").join(&rel), &link)?;
+        Ok(dir)
     }
 
-    /// An RDMA device `name` on the PCI function at `chain`, with `ports` (numbered from
-    /// 1) and zeroed counters: `sys/devices/…/<bdf>/infiniband/<name>`, its `device` link
+    /// An RDMA device `name` on the PCI function at `chain`, with `ports` numbered from one
+    /// and zeroed counters: `sys/devices/…/<bdf>/infiniband/<name>`, its `device` link
     /// (`../../../<bdf>`) and `sys/class/infiniband/<name>`.
-    pub fn rdma(&self, chain: &[&str], numa: i32, name: &str, ports: &[Port]) {
-        let pci = self.pci(chain, numa);
-        let bdf = chain.last().expect("a chain names the device");
+    pub fn rdma(&self, chain: &[&str], numa: i32, name: &str, ports: &[Port]) -> anyhow::Result<()> {
+        let pci = self.pci(chain, numa)?;
         let dev = pci.join("infiniband").join(name);
+        std::fs::create_dir_all(&dev)?;
         for (i, p) in ports.iter().enumerate() {
             let d = dev.join("ports").join((i + 1).to_string());
-            write(&d.join("state"), p.state);
-            write(&d.join("phys_state"), p.phys_state);
-            write(&d.join("rate"), p.rate);
-            write(&d.join("link_layer"), p.link_layer);
+            write(&d.join("state"), p.state)?;
+            write(&d.join("phys_state"), p.phys_state)?;
+            write(&d.join("rate"), p.rate)?;
+            write(&d.join("link_layer"), p.link_layer)?;
             for c in ["link_downed", "symbol_error", "link_error_recovery"] {
-                write(&d.join("counters").join(c), "0");
+                write(&d.join("counters").join(c), "0")?;
             }
         }
-        symlink(Path::new("../../..").join(bdf), dev.join("device")).expect("symlink");
+        symlink(Path::new("../../..").join(last(chain)?), dev.join("device"))?;
         let class = self.root().join("sys/class/infiniband");
-        std::fs::create_dir_all(&class).expect("create dirs");
+        std::fs::create_dir_all(&class)?;
         let rel: PathBuf = chain.iter().collect();
         symlink(
             Path::new("../../devices").join(rel).join("infiniband").join(name),
             class.join(name),
-        )
-        .expect("symlink");
+        )?;
+        Ok(())
     }
 
     /// A port file of an RDMA device (`ports/1/state`, `ports/1/counters/link_downed`).
@@ -108,32 +118,27 @@ impl HostTree {
     }
 
     /// Write a port file (the kernel appends a newline).
-    pub fn set(&self, name: &str, file: &str, text: &str) {
-        write(&self.port_file(name, file), text);
+    pub fn set(&self, name: &str, file: &str, text: &str) -> anyhow::Result<()> {
+        write(&self.port_file(name, file), text)
     }
 
     /// `dev/<dir>/<name>` for each name.
-    pub fn dev(&self, dir: &str, names: &[&str]) {
+    pub fn dev(&self, dir: &str, names: &[&str]) -> anyhow::Result<()> {
         for n in names {
-            write(&self.root().join("dev").join(dir).join(n), "");
+            write(&self.root().join("dev").join(dir).join(n), "")?;
         }
+        Ok(())
     }
 
     /// A loaded module (`sys/module/<name>/initstate` = `live`).
-    pub fn module(&self, name: &str) {
-        write(&self.root().join("sys/module").join(name).join("initstate"), "live");
+    pub fn module(&self, name: &str) -> anyhow::Result<()> {
+        write(&self.root().join("sys/module").join(name).join("initstate"), "live")
     }
 
     /// `proc/driver/nvidia/version`'s first line and `proc/sys/kernel/osrelease`.
-    pub fn kernel(&self, nvidia_version: &str, osrelease: &str) {
-        write(&self.root().join("proc/driver/nvidia/version"), nvidia_version);
-        write(&self.root().join("proc/sys/kernel/osrelease"), osrelease);
-    }
-}
-
-impl Default for HostTree {
-    fn default() -> Self {
-        Self::new()
+    pub fn kernel(&self, nvidia_version: &str, osrelease: &str) -> anyhow::Result<()> {
+        write(&self.root().join("proc/driver/nvidia/version"), nvidia_version)?;
+        write(&self.root().join("proc/sys/kernel/osrelease"), osrelease)
     }
 }
 

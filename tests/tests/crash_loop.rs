@@ -188,7 +188,7 @@ fn kill_9_at_random_points_then_converge() {
         .expect("calibration timeline")
         .stages
         .iter()
-        .filter(|s| taintgate::stage::Stage::from_name(&s.stage).is_some() && s.outcome == Outcome::Passed)
+        .filter(|s| s.stage.stage().is_some() && s.outcome == Outcome::Passed)
         .count();
     assert_eq!(stages, log_count(&cal.stderr, "stage passed"), "{}", cal.text());
     let whole = t0.elapsed();

@@ -187,7 +187,8 @@ fn expect_statuses(c: &Ctx, want: &[u16]) -> Result<(), String> {
 }
 
 fn stage_outcome(t: &Timeline, stage: &str) -> Option<(Outcome, Option<String>)> {
-    t.stage(stage).map(|s| (s.outcome, s.reason.clone()))
+    let kind = taintgate::stage::RecordKind::from_name(stage).unwrap_or_else(|| panic!("no record kind {stage}"));
+    t.stage(kind).map(|s| (s.outcome, s.reason.clone()))
 }
 
 fn reference_with_taints(taints: Value) -> Option<Value> {
@@ -691,7 +692,10 @@ fn scenarios() -> Vec<Scenario> {
             .held("PluginSocketMissing")
             .extra(|c| {
                 // Transient: retried (retries: 2), then held.
-                let a = c.timeline.stage("device-plugin").map(|s| s.attempts);
+                let a = c
+                    .timeline
+                    .stage(taintgate::stage::Stage::DevicePlugin)
+                    .map(|s| s.attempts);
                 if a != Some(3) {
                     return Err(format!("device-plugin attempts {a:?}, expected 3"));
                 }

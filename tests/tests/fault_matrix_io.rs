@@ -818,7 +818,7 @@ fn fired(c: &Ctx) -> usize {
 }
 
 fn models_evidence(t: &Timeline) -> Result<&Value, String> {
-    t.stage("models")
+    t.stage(taintgate::stage::Stage::Models)
         .map(|s| &s.evidence)
         .ok_or_else(|| "no models stage record".to_string())
 }
@@ -907,7 +907,10 @@ fn check_s3_refusal(c: &Ctx) -> Result<(), String> {
 }
 
 fn check_slow_ok(c: &Ctx) -> Result<(), String> {
-    let s = c.timeline.stage("models").ok_or("no models stage")?;
+    let s = c
+        .timeline
+        .stage(taintgate::stage::Stage::Models)
+        .ok_or("no models stage")?;
     // Four 1 MiB chunks at 256 KiB/s each take at least 2 s: the origin really was slow.
     if s.duration_ms < 1_500 {
         return Err(format!("models took {} ms; the origin was not slow", s.duration_ms));
@@ -937,7 +940,10 @@ fn check_slow_ok(c: &Ctx) -> Result<(), String> {
 }
 
 fn check_slow_late(c: &Ctx) -> Result<(), String> {
-    let s = c.timeline.stage("models").ok_or("no models stage")?;
+    let s = c
+        .timeline
+        .stage(taintgate::stage::Stage::Models)
+        .ok_or("no models stage")?;
     if !(900..3_000).contains(&s.duration_ms) {
         return Err(format!(
             "models ended after {} ms, expected at its 1 s deadline",
@@ -1240,7 +1246,8 @@ fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
     if let Err(e) = check_verdict(&r, s.expect) {
         return r.fail(e);
     }
-    let Some(rec) = timeline.stage(s.stage) else {
+    let kind = taintgate::stage::RecordKind::from_name(s.stage).unwrap_or_else(|| panic!("no record kind {}", s.stage));
+    let Some(rec) = timeline.stage(kind) else {
         return r.fail(format!("no {} stage in the timeline", s.stage));
     };
     let want_rec = match s.expect {
@@ -1255,7 +1262,11 @@ fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
     }
     // The fault is the only thing wrong on this node: every other required stage passed.
     for other in &timeline.stages {
-        if other.required && other.stage != s.stage && other.stage != "untaint" && other.outcome != Outcome::Passed {
+        if other.required
+            && other.stage != kind
+            && other.stage != taintgate::stage::RecordKind::Untaint
+            && other.outcome != Outcome::Passed
+        {
             return r.fail(format!(
                 "stage {} ended {:?} ({:?}); only {} was faulted",
                 other.stage, other.outcome, other.reason, s.stage

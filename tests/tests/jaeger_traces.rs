@@ -166,7 +166,7 @@ fn check_trace(trace: &Value, t: &Timeline) {
         .filter(|r| matches!(r.outcome, Outcome::Passed | Outcome::Failed | Outcome::Cancelled))
     {
         let s = by_name
-            .get(r.stage.as_str())
+            .get(r.stage.name())
             .unwrap_or_else(|| panic!("no span for stage {}: {trace:#}", r.stage));
         assert_eq!(s["references"][0]["refType"], "CHILD_OF", "{}", r.stage);
         assert_eq!(

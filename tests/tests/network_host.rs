@@ -53,17 +53,18 @@ const NIC1_UNDER_SWITCH0: [&str; 5] = [
 /// A healthy host: the two GPUs and NICs above, all on NUMA node 0; rdma-core's devices;
 /// nvidia_peermem loaded under the proprietary module.
 fn healthy(nic1: &[&str]) -> HostTree {
-    let t = HostTree::new();
-    t.pci(&GPU0, 0);
-    t.pci(&GPU1, 0);
-    t.rdma(&NIC0, 0, "mlx5_0", &[Port::NDR]);
-    t.rdma(nic1, 0, "mlx5_1", &[Port::NDR]);
+    let t = HostTree::new().unwrap();
+    t.pci(&GPU0, 0).unwrap();
+    t.pci(&GPU1, 0).unwrap();
+    t.rdma(&NIC0, 0, "mlx5_0", &[Port::NDR]).unwrap();
+    t.rdma(nic1, 0, "mlx5_1", &[Port::NDR]).unwrap();
     t.dev(
         "infiniband",
         &["uverbs0", "uverbs1", "umad0", "umad1", "issm0", "issm1", "rdma_cm"],
-    );
-    t.module("nvidia_peermem");
-    t.kernel(PROPRIETARY, "6.8.0-1015-nvidia");
+    )
+    .unwrap();
+    t.module("nvidia_peermem").unwrap();
+    t.kernel(PROPRIETARY, "6.8.0-1015-nvidia").unwrap();
     t
 }
 
@@ -166,15 +167,19 @@ fn a_nic_off_its_gpus_switch_breaks_the_switch_rule_but_not_the_numa_one() {
 fn ports_and_gpudirect_from_the_tree_hold_with_their_codes() {
     type Change = fn(&HostTree);
     let rows: [(&str, Change, &str); 6] = [
-        ("port down", |t| t.set("mlx5_1", "1/state", "1: DOWN"), "RdmaPortDown"),
+        (
+            "port down",
+            |t| t.set("mlx5_1", "1/state", "1: DOWN").unwrap(),
+            "RdmaPortDown",
+        ),
         (
             "port polling",
-            |t| t.set("mlx5_1", "1/phys_state", "2: Polling"),
+            |t| t.set("mlx5_1", "1/phys_state", "2: Polling").unwrap(),
             "RdmaPortDown",
         ),
         (
             "port at 200",
-            |t| t.set("mlx5_0", "1/rate", "200 Gb/sec (4X HDR)"),
+            |t| t.set("mlx5_0", "1/rate", "200 Gb/sec (4X HDR)").unwrap(),
             "RdmaRateLow",
         ),
         (
@@ -189,7 +194,7 @@ fn ports_and_gpudirect_from_the_tree_hold_with_their_codes() {
         ),
         (
             "garbled rate",
-            |t| t.set("mlx5_0", "1/rate", "fast"),
+            |t| t.set("mlx5_0", "1/rate", "fast").unwrap(),
             "NetworkUnreadable",
         ),
     ];
@@ -202,12 +207,12 @@ fn ports_and_gpudirect_from_the_tree_hold_with_their_codes() {
     // dma-buf instead of peermem: the open module on Linux 5.12+.
     let tree = healthy(&NIC1);
     std::fs::remove_dir_all(tree.root().join("sys/module/nvidia_peermem")).unwrap();
-    tree.kernel(OPEN, "6.8.0-1015-nvidia");
+    tree.kernel(OPEN, "6.8.0-1015-nvidia").unwrap();
     let (code, reason, rec) = run(&tree, "{}");
     assert_eq!((code, reason.as_str()), (Some(0), "Released"), "{rec}");
     assert_eq!(rec["evidence"]["gpudirect"]["dmabuf"], true, "{rec}");
     // The open module on an older kernel: no dma-buf.
-    tree.kernel(OPEN, "5.10.0-28-amd64");
+    tree.kernel(OPEN, "5.10.0-28-amd64").unwrap();
     let (_, reason, _) = run(&tree, "{}");
     assert_eq!(reason, "GpuDirectUnavailable");
 }
@@ -229,7 +234,7 @@ fn flaps_are_counter_rises_between_two_reads() {
     let limits = Default::default();
     let after = host.counters_after(std::time::Duration::ZERO).unwrap();
     assert!(taintgate_validators::network::decide::evaluate_flaps(&view, &after, &limits).is_ok());
-    tree.set("mlx5_1", "1/counters/link_downed", "2");
+    tree.set("mlx5_1", "1/counters/link_downed", "2").unwrap();
     let after = host.counters_after(std::time::Duration::ZERO).unwrap();
     let e = taintgate_validators::network::decide::evaluate_flaps(&view, &after, &limits).unwrap_err();
     assert_eq!(e.reason, "RdmaLinkFlapping");

@@ -1169,7 +1169,7 @@ proptest! {
             agent_start: jiff::Timestamp::UNIX_EPOCH,
             gpu_backend: "simulated".into(),
             stages: (0..n).map(|i| StageRecord {
-                stage: format!("stage-{i}-{msg}"),
+                stage: taintgate::stage::RecordKind::Stage(taintgate::stage::Stage::ALL[i % taintgate::stage::Stage::ALL.len()]),
                 start: jiff::Timestamp::UNIX_EPOCH,
                 start_ms: i as u64,
                 duration_ms: 1,

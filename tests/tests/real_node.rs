@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use taintgate::stage::Stage;
 use taintgate::timeline::Outcome;
 use taintgate_tests::agent::{TAINT, condition, taint_keys};
 use taintgate_tests::cluster::{ApiServer, go_tool};
@@ -259,14 +260,14 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
     assert_eq!(timeline.gpu_backend, "nvml");
     let verdict = timeline.verdict.clone().expect("no verdict");
     assert!(verdict.released, "{verdict:?}\n{}", run.stderr);
-    for stage in ["register", "driver", "allocatable", "device-plugin"] {
+    for stage in [Stage::Register, Stage::Driver, Stage::Allocatable, Stage::DevicePlugin] {
         let s = timeline.stage(stage).unwrap_or_else(|| panic!("no {stage} stage"));
         assert_eq!(s.outcome, Outcome::Passed, "{stage}: {s:?}");
     }
     // The agent's evidence is the real kubelet's: its pod-resources view was checked, the
     // device count it saw on the plugin's socket (in the kubelet's directory) is the one the
     // kubelet published, and the allocatable it waited for is the kubelet's.
-    let dp = &timeline.stage("device-plugin").unwrap().evidence;
+    let dp = &timeline.stage(Stage::DevicePlugin).unwrap().evidence;
     assert_eq!(dp["kubelet_checked"], json!(true), "{dp}");
     let resource = dp["resources"]
         .as_array()
@@ -278,7 +279,7 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
         json!(var_lib.join("kubelet/device-plugins/nvidia-gpu.sock")),
         "{dp}"
     );
-    let alloc = &timeline.stage("allocatable").unwrap().evidence;
+    let alloc = &timeline.stage(Stage::Allocatable).unwrap().evidence;
     assert_eq!(alloc["expected"][GPU], json!(gpus), "{alloc}");
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");

@@ -109,7 +109,9 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
     let timeline = held.timeline().expect("no JSON timeline");
     let verdict = timeline.verdict.clone().expect("no verdict");
     assert!(!verdict.released, "{verdict:?}");
-    let dp = timeline.stage("device-plugin").expect("no device-plugin stage");
+    let dp = timeline
+        .stage(taintgate::stage::Stage::DevicePlugin)
+        .expect("no device-plugin stage");
     assert_eq!(dp.outcome, Outcome::Failed, "{dp:?}");
     assert_eq!(dp.reason.as_deref(), Some("PluginDeviceUnhealthy"), "{dp:?}");
     let uuid = &profile.gpus[3].uuid;
@@ -133,7 +135,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
     assert_eq!(run.code, Some(0), "agent failed:\n{}\n{}", run.stdout, run.stderr);
     let timeline = run.timeline().expect("no JSON timeline");
     assert!(timeline.verdict.as_ref().is_some_and(|v| v.released), "{timeline:?}");
-    let dp = &timeline.stage("device-plugin").unwrap().evidence;
+    let dp = &timeline.stage(taintgate::stage::Stage::DevicePlugin).unwrap().evidence;
     let resource = dp["resources"]
         .as_array()
         .and_then(|r| r.iter().find(|r| r["resource"] == GPU))

@@ -252,6 +252,6 @@ fn a_released_node_rebooted_since_is_gated_and_checked_again() {
     let held = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(has_startup_taint(&held), "the taint went back on: {held}");
     let t = run.timeline().unwrap();
-    let regate = t.stage("regate").expect("a regate record");
+    let regate = t.stage(taintgate::stage::RecordKind::Regate).expect("a regate record");
     assert_eq!(regate.summary, "released under another boot: startup taint re-added");
 }

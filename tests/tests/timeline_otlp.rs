@@ -49,7 +49,7 @@ fn check_trace(spans: &[ReceivedSpan], t: &Timeline, pre: &[Stamp]) {
     assert_eq!(by_name.len(), spans.len(), "span names are unique");
     for r in &t.stages {
         let s = by_name
-            .get(r.stage.as_str())
+            .get(r.stage.name())
             .unwrap_or_else(|| panic!("no span for stage {}", r.stage));
         assert_eq!(s.start_unix_nano, ns(r.start), "{} start", r.stage);
         assert_eq!(
@@ -251,7 +251,11 @@ async fn bootstrap_against_the_api_server_exports_its_trace_and_chain() {
     cluster_with_nodeclaim(&api, claim);
     let client = api.client().unwrap();
     let t = run_agent_json(&api, None).await;
-    assert!(t.stage("untaint").is_some(), "released: {}", t.render_table());
+    assert!(
+        t.stage(taintgate::stage::RecordKind::Untaint).is_some(),
+        "released: {}",
+        t.render_table()
+    );
 
     let pre = taintgate::telemetry::prestamps::collect(&client, NODE).await.unwrap();
     let names: Vec<&str> = pre.iter().map(|s| s.name.as_str()).collect();
@@ -344,7 +348,7 @@ async fn agent_run_exports_its_trace_and_timeline_prints_the_chain() {
     let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
     let rx = OtlpReceiver::start().await.unwrap();
     let t = run_agent_json(&api, Some(rx.endpoint())).await;
-    assert!(t.stage("untaint").is_some(), "released");
+    assert!(t.stage(taintgate::stage::RecordKind::Untaint).is_some(), "released");
 
     // The pre-agent stamps as the cluster holds them.
     let node: k8s_openapi::api::core::v1::Node =

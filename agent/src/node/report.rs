@@ -5,6 +5,7 @@
 
 use crate::config::ReportingConfig;
 use crate::node::NodeApi;
+use crate::stage::RecordKind;
 use crate::timeline::Timeline;
 use jiff::Timestamp;
 use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOperation};
@@ -249,7 +250,7 @@ pub struct VerdictReport<'a> {
     /// The pre-agent stamps (NodeClaim, Node creation, kubelet Ready).
     pub pre: &'a [crate::telemetry::prestamps::Stamp],
     /// The first blocking stage, if the node is held.
-    pub failed_stage: Option<&'a str>,
+    pub failed_stage: Option<RecordKind>,
     /// The Node as the untaint left it (each write's response is the next write's start,
     /// so the report reads the Node only when it holds no copy).
     pub latest: Option<Node>,
@@ -265,7 +266,7 @@ pub async fn report_verdict(
     events: &dyn crate::node::EventObserver,
     r: VerdictReport<'_>,
 ) {
-    use crate::stage::{Stage, XID_WATCH};
+    use crate::stage::Stage;
     use crate::timeline::Outcome;
     let (cfg, t, failed_stage) = (&config.reporting, r.timeline, r.failed_stage);
     let Some(v) = &t.verdict else { return };
@@ -297,10 +298,10 @@ pub async fn report_verdict(
         // Only evidence that contention on a serving GPU cannot produce condemns the
         // hardware (node repair replaces the node on it); the rest holds without condemning.
         let hw_failed = failed_stage
-            .is_some_and(|s| s == XID_WATCH || Stage::from_name(s).is_some_and(Stage::is_hardware))
+            .is_some_and(|k| k == RecordKind::XidWatch || k.stage().is_some_and(Stage::is_hardware))
             && crate::reasons::condemns_hardware(&v.reason);
         let hw_passed = Stage::ALL.iter().filter(|s| s.is_hardware()).all(|s| {
-            t.stage(s.name())
+            t.stage(*s)
                 .is_some_and(|r| r.outcome == Outcome::Passed || r.outcome == Outcome::Disabled)
         });
         if hw_failed || hw_passed {
@@ -338,7 +339,7 @@ pub async fn report_verdict(
                 for s in t
                     .stages
                     .iter()
-                    .filter(|s| s.outcome == Outcome::Failed && Some(s.stage.as_str()) != failed_stage)
+                    .filter(|s| s.outcome == Outcome::Failed && Some(s.stage) != failed_stage)
                 {
                     let reason = s.reason.as_deref().unwrap_or("StageFailed");
                     let msg = format!("stage {}: {}", s.stage, s.message.as_deref().unwrap_or(""));
@@ -443,8 +444,8 @@ mod tests {
     #[test]
     fn compact_timeline_respects_the_bound() {
         use crate::timeline::StageRecord;
-        let rec = |n: &str, o: Outcome| StageRecord {
-            stage: n.into(),
+        let rec = |k: RecordKind, o: Outcome| StageRecord {
+            stage: k,
             start: Timestamp::UNIX_EPOCH,
             start_ms: 1,
             duration_ms: 2,
@@ -456,25 +457,33 @@ mod tests {
             summary: String::new(),
             evidence: Value::Null,
         };
+        // Every record kind, so the full timeline is long and each name is distinct.
+        let kinds: Vec<RecordKind> = crate::stage::Stage::ALL
+            .into_iter()
+            .map(RecordKind::Stage)
+            .chain([RecordKind::Regate, RecordKind::XidWatch, RecordKind::Untaint])
+            .collect();
         let t = Timeline {
             node: "n".into(),
             agent_start: Timestamp::UNIX_EPOCH,
             gpu_backend: "simulated".into(),
-            stages: (0..40)
-                .map(|i| {
-                    rec(
-                        &format!("stage-{i}"),
-                        if i == 7 { Outcome::Failed } else { Outcome::Passed },
-                    )
-                })
+            stages: kinds
+                .iter()
+                .enumerate()
+                .map(|(i, k)| rec(*k, if i == 7 { Outcome::Failed } else { Outcome::Passed }))
                 .collect(),
             verdict: None,
         };
         let full = compact_timeline(&t, 16 * 1024);
-        assert!(full.contains("stage-39"));
-        let small = compact_timeline(&t, 600);
-        assert!(small.len() <= 600, "{}", small.len());
-        assert!(small.contains("stage-7") && !small.contains("stage-8"), "{small}");
+        assert!(full.contains("\"untaint\""), "{full}");
+        assert!(full.len() > 400, "{}", full.len());
+        let small = compact_timeline(&t, 400);
+        assert!(small.len() <= 400, "{}", small.len());
+        let (seventh, eighth) = (kinds[7].name(), kinds[8].name());
+        assert!(
+            small.contains(&format!("\"{seventh}\"")) && !small.contains(&format!("\"{eighth}\"")),
+            "{small}"
+        );
         assert!(compact_timeline(&t, 10).contains("truncated"));
         assert_eq!(truncate("héllo", 4), "h...");
     }

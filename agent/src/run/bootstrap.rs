@@ -8,6 +8,7 @@ use crate::node::untaint::remove_startup_taint;
 use crate::run::exit;
 use crate::run::graph::run_graph;
 use crate::run::verdict::{decide, xid_gate};
+use crate::stage::RecordKind;
 use crate::stages::Context;
 use crate::timeline::{Clock, Outcome, StageRecord, Timeline, Verdict};
 use k8s_openapi::api::core::v1::Node;
@@ -101,7 +102,7 @@ pub async fn bootstrap(ctx: Arc<Context>, node_name: &str, start_node: Option<No
         None => Vec::new(),
     };
     if !dry_run && let Some(api) = &ctx.boundaries.api {
-        let failed_stage = blocked.as_ref().map(|b| b.0.as_str());
+        let failed_stage = blocked.as_ref().map(|b| b.0);
         let r = VerdictReport {
             timeline: &timeline,
             pre: &pre,
@@ -116,9 +117,16 @@ pub async fn bootstrap(ctx: Arc<Context>, node_name: &str, start_node: Option<No
 }
 
 /// The timeline record of a required step around the graph (`stage`), from `t0` to now.
-fn record(clock: Clock, t0: Instant, stage: &str, outcome: Outcome, attempts: u32, summary: String) -> StageRecord {
+fn record(
+    clock: Clock,
+    t0: Instant,
+    stage: RecordKind,
+    outcome: Outcome,
+    attempts: u32,
+    summary: String,
+) -> StageRecord {
     StageRecord {
-        stage: stage.into(),
+        stage,
         start: clock.wall(t0),
         start_ms: clock.offset(t0).as_millis() as u64,
         duration_ms: t0.elapsed().as_millis() as u64,
@@ -164,7 +172,7 @@ async fn regate(ctx: &Context, start_node: Option<Node>) -> Option<StageRecord> 
     Some(StageRecord {
         reason: failure.is_some().then(|| "RegateFailed".to_string()),
         message: failure,
-        ..record(ctx.clock, t0, "regate", outcome, 1, summary.into())
+        ..record(ctx.clock, t0, RecordKind::Regate, outcome, 1, summary.into())
     })
 }
 
@@ -189,6 +197,13 @@ async fn untaint(
             "taint already absent",
         )
     };
-    let rec = record(ctx.clock, t0, "untaint", Outcome::Passed, o.attempts, summary.into());
+    let rec = record(
+        ctx.clock,
+        t0,
+        RecordKind::Untaint,
+        Outcome::Passed,
+        o.attempts,
+        summary.into(),
+    );
     Ok((rec, o.node, format!("every required stage has evidence; {msg}")))
 }

@@ -5,7 +5,7 @@
 //! cancellation (SIGTERM/SIGINT) stops every stage.
 
 use crate::config::StageSettings;
-use crate::stage::Stage;
+use crate::stage::{RecordKind, Stage};
 use crate::stages::{Context, Evidence, Progress, StageFailure, run_stage_body};
 use crate::timeline::{Clock, Outcome, StageRecord};
 use futures::FutureExt;
@@ -88,7 +88,7 @@ pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageReco
         match h.await {
             Ok(r) => out.push(r),
             Err(e) => out.push(StageRecord {
-                stage: name.name().to_string(),
+                stage: RecordKind::Stage(*name),
                 start: ctx.clock.origin(),
                 start_ms: 0,
                 duration_ms: 0,
@@ -132,7 +132,7 @@ async fn run_one(
             span.record("reason", r.as_str());
         }
         StageRecord {
-            stage: name.name().to_string(),
+            stage: RecordKind::Stage(name),
             start: clock.wall(start),
             start_ms: clock.offset(start).as_millis() as u64,
             duration_ms: end.saturating_duration_since(start).as_millis() as u64,
@@ -365,14 +365,14 @@ mod tests {
     }
 
     fn by_stage(records: &[StageRecord]) -> BTreeMap<&str, &StageRecord> {
-        records.iter().map(|r| (r.stage.as_str(), r)).collect()
+        records.iter().map(|r| (r.stage.name(), r)).collect()
     }
 
     #[tokio::test]
     async fn every_stage_starts_after_its_dependencies_end_and_records_come_in_report_order() {
         let log = Arc::new(Mutex::new(Vec::new()));
         let records = run_graph_with(context(|_| {}).await, scripted(vec![], log.clone())).await;
-        let order: Vec<&str> = records.iter().map(|r| r.stage.as_str()).collect();
+        let order: Vec<&str> = records.iter().map(|r| r.stage.name()).collect();
         assert_eq!(order, Stage::ALL.map(Stage::name).to_vec());
         assert!(records.iter().all(|r| r.outcome == Outcome::Passed), "{records:?}");
         let log = log.lock().unwrap().clone();

@@ -2,7 +2,7 @@
 //! and the XID gate's record over the XID events that arrived during validation
 //! ([`xid_record`]).
 
-use crate::stage::XID_WATCH;
+use crate::stage::RecordKind;
 use crate::stages::Context;
 use crate::timeline::{Outcome, StageRecord};
 use std::time::Instant;
@@ -13,7 +13,7 @@ use taintgate_validators::reason::ReasonCode;
 /// did not pass. A stage the environment disabled (the executor gives such a record a
 /// reason: `NoCluster`) blocks outside dry-run; one the config disabled (no reason) never
 /// does.
-pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(String, String, String)> {
+pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(RecordKind, String, String)> {
     let blocking = |r: &&StageRecord| {
         r.required
             && match r.outcome {
@@ -29,7 +29,7 @@ pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(String, String,
         .min_by_key(|r| (r.outcome == Outcome::Skipped, r.start_ms + r.duration_ms))
         .map(|r| {
             (
-                r.stage.clone(),
+                r.stage,
                 r.reason.clone().unwrap_or_else(|| "Unknown".into()),
                 r.message.clone().unwrap_or_default(),
             )
@@ -63,7 +63,7 @@ fn xid_record(
         Err(e) => {
             tracing::warn!(error = %e, "could not read the XID events of the validation; holding the node");
             return Some(StageRecord {
-                stage: XID_WATCH.into(),
+                stage: RecordKind::XidWatch,
                 start: clock.wall(t0),
                 start_ms: clock.offset(t0).as_millis() as u64,
                 duration_ms: 0,
@@ -85,7 +85,7 @@ fn xid_record(
         .map(|(g, x)| format!("GPU {g}: XID {x}"))
         .collect();
     (!xids.is_empty()).then(|| StageRecord {
-        stage: XID_WATCH.into(),
+        stage: RecordKind::XidWatch,
         start: clock.wall(t0),
         start_ms: clock.offset(t0).as_millis() as u64,
         duration_ms: 0,

@@ -279,7 +279,7 @@ impl TimelineAnnotation {
                 .stages
                 .iter()
                 .map(|s| StageEntry {
-                    name: s.stage.clone(),
+                    name: s.stage.to_string(),
                     start_ms: s.start_ms,
                     duration_ms: s.duration_ms,
                     outcome: s.outcome,
@@ -362,7 +362,9 @@ mod tests {
             gpu_backend: "simulated".into(),
             stages: (0..n)
                 .map(|i| StageRecord {
-                    stage: format!("stage-{i}"),
+                    stage: crate::stage::RecordKind::Stage(
+                        crate::stage::Stage::ALL[i % crate::stage::Stage::ALL.len()],
+                    ),
                     start,
                     start_ms: i as u64 * 10,
                     duration_ms: 5,

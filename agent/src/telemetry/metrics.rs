@@ -41,8 +41,9 @@
 //! `/readyz` (200 only once the shared `ready` flag is set, i.e. after release; 503
 //! before).
 
+use crate::stage::RecordKind;
 use crate::telemetry::otlp::stage_bytes;
-use crate::timeline::{Outcome, Timeline, UNTAINT_STEP};
+use crate::timeline::{Outcome, Timeline};
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -376,7 +377,7 @@ impl Metrics {
             if matches!(r.outcome, Outcome::Passed | Outcome::Failed | Outcome::Cancelled) {
                 self.stage_duration
                     .get_or_create(&StageLabels {
-                        stage: r.stage.clone(),
+                        stage: r.stage.to_string(),
                         result: r.outcome.as_str().into(),
                     })
                     .observe(r.duration_ms as f64 / 1000.0);
@@ -422,11 +423,13 @@ impl Metrics {
         }
         if v.released && !v.dry_run {
             // The untaint stage's end is the moment the taint went; the verdict follows it.
-            let at_ms = t.stage(UNTAINT_STEP).map(|u| u.end_ms()).unwrap_or(v.at_ms);
+            let at_ms = t.stage(RecordKind::Untaint).map(|u| u.end_ms()).unwrap_or(v.at_ms);
             self.release_duration.observe(at_ms as f64 / 1000.0);
             if let Some(s) = t.waited_for() {
                 self.waited_for
-                    .get_or_create(&StageNameLabels { stage: s.stage.clone() })
+                    .get_or_create(&StageNameLabels {
+                        stage: s.stage.to_string(),
+                    })
                     .inc();
             }
             self.released.set(1);
@@ -616,7 +619,7 @@ mod tests {
 
     fn rec(stage: &str, dur: u64, outcome: Outcome, reason: Option<&str>, ev: Value) -> StageRecord {
         StageRecord {
-            stage: stage.into(),
+            stage: crate::stage::RecordKind::from_name(stage).unwrap(),
             start: Timestamp::UNIX_EPOCH,
             start_ms: 100,
             duration_ms: dur,

@@ -159,7 +159,8 @@ fn evidence_u64(ev: &Value, key: &str) -> Option<u64> {
 
 /// GPU count from the driver stage's evidence (`gpus`), when it ran.
 pub fn gpu_count(t: &Timeline) -> Option<u64> {
-    t.stage("driver").and_then(|r| evidence_u64(&r.evidence, "gpus"))
+    t.stage(crate::stage::Stage::Driver)
+        .and_then(|r| evidence_u64(&r.evidence, "gpus"))
 }
 
 /// Bytes a stage moved, from its evidence: `(bytesFetched, bytesCached)`; a plain
@@ -172,7 +173,7 @@ pub fn stage_bytes(r: &StageRecord) -> (Option<u64>, Option<u64>) {
 fn stage_attributes(node: &str, r: &StageRecord) -> Vec<KeyValue> {
     let mut a = vec![
         KeyValue::new("k8s.node.name", node.to_string()),
-        KeyValue::new("taintgate.stage", r.stage.clone()),
+        KeyValue::new("taintgate.stage", r.stage.name()),
         KeyValue::new("taintgate.outcome", r.outcome.as_str()),
         KeyValue::new("taintgate.required", r.required),
         KeyValue::new("taintgate.attempts", i64::from(r.attempts)),
@@ -370,7 +371,7 @@ pub fn build_spans_with(
         out.push(mk(
             next_span_id(),
             root_id,
-            r.stage.clone(),
+            r.stage.to_string(),
             r.start,
             stage_end(r),
             stage_attributes(&t.node, r),
@@ -528,7 +529,7 @@ mod tests {
 
     fn rec(stage: &str, start: &str, start_ms: u64, dur: u64, outcome: Outcome, ev: Value) -> StageRecord {
         StageRecord {
-            stage: stage.into(),
+            stage: crate::stage::RecordKind::from_name(stage).unwrap(),
             start: ts(start),
             start_ms,
             duration_ms: dur,
