@@ -65,9 +65,10 @@ impl From<Stage> for RecordKind {
     }
 }
 
+/// Its name; honours width and alignment, as [`Stage`]'s does.
 impl fmt::Display for RecordKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.pad(self.name())
     }
 }
 
@@ -253,9 +254,10 @@ impl Stage {
     }
 }
 
+/// Its name; honours width and alignment (`{:<14}`), as the report's columns need.
 impl fmt::Display for Stage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.pad(self.name())
     }
 }
 
@@ -321,6 +323,8 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), all.len(), "a step shares a name with a stage");
+        assert_eq!(format!("[{:<9}]", RecordKind::Untaint), "[untaint  ]");
+        assert_eq!(format!("[{:>7}]", Stage::Fit), "[    fit]");
         let e = serde_json::from_str::<RecordKind>("\"gpu\"").unwrap_err().to_string();
         assert!(e.contains("\"gpu\"") && e.contains("untaint"), "{e}");
     }

@@ -65,6 +65,16 @@ pub fn assert_condition(node: &Value, type_: &str, status: &str, reason: &str) {
     );
 }
 
+/// `GET path` on 127.0.0.1:port: the status code, or None when nothing answers.
+pub fn http_status(port: u16, path: &str) -> Option<u16> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// `GET /metrics` from `127.0.0.1:port`, the whole HTTP response.
 pub fn metrics(port: u16) -> anyhow::Result<String> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;

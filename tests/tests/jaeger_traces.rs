@@ -28,8 +28,9 @@ use taintgate::telemetry::Stamp;
 use taintgate::telemetry::annotation::WorkloadEntry;
 use taintgate::telemetry::otlp::bootstrap_ids;
 use taintgate::timeline::{Outcome, Timeline};
+use taintgate_tests::agent::reference_node;
 use taintgate_tests::cluster::{ApiServer, go_tool};
-use taintgate_tests::continuous::node_with_foreign_taint;
+use taintgate_tests::continuous::{http_status, metrics, node_with_foreign_taint};
 use taintgate_tests::faults::{
     AgentRun, RunningAgent, agent_args, agent_command, wait_until, write_config, write_profile,
 };
@@ -400,6 +401,67 @@ fn a_collector_that_is_gone_or_silent_does_not_stop_the_verdict() {
     );
     assert!(
         run.stderr.contains("OtlpConfigInvalid") && run.stderr.contains("http/json"),
+        "{}",
+        run.stderr
+    );
+}
+
+/// The export failures the agent has counted (`taintgate_otlp_export_failures_total`, all
+/// reasons) in a `/metrics` answer.
+fn export_failures(scrape: &str) -> u64 {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with("taintgate_otlp_export_failures_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// A collector that accepts connections and never answers delays neither the node's
+/// readiness nor resident mode: after a real release, `/readyz` answers 200 and the
+/// release is counted while the bootstrap's export is still waiting for its deadline
+/// (no failure counted yet); the deadline then ends it, and the failure is counted.
+#[test]
+fn a_silent_collector_does_not_delay_readiness_or_resident_mode() {
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
+    api.put_object(reference_node(true).build()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(dir.path(), "p.yaml", "8gpu-two-domains", "{}").unwrap();
+    let config = write_config(dir.path(), "c.yaml", "{}").unwrap();
+    let port = free_port().unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let mut args = agent_args(&profile, &config, &api, false);
+    args.extend(["--metrics-addr".to_string(), addr]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut cmd = agent_command(&args).unwrap();
+    cmd.env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    cmd.env(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        format!("http://127.0.0.1:{}", silent.local_addr().unwrap().port()),
+    )
+    .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf");
+    let agent = RunningAgent::spawn(cmd).unwrap();
+    let ready = wait_until("/readyz 200", Duration::from_secs(90), || {
+        http_status(port, "/readyz") == Some(200)
+    });
+    let at_ready = metrics(port).unwrap_or_default();
+    let counted = wait_until("the export's failure counted", Duration::from_secs(90), || {
+        metrics(port).is_ok_and(|m| export_failures(&m) >= 1)
+    });
+    agent.signal("TERM").unwrap();
+    let run = agent.wait(Duration::from_secs(60)).unwrap();
+    drop(silent);
+    if let Err(e) = ready.and(counted) {
+        panic!("{e}\n{}", run.text());
+    }
+    assert!(at_ready.contains("taintgate_released 1"), "{at_ready}");
+    assert_eq!(
+        export_failures(&at_ready),
+        0,
+        "ready only after the export had failed: the collector delayed it\n{at_ready}"
+    );
+    assert!(
+        run.stderr.contains("OtlpExportTimeout") || run.stderr.contains("OtlpExportFailed"),
         "{}",
         run.stderr
     );

@@ -19,13 +19,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::{Value, json};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 use taintgate_tests::agent::{NODE, TAINT, condition};
 use taintgate_tests::cluster::ApiServer;
-use taintgate_tests::continuous::node_with_foreign_taint;
+use taintgate_tests::continuous::{http_status, node_with_foreign_taint};
 use taintgate_tests::faults::{AgentRun, RunningAgent, agent_command, has_startup_taint, wait_until, write_config};
 use taintgate_tests::require_service;
 
@@ -158,16 +157,6 @@ fn stable(node: &Value) -> Value {
         "taints": node["spec"]["taints"],
         "conditions": node["status"]["conditions"],
     })
-}
-
-/// `GET path` on 127.0.0.1:port: the status code, or None when nothing answers.
-fn http_status(port: u16, path: &str) -> Option<u16> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    out.split_whitespace().nth(1)?.parse().ok()
 }
 
 #[test]

@@ -103,7 +103,8 @@ impl Demo {
     /// What the demo run simulates and what it runs for real, for the report.
     pub fn note() -> &'static str {
         "demo config (check --simulate builtin without --config): simulated: GPUs (NVML, CUDA), \
-         Node API, kubelet (device plugin, pod-resources, CDI, disk thresholds), container runtime (images); \
+         Node API, kubelet (device plugin, pod-resources, CDI, disk thresholds), container runtime (images), \
+         network (RDMA ports, GPUDirect, IMEX channels); \
          real: the fit arithmetic, and the model download engine fetching and sha256-verifying \
          a generated bundle from a local file:// source into a temporary cache"
     }

@@ -21,6 +21,10 @@ pub struct BootstrapResult {
     pub timeline: Timeline,
     /// Process exit code.
     pub exit_code: i32,
+    /// The trace export, running on its own (bounded by
+    /// [`crate::telemetry::otlp::EXPORT_DEADLINE`]): resident mode and a held node's next
+    /// bootstrap do not wait for it; a process about to exit does, so the trace is not cut.
+    pub export: tokio::task::JoinHandle<usize>,
 }
 
 /// Run a whole bootstrap on `node_name`. `start_node`: the Node the lifecycle read at
@@ -111,9 +115,18 @@ pub async fn bootstrap(ctx: Arc<Context>, node_name: &str, start_node: Option<No
         };
         report_verdict(api.as_ref(), &ctx.config, ctx.events_observer.as_ref(), r).await;
     }
-    crate::telemetry::export_timeline(&timeline, &pre).await;
+    // A collector that is down or slow must not delay readiness, resident mode or the
+    // held node's next evaluation: the export runs beside them.
+    let export = {
+        let timeline = timeline.clone();
+        tokio::spawn(async move { crate::telemetry::export_timeline(&timeline, &pre).await })
+    };
     let exit_code = if released { exit::RELEASED } else { exit::HELD };
-    BootstrapResult { timeline, exit_code }
+    BootstrapResult {
+        timeline,
+        exit_code,
+        export,
+    }
 }
 
 /// The timeline record of a required step around the graph (`stage`), from `t0` to now.

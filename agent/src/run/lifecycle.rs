@@ -213,8 +213,11 @@ impl Agent {
         let mut held = HELD_RETRY.backoff();
         loop {
             let ctx = self.context(node_facts.clone());
-            let BootstrapResult { timeline, exit_code } =
-                bootstrap(ctx.clone(), &self.node_name, start_node.take()).await;
+            let BootstrapResult {
+                timeline,
+                exit_code,
+                export,
+            } = bootstrap(ctx.clone(), &self.node_name, start_node.take()).await;
             // The cache's housekeeping, once the verdict is out: never part of the evidence.
             collect_garbage(&ctx).await;
             self.metrics.observe_timeline(&timeline);
@@ -222,6 +225,9 @@ impl Agent {
             self.ready.store(released && !self.dry_run, Ordering::Release);
             show(&timeline);
             if self.once || self.dry_run || self.cancel.is_cancelled() {
+                // The process ends with this bootstrap: let its trace out first (the
+                // export's own deadline bounds the wait).
+                let _ = export.await;
                 return exit_code;
             }
             if released {
