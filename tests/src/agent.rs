@@ -62,7 +62,8 @@ pub fn register_like_karpenter(api: &crate::cluster::ApiServer, node: &str) -> a
 }
 
 /// Remove from `c`'s environment what would point the agent at a cluster, a node, a
-/// config or systemd of the machine running the tests.
+/// config, systemd or a trace collector of the machine running the tests, or change its
+/// log format: the one clean-environment list every launcher uses.
 pub fn clean_env(c: &mut Command) {
     for v in [
         "KUBECONFIG",
@@ -70,6 +71,10 @@ pub fn clean_env(c: &mut Command) {
         "NODE_NAME",
         "TAINTGATE_CONFIG",
         "NOTIFY_SOCKET",
+        "TAINTGATE_LOG_FORMAT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
     ] {
         c.env_remove(v);
     }

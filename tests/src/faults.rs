@@ -119,16 +119,7 @@ pub fn parse_timeline(stdout: &str) -> Option<Timeline> {
 /// agent itself), with a clean environment and piped output.
 pub fn agent_command(args: &[&str]) -> anyhow::Result<Command> {
     let mut c = Command::new(crate::services::taintgate_bin()?);
-    for v in [
-        "KUBECONFIG",
-        "KUBERNETES_SERVICE_HOST",
-        "NODE_NAME",
-        "TAINTGATE_CONFIG",
-        "NOTIFY_SOCKET",
-        "TAINTGATE_LOG_FORMAT",
-    ] {
-        c.env_remove(v);
-    }
+    crate::agent::clean_env(&mut c);
     c.env("RUST_LOG", "info")
         .args(args)
         .stdin(Stdio::null())
@@ -245,13 +236,13 @@ impl RunningAgent {
 
 /// Standard agent arguments against the API server: `run --simulate P --kubeconfig K
 /// --config C --output json --log-format json` (plus `--once` when `once`).
-pub fn agent_args(profile: &Path, config: &Path, emu: &ApiServer, once: bool) -> Vec<String> {
+pub fn agent_args(profile: &Path, config: &Path, api: &ApiServer, once: bool) -> Vec<String> {
     let mut a: Vec<String> = [
         "run",
         "--simulate",
         &profile.to_string_lossy(),
         "--kubeconfig",
-        &emu.kubeconfig_path().to_string_lossy(),
+        &api.kubeconfig_path().to_string_lossy(),
         "--config",
         &config.to_string_lossy(),
         "--output",
@@ -298,8 +289,8 @@ pub fn is_taint_removal(r: &RecordedRequest, node: &str) -> bool {
 }
 
 /// Every taint-removal patch the proxy saw for `node`.
-pub fn taint_removals(emu: &ApiServer, node: &str) -> Vec<RecordedRequest> {
-    emu.requests()
+pub fn taint_removals(api: &ApiServer, node: &str) -> Vec<RecordedRequest> {
+    api.requests()
         .into_iter()
         .filter(|r| is_taint_removal(r, node))
         .collect()
@@ -330,8 +321,8 @@ pub fn evidence_to_untaint_ms(t: &Timeline) -> Option<u64> {
 
 /// Check that no taint-removal patch reached the API server before the evidence was
 /// complete. `held_by_stage`: the node was held by a stage, so no removal may exist at all.
-pub fn check_no_early_untaint(emu: &ApiServer, node: &str, t: &Timeline) -> Result<(), String> {
-    let removals = taint_removals(emu, node);
+pub fn check_no_early_untaint(api: &ApiServer, node: &str, t: &Timeline) -> Result<(), String> {
+    let removals = taint_removals(api, node);
     let blocked = t
         .stages
         .iter()
@@ -411,8 +402,8 @@ pub fn has_startup_taint(node: &Value) -> bool {
 }
 
 /// The reference node's JSON as the API server stores it.
-pub fn reference(emu: &ApiServer) -> anyhow::Result<Value> {
-    emu.get_object("nodes", NODE)?
+pub fn reference(api: &ApiServer) -> anyhow::Result<Value> {
+    api.get_object("nodes", NODE)?
         .ok_or_else(|| anyhow::anyhow!("node {NODE} missing from the API server"))
 }
 
@@ -507,18 +498,18 @@ impl RowRun {
     }
 }
 
-/// Run the agent against `emu` (`--once` when `once`) with `profile` and `config`, run a
+/// Run the agent against `api` (`--once` when `once`) with `profile` and `config`, run a
 /// row's concurrent `actions` while it runs, and wait for it (60 s at most). Fails when the
 /// actions failed, the agent did not finish, printed no timeline, or the Node is gone; the
 /// failure carries the agent's output.
 pub fn run_row_agent(
-    emu: &ApiServer,
+    api: &ApiServer,
     profile: &Path,
     config: &Path,
     once: bool,
     actions: impl FnOnce(&RunningAgent) -> anyhow::Result<()>,
 ) -> Result<RowRun, String> {
-    let args = agent_args(profile, config, emu, once);
+    let args = agent_args(profile, config, api, once);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let agent = RunningAgent::spawn(agent_command(&args).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let during = actions(&agent);
@@ -533,7 +524,7 @@ pub fn run_row_agent(
     let Some(timeline) = run.timeline() else {
         return fail("no JSON timeline on stdout".into());
     };
-    let after = match reference(emu) {
+    let after = match reference(api) {
         Ok(a) => a,
         Err(e) => return fail(e.to_string()),
     };
@@ -572,9 +563,9 @@ pub fn check_verified_condition(after: &Value, expect: Expect) -> Result<(), Str
 
 /// Check that an Event about the reference node carries the verdict (type and reason);
 /// other failed stages may add their own Warnings.
-pub fn check_verdict_event(emu: &ApiServer, expect: Expect) -> Result<(), String> {
+pub fn check_verdict_event(api: &ApiServer, expect: Expect) -> Result<(), String> {
     let (want_type, want_reason) = (expect.event_type(), expect.reason());
-    let events = emu.list_objects("events").map_err(|e| e.to_string())?;
+    let events = api.list_objects("events").map_err(|e| e.to_string())?;
     if !events
         .iter()
         .any(|ev| ev["reason"] == want_reason && ev["type"] == want_type && ev["involvedObject"]["name"] == NODE)

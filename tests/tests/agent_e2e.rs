@@ -9,17 +9,17 @@ use taintgate_tests::agent::*;
 use taintgate_tests::cluster::{ApiServer, RequestMatch};
 
 fn start(registered: bool) -> ApiServer {
-    let emu = ApiServer::start_blocking().unwrap();
-    emu.put_object(reference_node(registered).build()).unwrap();
-    emu
+    let api = ApiServer::start_blocking().unwrap();
+    api.put_object(reference_node(registered).build()).unwrap();
+    api
 }
 
-fn node(emu: &ApiServer) -> Value {
-    emu.get_object("nodes", NODE).unwrap().unwrap()
+fn node(api: &ApiServer) -> Value {
+    api.get_object("nodes", NODE).unwrap().unwrap()
 }
 
-fn kubeconfig(emu: &ApiServer) -> String {
-    emu.kubeconfig_path().to_string_lossy().into_owned()
+fn kubeconfig(api: &ApiServer) -> String {
+    api.kubeconfig_path().to_string_lossy().into_owned()
 }
 
 /// Everything but what the agent may change: our taint, our annotations, our conditions,
@@ -44,19 +44,19 @@ fn without_our_changes(mut n: Value) -> Value {
 
 #[test]
 fn healthy_node_is_released_and_nothing_else_changes() {
-    let emu = start(true);
-    let before = node(&emu);
+    let api = start(true);
+    let before = node(&api);
     let o = run_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    let after = node(&emu);
+    let after = node(&api);
     assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
     assert_eq!(
         without_our_changes(after.clone()),
@@ -115,7 +115,7 @@ fn healthy_node_is_released_and_nothing_else_changes() {
         "other conditions kept"
     );
 
-    let events = emu.agent_events().unwrap();
+    let events = api.agent_events().unwrap();
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["reason"], "Released");
     assert_eq!(events[0]["involvedObject"]["name"], NODE);
@@ -127,7 +127,7 @@ fn healthy_node_is_released_and_nothing_else_changes() {
     );
 
     // The taint removal is a JSON Patch that tests key and effect at the index.
-    let patches: Vec<_> = emu
+    let patches: Vec<_> = api
         .mutating_requests()
         .into_iter()
         .filter(|r| {
@@ -157,18 +157,18 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
         ("slow-peer", "PeerBandwidthLow", None),
         ("plugin-unhealthy", "PluginDeviceUnhealthy", Some("True")),
     ] {
-        let emu = start(true);
+        let api = start(true);
         let o = run_agent(&[
             "run",
             "--simulate",
             &profile(p),
             "--kubeconfig",
-            &kubeconfig(&emu),
+            &kubeconfig(&api),
             "--once",
         ])
         .unwrap();
         assert_eq!(o.status.code(), Some(1), "{p}: {}", output_text(&o));
-        let after = node(&emu);
+        let after = node(&api);
         assert!(taint_keys(&after).contains(&TAINT.to_string()), "{p}: taint must stay");
         let c = condition(&after, "TaintgateVerified").unwrap();
         assert_eq!(
@@ -182,7 +182,7 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
             hardware.map(|s| json!(s)),
             "{p}: False only on evidence contention cannot produce (node repair acts on it); True when the hardware was verified and the hold is elsewhere"
         );
-        let events = emu.agent_events().unwrap();
+        let events = api.agent_events().unwrap();
         // The verdict's Event, plus one per other failed stage: a second one names which.
         assert_eq!(events.len(), 1, "{p}: {events:#?}");
         assert_eq!(
@@ -190,7 +190,7 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
             (Some("Warning"), Some(reason))
         );
         assert!(
-            !emu.mutating_requests()
+            !api.mutating_requests()
                 .iter()
                 .any(|r| r.content_type.as_deref() == Some("application/json-patch+json")
                     && r.path == format!("/api/v1/nodes/{NODE}")),
@@ -201,37 +201,37 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
 
 #[test]
 fn waits_for_karpenter_registration_before_removing_the_taint() {
-    let emu = start(false);
+    let api = start(false);
     let child = spawn_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
     ])
     .unwrap();
     // The agent is watching its node: registration has not happened, it must not untaint.
-    emu.wait_for_open_watch(Duration::from_secs(30)).unwrap();
+    api.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     std::thread::sleep(Duration::from_millis(2500)); // every other stage finishes meanwhile
-    assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+    assert!(taint_keys(&node(&api)).contains(&TAINT.to_string()));
     assert!(
-        emu.mutating_requests().is_empty(),
+        api.mutating_requests().is_empty(),
         "nothing written before registration"
     );
     // Karpenter registers the node.
-    register_like_karpenter(&emu, NODE).unwrap();
+    register_like_karpenter(&api, NODE).unwrap();
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
+    assert_eq!(taint_keys(&node(&api)), vec!["nvidia.com/gpu".to_string()]);
 }
 
 #[test]
 fn concurrent_writer_adding_a_taint_keeps_both_correct() {
-    let emu = start(true);
+    let api = start(true);
     // Another controller inserts a taint in front of ours just before our patch lands:
     // our `test` at index 0 fails (422), we re-read and remove ours at its new index.
-    emu.before_next_write("nodes", NODE, |n| {
+    api.before_next_write("nodes", NODE, |n| {
         n["spec"]["taints"]
             .as_array_mut()
             .unwrap()
@@ -243,17 +243,17 @@ fn concurrent_writer_adding_a_taint_keeps_both_correct() {
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    let keys = taint_keys(&node(&emu));
+    let keys = taint_keys(&node(&api));
     assert_eq!(
         keys,
         vec!["example.com/maintenance".to_string(), "nvidia.com/gpu".to_string()]
     );
-    let statuses: Vec<u16> = emu
+    let statuses: Vec<u16> = api
         .mutating_requests()
         .iter()
         .filter(|r| {
@@ -271,12 +271,12 @@ fn concurrent_writer_adding_a_taint_keeps_both_correct() {
 
 #[test]
 fn a_write_guarded_by_the_resource_version_meets_a_real_concurrent_writer() {
-    let emu = start(true);
+    let api = start(true);
     // The Node has none of the agent's conditions: its first condition write appends, and
     // an append can only be guarded by the resourceVersion the absence was seen at.
     // Another writer changes the Node just before that write lands: the real server's
     // `test` of /metadata/resourceVersion fails (422); the agent re-reads and writes again.
-    emu.before_next_write("nodes/status", NODE, |n| {
+    api.before_next_write("nodes/status", NODE, |n| {
         n["metadata"]["labels"]["example.com/touched"] = json!("yes");
     })
     .unwrap();
@@ -285,18 +285,18 @@ fn a_write_guarded_by_the_resource_version_meets_a_real_concurrent_writer() {
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    let after = node(&emu);
+    let after = node(&api);
     assert_eq!(
         after["metadata"]["labels"]["example.com/touched"], "yes",
         "the other writer's change kept"
     );
     assert_eq!(condition(&after, "TaintgateVerified").unwrap()["status"], "True");
-    let guarded: Vec<u16> = emu
+    let guarded: Vec<u16> = api
         .mutating_requests()
         .iter()
         .filter(|r| {
@@ -317,48 +317,48 @@ fn a_write_guarded_by_the_resource_version_meets_a_real_concurrent_writer() {
 
 #[test]
 fn conflicts_and_server_errors_are_retried_not_given_up() {
-    let emu = start(true);
+    let api = start(true);
     let m = RequestMatch::any()
         .method("PATCH")
         .path(&format!("/api/v1/nodes/{NODE}"));
-    emu.conflict_next_writes(3, m.clone());
+    api.conflict_next_writes(3, m.clone());
     // 500 (kube-rs itself retries 503s, so those never reach the agent).
-    emu.fail_next(3, 500, m);
+    api.fail_next(3, 500, m);
     let o = run_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    assert_eq!(taint_keys(&node(&emu)), vec!["nvidia.com/gpu".to_string()]);
+    assert_eq!(taint_keys(&node(&api)), vec!["nvidia.com/gpu".to_string()]);
 }
 
 #[test]
 fn dry_run_sends_zero_mutating_requests() {
-    let emu = start(true);
+    let api = start(true);
     for args in [vec!["run", "--dry-run"], vec!["check"]] {
-        emu.clear_requests();
+        api.clear_requests();
         let mut a = args.clone();
         let p = profile("8gpu-two-domains");
-        let k = kubeconfig(&emu);
+        let k = kubeconfig(&api);
         a.extend(["--simulate", &p, "--kubeconfig", &k, "--once"]);
         let o = run_agent(&a).unwrap();
         assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
         assert!(output_text(&o).contains("WouldRelease") || output_text(&o).contains("WOULD RELEASE"));
-        assert!(!emu.requests().is_empty(), "the dry-run did read the API");
-        assert_eq!(emu.mutating_requests().len(), 0, "{:?}", emu.mutating_requests());
-        assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+        assert!(!api.requests().is_empty(), "the dry-run did read the API");
+        assert_eq!(api.mutating_requests().len(), 0, "{:?}", api.mutating_requests());
+        assert!(taint_keys(&node(&api)).contains(&TAINT.to_string()));
     }
 }
 
 #[test]
 fn already_untainted_node_is_idempotent() {
-    let emu = start(true);
-    emu.mutate_object("nodes", NODE, |n| {
+    let api = start(true);
+    api.mutate_object("nodes", NODE, |n| {
         n["spec"]["taints"]
             .as_array_mut()
             .unwrap()
@@ -370,7 +370,7 @@ fn already_untainted_node_is_idempotent() {
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
     ])
     .unwrap();
@@ -380,7 +380,7 @@ fn already_untainted_node_is_idempotent() {
     // that release, so the agent's condition says why it did nothing; nothing else is
     // written, the hardware condition least of all (no evidence ran).
     assert!(output_text(&o).contains("AlreadyReleased"), "{}", output_text(&o));
-    let after = node(&emu);
+    let after = node(&api);
     assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
     let c = condition(&after, "TaintgateVerified").unwrap();
     assert_eq!(
@@ -388,7 +388,7 @@ fn already_untainted_node_is_idempotent() {
         (Some("True"), Some("AlreadyReleased"))
     );
     assert!(condition(&after, "AcceleratedHardwareReady").is_none(), "{after}");
-    let writes: Vec<String> = emu
+    let writes: Vec<String> = api
         .mutating_requests()
         .into_iter()
         .filter(|r| r.path.starts_with(&format!("/api/v1/nodes/{NODE}")))
@@ -399,20 +399,20 @@ fn already_untainted_node_is_idempotent() {
 
 #[test]
 fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() {
-    let emu = start(true);
+    let api = start(true);
     let child = spawn_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
     ])
     .unwrap();
     let gone = |n: &Value| !taint_keys(n).contains(&TAINT.to_string());
-    emu.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(60))
+    api.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(60))
         .unwrap();
     // "Karpenter" re-syncs the startup taint after release.
-    emu.mutate_object("nodes", NODE, |n| {
+    api.mutate_object("nodes", NODE, |n| {
         n["spec"]["taints"]
             .as_array_mut()
             .unwrap()
@@ -420,9 +420,9 @@ fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() 
     })
     .unwrap();
     let back = |n: &Value| taint_keys(n).contains(&TAINT.to_string());
-    emu.wait_for_blocking("nodes", NODE, back, Duration::from_secs(5))
+    api.wait_for_blocking("nodes", NODE, back, Duration::from_secs(5))
         .unwrap();
-    emu.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(30))
+    api.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(30))
         .unwrap();
     // The `timeout` wrapper forwards SIGTERM to the agent.
     let st = std::process::Command::new("kill")
@@ -439,13 +439,13 @@ fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() 
 /// The reference note's worked example: 96 vCPU / 768 GiB, 6 vCPU + 24 GiB reserved by the
 /// kubelet, DaemonSets requesting 2 vCPU + 8 GiB: 88 vCPU / 736 GiB left for TP4 groups of
 /// 4 GPU / 40 vCPU / 300 GiB -> 2 groups.
-fn fit_fixture(emu: &ApiServer, promised: u32) -> tempfile::TempDir {
+fn fit_fixture(api: &ApiServer, promised: u32) -> tempfile::TempDir {
     for (name, cpu, mem) in [
         ("device-plugin", "500m", "2Gi"),
         ("dcgm-exporter", "500m", "2Gi"),
         ("logging", "1", "4Gi"),
     ] {
-        emu.put_object(json!({
+        api.put_object(json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "kube-system"},
             "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "example/c:1", "resources": {"requests": {"cpu": cpu, "memory": mem}}}]},
@@ -454,7 +454,7 @@ fn fit_fixture(emu: &ApiServer, promised: u32) -> tempfile::TempDir {
         .unwrap();
     }
     // A finished pod does not count.
-    emu.put_object(json!({
+    api.put_object(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "old-job", "namespace": "default"},
         "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "example/c:1", "resources": {"requests": {"cpu": "80"}}}]},
@@ -474,15 +474,15 @@ fn fit_fixture(emu: &ApiServer, promised: u32) -> tempfile::TempDir {
 
 #[test]
 fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
-    let emu = start(true);
-    let dir = fit_fixture(&emu, 2);
+    let api = start(true);
+    let dir = fit_fixture(&api, 2);
     let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
     let o = run_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
         "--config",
         &cfg,
@@ -498,7 +498,7 @@ fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
         assert!(out.contains(line), "missing {line:?} in:\n{out}");
     }
     // The pod list is field-selected on this node, never a list of everything.
-    let lists: Vec<_> = emu
+    let lists: Vec<_> = api
         .requests()
         .into_iter()
         .filter(|r| r.path.ends_with("/pods"))
@@ -510,34 +510,34 @@ fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
         lists[0].query
     );
 
-    let emu = start(true);
-    let dir = fit_fixture(&emu, 3);
+    let api = start(true);
+    let dir = fit_fixture(&api, 3);
     let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
     let o = run_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
         "--config",
         &cfg,
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
-    let c = condition(&node(&emu), "TaintgateVerified").unwrap().clone();
+    let c = condition(&node(&api), "TaintgateVerified").unwrap().clone();
     assert_eq!(c["reason"], "GroupFitShort");
     assert!(
         c["message"].as_str().unwrap().contains("GPU"),
         "binding resource named: {c}"
     );
-    assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+    assert!(taint_keys(&node(&api)).contains(&TAINT.to_string()));
 }
 
 #[test]
 fn allocatable_published_late_is_waited_for_on_the_watch() {
-    let emu = start(true);
-    emu.mutate_object("nodes", NODE, |n| {
+    let api = start(true);
+    api.mutate_object("nodes", NODE, |n| {
         n["status"]["allocatable"]
             .as_object_mut()
             .unwrap()
@@ -553,17 +553,17 @@ fn allocatable_published_late_is_waited_for_on_the_watch() {
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
         "--output",
         "json",
     ])
     .unwrap();
-    emu.wait_for_open_watch(Duration::from_secs(30)).unwrap();
+    api.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     // The device plugin registers in steps: 4, then 8.
     for n in ["4", "8"] {
         std::thread::sleep(Duration::from_millis(300));
-        emu.mutate_object("nodes", NODE, |node| {
+        api.mutate_object("nodes", NODE, |node| {
             node["status"]["allocatable"]["nvidia.com/gpu"] = json!(n);
             node["status"]["capacity"]["nvidia.com/gpu"] = json!(n);
         })
@@ -571,17 +571,17 @@ fn allocatable_published_late_is_waited_for_on_the_watch() {
     }
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    let watches = emu.requests().into_iter().filter(|r| r.watch).count();
+    let watches = api.requests().into_iter().filter(|r| r.watch).count();
     assert!(watches >= 1);
     assert!(
-        emu.requests()
+        api.requests()
             .iter()
             .filter(|r| r.watch)
             .all(|r| r.query.contains("fieldSelector=metadata.name")),
         "only field-selected watches"
     );
     assert!(
-        !emu.requests()
+        !api.requests()
             .iter()
             .any(|r| r.method == "GET" && r.path == "/api/v1/nodes" && !r.watch),
         "never lists all nodes"
@@ -632,13 +632,13 @@ fn bundle_fixture(dir: &std::path::Path) -> String {
 fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = bundle_fixture(dir.path());
-    let emu = start(true);
+    let api = start(true);
     let o = run_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
         "--config",
         &cfg,
@@ -669,13 +669,13 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
     let mut shard = std::fs::read(dir2.path().join("model/shards/00.bin")).unwrap();
     shard[1_234_567] ^= 0xff;
     std::fs::write(dir2.path().join("model/shards/00.bin"), &shard).unwrap();
-    let emu = start(true);
+    let api = start(true);
     let o = run_agent(&[
         "run",
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
         "--config",
         &cfg2,
@@ -683,10 +683,10 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
     .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
     assert_eq!(
-        condition(&node(&emu), "TaintgateVerified").unwrap()["reason"],
+        condition(&node(&api), "TaintgateVerified").unwrap()["reason"],
         "DigestMismatch"
     );
-    assert!(taint_keys(&node(&emu)).contains(&TAINT.to_string()));
+    assert!(taint_keys(&node(&api)).contains(&TAINT.to_string()));
     assert!(
         !dir2.path().join("cache/bundles/demo/shards/00.bin").exists(),
         "no unverified file at a final path"
@@ -695,10 +695,10 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
 
 #[test]
 fn reboot_regate_puts_the_taint_back_before_validating_then_removes_it() {
-    let emu = start(true);
+    let api = start(true);
     // Released under an earlier boot; the kubelet does not re-add startup taints to an
     // existing Node after a reboot.
-    emu.mutate_object("nodes", NODE, |n| {
+    api.mutate_object("nodes", NODE, |n| {
         n["spec"]["taints"]
             .as_array_mut()
             .unwrap()
@@ -714,14 +714,14 @@ fn reboot_regate_puts_the_taint_back_before_validating_then_removes_it() {
         "--simulate",
         &profile("8gpu-two-domains"),
         "--kubeconfig",
-        &kubeconfig(&emu),
+        &kubeconfig(&api),
         "--once",
         "--config",
         &cfg.to_string_lossy(),
     ])
     .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
-    let patches: Vec<Value> = emu
+    let patches: Vec<Value> = api
         .mutating_requests()
         .into_iter()
         .filter(|r| {
@@ -737,7 +737,7 @@ fn reboot_regate_puts_the_taint_back_before_validating_then_removes_it() {
         patches[1][2]["op"], "remove",
         "then, with the evidence in again, it is removed"
     );
-    let after = node(&emu);
+    let after = node(&api);
     assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
     assert_eq!(

@@ -70,7 +70,7 @@ struct Tally {
 }
 
 fn run_once(
-    emu: &ApiServer,
+    api: &ApiServer,
     stages: usize,
     args: &[String],
     kill_after: Option<Duration>,
@@ -92,11 +92,11 @@ fn run_once(
     // (which finishes every exchange with the server even when its client is gone): let
     // its answer be recorded before the Node is read and the record judged.
     let _ = wait_until("the proxy's answers", Duration::from_secs(10), || {
-        emu.requests().iter().all(|r| r.watch || r.status != 0)
+        api.requests().iter().all(|r| r.watch || r.status != 0)
     });
-    let node = reference(emu).map_err(|e| e.to_string())?;
+    let node = reference(api).map_err(|e| e.to_string())?;
     check_whole_state(&node, before).map_err(|e| format!("{e}\n{}", run.text()))?;
-    let removals = taint_removals(emu, NODE);
+    let removals = taint_removals(api, NODE);
     let first_applied = removals.iter().filter(|r| r.status == 200).map(|r| r.at).min();
     let passed = stage_passed_times(&run.stderr);
     if kill_after.is_some() {
@@ -149,21 +149,21 @@ fn kill_9_at_random_points_then_converge() {
     let dir = tempfile::tempdir().unwrap();
     let profile = write_profile(dir.path(), "p.yaml", "8gpu-two-domains", "").unwrap();
     let config = write_config(dir.path(), "c.yaml", "").unwrap();
-    let emu = require_service!("kube-apiserver", ApiServer::start_blocking());
+    let api = require_service!("kube-apiserver", ApiServer::start_blocking());
     let fresh = || {
-        emu.put_object(reference_node(true).build()).unwrap();
-        emu.clear_requests();
-        for e in emu.list_objects("events").unwrap() {
+        api.put_object(reference_node(true).build()).unwrap();
+        api.clear_requests();
+        for e in api.list_objects("events").unwrap() {
             let name = format!(
                 "{}/{}",
                 e["metadata"]["namespace"].as_str().unwrap(),
                 e["metadata"]["name"].as_str().unwrap()
             );
-            emu.delete_object("events", &name).unwrap();
+            api.delete_object("events", &name).unwrap();
         }
-        reference(&emu).unwrap()
+        reference(&api).unwrap()
     };
-    let args = agent_args(&profile, &config, &emu, true);
+    let args = agent_args(&profile, &config, &api, true);
 
     // Calibrate: how long one whole bootstrap takes here, so kills spread over all of it
     // (stages, the removal, the report) whatever the machine's speed.
@@ -173,7 +173,7 @@ fn kill_9_at_random_points_then_converge() {
     let spawned = SystemTime::now();
     // Until calibrated, demand every stage of the graph.
     let cal = run_once(
-        &emu,
+        &api,
         taintgate::stage::Stage::ALL.len(),
         &args,
         None,
@@ -197,7 +197,7 @@ fn kill_9_at_random_points_then_converge() {
     // per cent of the run, so kills spread evenly over the run hit it too rarely to be
     // sure of it (once in 100 kills in one CI run): every other kill aims at the last part
     // of the run, from a tenth of it before the removal, where it lands on either side.
-    let release_ms = taint_removals(&emu, NODE)
+    let release_ms = taint_removals(&api, NODE)
         .iter()
         .filter(|r| r.status == 200)
         .filter_map(|r| r.at.duration_since(spawned).ok())
@@ -217,14 +217,14 @@ fn kill_9_at_random_points_then_converge() {
                 0 => rng.below(span_ms),
                 _ => late_from + rng.below(span_ms - late_from),
             });
-            if let Err(e) = run_once(&emu, stages, &args, Some(d), &before, &mut tally) {
+            if let Err(e) = run_once(&api, stages, &args, Some(d), &before, &mut tally) {
                 panic!("iteration {i}, kill {k} after {d:?}: {e}");
             }
         }
         let run =
-            run_once(&emu, stages, &args, None, &before, &mut tally).unwrap_or_else(|e| panic!("iteration {i}: {e}"));
+            run_once(&api, stages, &args, None, &before, &mut tally).unwrap_or_else(|e| panic!("iteration {i}: {e}"));
         assert_eq!(run.code, Some(0), "iteration {i}: restart must release\n{}", run.text());
-        let node = reference(&emu).unwrap();
+        let node = reference(&api).unwrap();
         assert_eq!(taints(&node), vec!["nvidia.com/gpu:NoSchedule"], "iteration {i}");
         let c = condition(&node, "TaintgateVerified").unwrap_or_else(|| panic!("iteration {i}: no condition"));
         // A kill after the removal and before the report leaves a released node without its

@@ -117,9 +117,7 @@ fn in_cluster_agent(api: &ApiServer, sa: &Path, args: &[&str]) -> Command {
     c.args(["--mount", "--propagation", "private", "sh", "-c", &script])
         .arg(bin)
         .args(args);
-    for v in ["KUBECONFIG", "TAINTGATE_CONFIG", "NOTIFY_SOCKET"] {
-        c.env_remove(v);
-    }
+    taintgate_tests::agent::clean_env(&mut c);
     c.env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
         .env("KUBERNETES_SERVICE_PORT", api.addr().port().to_string())
         .env("NODE_NAME", NODE)

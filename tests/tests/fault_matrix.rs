@@ -33,7 +33,7 @@ const NODE_PATH: &str = "/api/v1/nodes/gpu-node-a";
 
 /// Everything a scenario's own check can look at.
 struct Ctx<'a> {
-    emu: &'a ApiServer,
+    api: &'a ApiServer,
     run: &'a AgentRun,
     timeline: &'a Timeline,
     after: &'a Value,
@@ -153,8 +153,8 @@ fn node_patch() -> RequestMatch {
 }
 
 /// "Karpenter" finishes registration.
-fn register(emu: &ApiServer) -> anyhow::Result<()> {
-    emu.mutate_object("nodes", NODE, |n| {
+fn register(api: &ApiServer) -> anyhow::Result<()> {
+    api.mutate_object("nodes", NODE, |n| {
         n["metadata"]["labels"]["karpenter.sh/registered"] = json!("true");
         if let Some(t) = n["spec"]["taints"].as_array_mut() {
             t.retain(|t| t["key"] != "karpenter.sh/unregistered");
@@ -163,23 +163,23 @@ fn register(emu: &ApiServer) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn watch_requests(emu: &ApiServer) -> usize {
-    emu.requests().iter().filter(|r| r.watch).count()
+fn watch_requests(api: &ApiServer) -> usize {
+    api.requests().iter().filter(|r| r.watch).count()
 }
 
 /// Wait until the agent has opened its `k`-th watch and that watch is open.
-fn wait_watch(emu: &ApiServer, k: usize) -> anyhow::Result<()> {
+fn wait_watch(api: &ApiServer, k: usize) -> anyhow::Result<()> {
     wait_until(&format!("watch #{k} on the node"), Duration::from_secs(30), || {
-        watch_requests(emu) >= k && emu.open_watches() > 0
+        watch_requests(api) >= k && api.open_watches() > 0
     })
 }
 
-fn statuses(emu: &ApiServer) -> Vec<u16> {
-    taint_removals(emu, NODE).iter().map(|r| r.status).collect()
+fn statuses(api: &ApiServer) -> Vec<u16> {
+    taint_removals(api, NODE).iter().map(|r| r.status).collect()
 }
 
 fn expect_statuses(c: &Ctx, want: &[u16]) -> Result<(), String> {
-    let got = statuses(c.emu);
+    let got = statuses(c.api);
     if got != want {
         return Err(format!("taint-removal statuses {got:?}, expected {want:?}"));
     }
@@ -223,7 +223,7 @@ fn scenarios() -> Vec<Scenario> {
         // ---------------------------------------------------------------- API
         sc("healthy-baseline").extra(|c| {
             expect_statuses(c, &[200])?;
-            let n = c.emu.requests().len();
+            let n = c.api.requests().len();
             // The budget the load test reports (issue goal: <= 15 per bootstrap).
             if n > 15 {
                 return Err(format!("{n} API requests for one bootstrap (goal <= 15)"));
@@ -266,7 +266,7 @@ fn scenarios() -> Vec<Scenario> {
                 GPU_TAINT,
             ])
             .extra(|c| {
-                let s = statuses(c.emu);
+                let s = statuses(c.api);
                 let refused = s.iter().filter(|x| **x == 422).count();
                 if refused < 5 || s.last() != Some(&200) || s.iter().any(|x| *x != 422 && *x != 200) {
                     return Err(format!("expected >= 5 refused (422) removals then one applied: {s:?}"));
@@ -276,7 +276,7 @@ fn scenarios() -> Vec<Scenario> {
         sc("api-500-burst-on-reads")
             .setup(|e| e.fail_next(8, 500, RequestMatch::any().method("GET").path(NODE_PATH).watch(false)))
             .extra(|c| {
-                let n = c.emu.requests().iter().filter(|r| r.status == 500).count();
+                let n = c.api.requests().iter().filter(|r| r.status == 500).count();
                 if n != 8 {
                     return Err(format!("{n} reads answered 500, expected all 8 injected to be met"));
                 }
@@ -292,7 +292,7 @@ fn scenarios() -> Vec<Scenario> {
                 e.fail_next(3, 429, node_patch());
             })
             .extra(|c| {
-                let n = c.emu.requests().iter().filter(|r| r.status == 429).count();
+                let n = c.api.requests().iter().filter(|r| r.status == 429).count();
                 if n != 6 {
                     return Err(format!("{n} requests answered 429, expected all 6 injected to be met"));
                 }
@@ -319,7 +319,7 @@ fn scenarios() -> Vec<Scenario> {
             .extra(|c| {
                 // Every write to the Node fails, so no condition can be written; the Event
                 // (another resource) still says why.
-                if taint_removals(c.emu, NODE).is_empty() {
+                if taint_removals(c.api, NODE).is_empty() {
                     return Err("the agent never tried to remove the taint".into());
                 }
                 Ok(())
@@ -346,7 +346,7 @@ fn scenarios() -> Vec<Scenario> {
             .extra(|c| {
                 expect_statuses(c, &[200])?;
                 let adds = c
-                    .emu
+                    .api
                     .mutating_requests()
                     .iter()
                     .filter(|r| {
@@ -375,7 +375,7 @@ fn scenarios() -> Vec<Scenario> {
                 register(e)
             })
             .extra(|c| {
-                let w = watch_requests(c.emu);
+                let w = watch_requests(c.api);
                 if w < 3 {
                     return Err(format!("only {w} watches opened; expected a re-watch after each drop"));
                 }
@@ -428,7 +428,7 @@ fn scenarios() -> Vec<Scenario> {
             })
             .extra(|c| {
                 // Re-listed: a fresh read of the Node between the resumed watch and the next.
-                let reqs = c.emu.requests();
+                let reqs = c.api.requests();
                 let watches: Vec<usize> = (0..reqs.len()).filter(|i| reqs[*i].watch).collect();
                 let (Some(&second), Some(&third)) = (watches.get(1), watches.get(2)) else {
                     return Err(format!("{} watches; expected a third after the 410", watches.len()));
@@ -528,7 +528,7 @@ fn scenarios() -> Vec<Scenario> {
             agent.signal("TERM")
         })
         .extra(|c| {
-            let n = taint_removals(c.emu, NODE).len();
+            let n = taint_removals(c.api, NODE).len();
             if n != 3 {
                 return Err(format!("{n} removals; expected the release and two re-removals"));
             }
@@ -664,7 +664,7 @@ fn scenarios() -> Vec<Scenario> {
             .hardware_absent()
             .extra(|c| {
                 // The failure does not hold the node but is still reported.
-                let events = c.emu.list_objects("events").map_err(|e| e.to_string())?;
+                let events = c.api.list_objects("events").map_err(|e| e.to_string())?;
                 if !events
                     .iter()
                     .any(|e| e["reason"] == "PeerBandwidthLow" && e["type"] == "Warning")
@@ -772,17 +772,17 @@ fn stable_view(node: &Value, hardware_type: &str) -> Value {
     })
 }
 
-fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
+fn run_scenario(api: &ApiServer, s: &Scenario) -> RowResult {
     let start = Instant::now();
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     // The Node as the real server stored it (defaults, server-set metadata) is the
     // baseline of "nothing else changed".
-    let initial = reset_api_for_row(emu, (s.node)()).map_err(|e| format!("resetting the API server: {e:#}"))?;
+    let initial = reset_api_for_row(api, (s.node)()).map_err(|e| format!("resetting the API server: {e:#}"))?;
     let before = initial.as_ref().map(|n| stable_view(n, s.hardware.0));
-    (s.setup)(emu);
+    (s.setup)(api);
     let profile = write_profile(dir.path(), "profile.yaml", s.profile, s.profile_overlay).map_err(|e| e.to_string())?;
     let config = write_config(dir.path(), "config.yaml", s.config).map_err(|e| e.to_string())?;
-    let r = run_row_agent(emu, &profile, &config, !s.resident, |agent| (s.during)(emu, agent))?;
+    let r = run_row_agent(api, &profile, &config, !s.resident, |agent| (s.during)(api, agent))?;
     let (run, timeline, after) = (&r.run, &r.timeline, &r.after);
 
     // Outcome: exit code, verdict, taints.
@@ -812,12 +812,12 @@ fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
     if hw_type != "AcceleratedHardwareReady" && condition(after, "AcceleratedHardwareReady").is_some() {
         return r.fail("the default hardware condition was written although renamed");
     }
-    if let Err(e) = check_verdict_event(emu, s.expect) {
+    if let Err(e) = check_verdict_event(api, s.expect) {
         return r.fail(e);
     }
 
     // Safety: nothing removed before the evidence, nothing else changed, no fleet-wide list.
-    if let Err(e) = check_no_early_untaint(emu, NODE, timeline) {
+    if let Err(e) = check_no_early_untaint(api, NODE, timeline) {
         return r.fail(e);
     }
     if let Some(b) = before
@@ -828,7 +828,7 @@ fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
             stable_view(after, s.hardware.0)
         ));
     }
-    for req in emu.requests() {
+    for req in api.requests() {
         if req.method == "GET"
             && req.path == "/api/v1/nodes"
             && !req.query.contains("fieldSelector=metadata.name%3Dgpu-node-a")
@@ -837,7 +837,7 @@ fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
         }
     }
     let ctx = Ctx {
-        emu,
+        api,
         run,
         timeline,
         after,
@@ -859,7 +859,7 @@ fn fault_matrix() {
     let rows = select_rows(&all, |s| s.name, "FAULT_MATRIX_ONLY");
     let jobs = jobs_from_env("FAULT_MATRIX_JOBS", 3).min(rows.len());
     let pool = require_service!("kube-apiserver", ApiPool::start(jobs));
-    run_matrix(&rows, jobs, |s| s.name, |s| pool.with(|emu| run_scenario(emu, s))?);
+    run_matrix(&rows, jobs, |s| s.name, |s| pool.with(|api| run_scenario(api, s))?);
 }
 
 /// The early-untaint detector every row relies on must itself be able to fail: a removal
@@ -868,9 +868,9 @@ fn fault_matrix() {
 #[tokio::test]
 async fn early_untaint_detector_flags_a_removal_before_evidence() {
     use kube::api::{Api, Patch, PatchParams};
-    let emu = require_service!("kube-apiserver", ApiServer::start().await);
-    emu.put_object(reference_node(true).build()).unwrap();
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(emu.client().unwrap());
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    api.put_object(reference_node(true).build()).unwrap();
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(api.client().unwrap());
     let remove: json_patch::Patch = serde_json::from_value(json!([
         {"op": "test", "path": "/spec/taints/0/key", "value": TAINT},
         {"op": "remove", "path": "/spec/taints/0"}
@@ -889,8 +889,8 @@ async fn early_untaint_detector_flags_a_removal_before_evidence() {
         }))
         .unwrap()
     };
-    assert!(check_no_early_untaint(&emu, NODE, &timeline("passed", 5_000)).is_err());
-    assert!(check_no_early_untaint(&emu, NODE, &timeline("failed", 0)).is_err());
+    assert!(check_no_early_untaint(&api, NODE, &timeline("passed", 5_000)).is_err());
+    assert!(check_no_early_untaint(&api, NODE, &timeline("failed", 0)).is_err());
     // The same removal after the evidence is fine.
     let earlier = jiff::Timestamp::now() - jiff::SignedDuration::from_secs(10);
     let ok: Timeline = serde_json::from_value(json!({
@@ -899,5 +899,5 @@ async fn early_untaint_detector_flags_a_removal_before_evidence() {
                     "outcome": "passed", "required": true, "attempts": 1}]
     }))
     .unwrap();
-    check_no_early_untaint(&emu, NODE, &ok).unwrap();
+    check_no_early_untaint(&api, NODE, &ok).unwrap();
 }

@@ -456,9 +456,9 @@ fn setup_slow_late_small(dir: &Path) -> anyhow::Result<World> {
 /// stage. Were it still running, the rest of the file would arrive within 2 s (the whole
 /// takes 2 to 3 s) and be committed while the node is held and the agent sleeps before its
 /// next pass (15 s), which would then race the orphan on the same partial file.
-fn download_stopped_at_deadline(w: &World, emu: &ApiServer, agent: &RunningAgent) -> anyhow::Result<()> {
+fn download_stopped_at_deadline(w: &World, api: &ApiServer, agent: &RunningAgent) -> anyhow::Result<()> {
     let held = wait_until("the node to be held", Duration::from_secs(30), || {
-        reference(emu)
+        reference(api)
             .ok()
             .and_then(|n| condition(&n, "TaintgateVerified").map(|c| c["status"] == "False"))
             .unwrap_or(false)
@@ -1210,7 +1210,7 @@ fn stable_view(node: &Value) -> Value {
     })
 }
 
-fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
+fn run_scenario(api: &ApiServer, s: &Scenario) -> RowResult {
     let start = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("tg-fmio")
@@ -1230,14 +1230,14 @@ fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
         }
     };
     // The Node as the real server stored it is the baseline of "nothing else changed".
-    let initial = reset_api_for_row(emu, Some(reference_node(true).build()))
+    let initial = reset_api_for_row(api, Some(reference_node(true).build()))
         .map_err(|e| format!("resetting the API server: {e:#}"))?
         .ok_or("the reference node was not stored")?;
     let before = stable_view(&initial);
     let profile = write_profile(dir.path(), "profile.yaml", "8gpu-two-domains", "").map_err(|e| e.to_string())?;
     let config = write_config(dir.path(), "config.yaml", &world.config).map_err(|e| e.to_string())?;
-    let r = run_row_agent(emu, &profile, &config, !s.resident, |agent| {
-        (s.during)(&world, emu, agent)
+    let r = run_row_agent(api, &profile, &config, !s.resident, |agent| {
+        (s.during)(&world, api, agent)
     })?;
     let (run, timeline, after) = (&r.run, &r.timeline, &r.after);
 
@@ -1292,13 +1292,13 @@ fn run_scenario(emu: &ApiServer, s: &Scenario) -> RowResult {
     if hw != Some(json!("True")) {
         return r.fail(format!("AcceleratedHardwareReady {hw:?}, expected True"));
     }
-    if let Err(e) = check_verdict_event(emu, s.expect) {
+    if let Err(e) = check_verdict_event(api, s.expect) {
         return r.fail(e);
     }
 
     // Safety: nothing removed before the evidence, nothing else on the Node changed,
     // nothing lost or unverified in the cache.
-    if let Err(e) = check_no_early_untaint(emu, NODE, timeline) {
+    if let Err(e) = check_no_early_untaint(api, NODE, timeline) {
         return r.fail(e);
     }
     if stable_view(after) != before {
@@ -1335,7 +1335,7 @@ fn fault_matrix_io() {
     let rows = select_rows(&all, |s| s.name, "FAULT_MATRIX_IO_ONLY");
     let jobs = jobs_from_env("FAULT_MATRIX_IO_JOBS", 3).min(rows.len());
     let pool = require_service!("kube-apiserver", ApiPool::start(jobs));
-    run_matrix(&rows, jobs, |s| s.name, |s| pool.with(|emu| run_scenario(emu, s))?);
+    run_matrix(&rows, jobs, |s| s.name, |s| pool.with(|api| run_scenario(api, s))?);
 }
 
 /// The cache check every models row relies on must itself be able to fail: an unverified
