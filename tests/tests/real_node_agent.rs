@@ -42,6 +42,7 @@ use taintgate_tests::cluster::{ApiServer, kubectl};
 use taintgate_tests::nvidia::DriverRoot;
 use taintgate_tests::real_node::install_agent;
 use taintgate_tests::require_service;
+use taintgate_tests::services::taintgate_bin;
 use taintgate_validators::profile::NodeProfile;
 
 include!("../fake-nvml/compile.rs");
@@ -133,6 +134,21 @@ fn agent_pid(uid: &str) -> Option<u32> {
         let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
         (args.first().is_some_and(|a| a.ends_with(b"taintgate")) && args.get(1) == Some(&&b"run"[..])).then_some(pid)
     })
+}
+
+/// Milliseconds since the epoch of an RFC 3339 time the API server wrote.
+fn ms(t: &str) -> i64 {
+    t.parse::<jiff::Timestamp>()
+        .unwrap_or_else(|e| panic!("{t}: {e}"))
+        .as_millisecond()
+}
+
+/// The EndpointSlice of the `gpu-web` Service.
+fn endpoint_slice(api: &ApiServer) -> Option<Value> {
+    api.list_objects("endpointslices")
+        .unwrap()
+        .into_iter()
+        .find(|s| s["metadata"]["labels"]["kubernetes.io/service-name"] == "gpu-web")
 }
 
 /// A `/proc/PID/status` field.
@@ -336,6 +352,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
     let verified = condition(&node, "TaintgateVerified").cloned().unwrap_or_default();
+    assert!(verified["lastTransitionTime"].is_string(), "{node:#}");
     assert_eq!(verified["status"], "True", "{node:#}");
     assert_eq!(verified["reason"], "Released", "{node:#}");
     let log_dir = PathBuf::from(var("NODE_VAR_LIB"))
@@ -360,6 +377,155 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     assert_eq!(
         gpu_pod["spec"]["containers"][0]["resources"]["limits"][GPU],
         json!(GPUS_ASKED.to_string())
+    );
+    let gpu_name = gpu_pod["metadata"]["name"].as_str().unwrap().to_string();
+    assert_eq!(
+        pending["metadata"]["name"],
+        json!(gpu_name),
+        "the Pod the scheduler refused is the one that ran"
+    );
+
+    // 5. The chain, observed (issue 47 item 3): each stamp the agent recorded equals the
+    //    field of the object it comes from, read here from the API server.
+    let pod_ip = gpu_pod["status"]["podIP"].as_str().unwrap().to_string();
+    wait_until("a ready EndpointSlice endpoint for the GPU Pod", || {
+        endpoint_slice(&api).filter(|s| {
+            s["endpoints"].as_array().unwrap().iter().any(|e| {
+                e["conditions"]["ready"] == true && e["addresses"].as_array().unwrap().contains(&json!(pod_ip))
+            })
+        })
+    });
+    let timeline = wait_until("the agent's chain ending in WorkloadReady", || {
+        let node = api.get_object("nodes", NODE).ok()??;
+        let doc: Value =
+            serde_json::from_str(node["metadata"]["annotations"]["taintgate.io/timeline"].as_str()?).ok()?;
+        (doc["workload"]["outcome"] == "WorkloadReady").then_some(doc)
+    });
+    assert_eq!(
+        timeline["workload"]["pods"],
+        json!([format!("default/{gpu_name}")]),
+        "{timeline:#}"
+    );
+    let post: Vec<(String, i64)> = timeline["post"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e[0].as_str().unwrap().to_string(), e[1].as_i64().unwrap()))
+        .collect();
+    let stamp = |name: &str| {
+        post.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, ms)| *ms)
+            .unwrap_or_else(|| panic!("no {name} in the chain {post:?}"))
+    };
+    let gpu_pod = api.get_object("pods", &format!("default/{gpu_name}")).unwrap().unwrap();
+    let transition = |type_: &str| {
+        ms(pod_condition(&gpu_pod, type_).unwrap()["lastTransitionTime"]
+            .as_str()
+            .unwrap())
+    };
+    assert_eq!(
+        stamp("pod-created"),
+        ms(gpu_pod["metadata"]["creationTimestamp"].as_str().unwrap())
+    );
+    assert_eq!(stamp("pod-scheduled"), transition("PodScheduled"));
+    assert_eq!(stamp("pod-ready"), transition("Ready"));
+    assert_eq!(stamp("containers-ready"), transition("ContainersReady"));
+    let started_at = gpu_pod["status"]["containerStatuses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| ms(c["state"]["running"]["startedAt"].as_str().unwrap()))
+        .max()
+        .unwrap();
+    assert_eq!(stamp("containers-started"), started_at);
+    // The slice's write that listed the Pod ready (nothing wrote it since: one Pod).
+    let slice = endpoint_slice(&api).unwrap();
+    let slice_write = slice["metadata"]["managedFields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|f| f["time"].as_str().map(ms))
+        .max()
+        .unwrap();
+    assert_eq!(stamp("endpoint-ready"), slice_write, "{slice:#}");
+
+    // The scheduler's own refusal, stamped before the taint went (the Node's condition
+    // transition is the removal's write), and its binding after.
+    let events = api.list_objects("events").unwrap();
+    let about_pod = |reason: &str| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|e| e["involvedObject"]["name"] == json!(gpu_name) && e["reason"] == reason)
+            .cloned()
+            .collect()
+    };
+    let refused = about_pod("FailedScheduling");
+    let refused = refused
+        .iter()
+        .find(|e| e["message"].as_str().unwrap_or_default().contains("untolerated taint"))
+        .unwrap_or_else(|| panic!("no FailedScheduling Event naming the taint: {refused:#?}"));
+    assert_eq!(refused["reportingComponent"], "default-scheduler", "{refused:#}");
+    let released_at = ms(verified["lastTransitionTime"].as_str().unwrap());
+    let refused_at = ms(refused["eventTime"].as_str().unwrap());
+    // The condition's time has one-second resolution: compare seconds.
+    assert!(
+        refused_at / 1000 <= released_at / 1000,
+        "FailedScheduling at {refused_at} ms, release at {released_at} ms"
+    );
+    let bound = about_pod("Scheduled");
+    let bound_at = ms(bound
+        .first()
+        .and_then(|e| e["eventTime"].as_str())
+        .unwrap_or_else(|| panic!("no Scheduled Event: {bound:#?}")));
+    assert!(
+        bound_at >= released_at,
+        "bound at {bound_at} ms, before the release at {released_at} ms"
+    );
+
+    // `taintgate timeline` shows the whole chain; `kubectl events` the agent's Events.
+    let out = Command::new(taintgate_bin().unwrap())
+        .args(["timeline", "--color", "never", "--kubeconfig"])
+        .arg(api.kubeconfig_path())
+        .arg(NODE)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "taintgate timeline: {table}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every link is in the table. Not their order: the Pod's and the slice's stamps have
+    // one-second resolution, so one written in the release's second sorts before it
+    // (docs/readiness-chain.md, "One chain on the real node").
+    for s in [
+        "node-created",
+        "kubelet-ready",
+        "pod-created",
+        "released",
+        "pod-scheduled",
+        "containers-started",
+        "pod-ready",
+        "endpoint-ready",
+    ] {
+        assert!(table.contains(&format!(" {s} ")), "no {s} in:\n{table}");
+    }
+    assert!(table.contains("workload: WorkloadReady"), "{table}");
+    let events = plane
+        .kubectl(&["events", "-n", "default", "--for", &format!("node/{NODE}")])
+        .unwrap();
+    let events = String::from_utf8_lossy(&events.stdout).to_string();
+    for reason in ["Released", "WorkloadReady"] {
+        assert!(events.contains(reason), "no {reason} in kubectl events:\n{events}");
+    }
+    // What this run measured (docs/readiness-chain.md): the verdict (the last evidence) to
+    // the scheduler's binding, from the agent's and the scheduler's microsecond stamps.
+    let verdict_at = ms(timeline["verdict"]["at"].as_str().unwrap());
+    eprintln!("chain:\n{table}");
+    eprintln!(
+        "last evidence (verdict) -> workload Pod bound (Scheduled Event): {} ms",
+        bound_at - verdict_at
     );
 
     // 5. `down` takes the registry with the node (it ran in the node's namespace).
