@@ -3,17 +3,18 @@
 # Go modules by scripts/install-test-deps-kube.sh. The test harness starts its clusters with
 # this same script.
 #
-#   scripts/local-cluster.sh up [DIR] [--node [--agent]] [--watch-pid PID]
+#   scripts/local-cluster.sh up [DIR] [--node [--agent [--kustomize]]] [--watch-pid PID]
 #   scripts/local-cluster.sh down [DIR]
 #   scripts/local-cluster.sh env [DIR]      # prints the cluster's settings (shell syntax)
 #   scripts/local-cluster.sh restart-plugin DIR [--plugin-config FILE]   # --node only
-#   scripts/local-cluster.sh install-agent DIR   # --node only: what --agent does, later
+#   scripts/local-cluster.sh install-agent DIR [--kustomize]   # --node only: what --agent does, later
 #
 # --node (root only) adds a real node: kube-controller-manager, kube-scheduler, a private
 # containerd, a kubelet and NVIDIA's device plugin on the fake NVML (scripts/local-node.sh).
 # --agent (with --node) then deploys the agent as users do: the image (scripts/build-image.sh,
 # or TAINTGATE_IMAGE_ARCHIVE) pushed to a loopback registry, the chart installed with
-# scripts/local-agent-values.yaml; `up` returns once the agent's Pod released the node.
+# scripts/local-agent-values.yaml (--kustomize: `kubectl apply -k` of the base with
+# scripts/local-agent-overlay/); `up` returns once the agent's Pod released the node.
 #
 # DIR defaults to ${TMPDIR:-/tmp}/taintgate-cluster. `up` generates a CA, serving and admin
 # client certificates and the service-account signing key with openssl, starts etcd and
@@ -54,12 +55,14 @@ DIR=""
 WATCH_PID=""
 NODE_MODE=0
 AGENT_MODE=0
+AGENT_VIA=helm
 PLUGIN_CONFIG=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --watch-pid) WATCH_PID=${2:?--watch-pid needs a pid}; shift 2 ;;
         --node) NODE_MODE=1; shift ;;
         --agent) AGENT_MODE=1; shift ;;
+        --kustomize) AGENT_VIA=kustomize; shift ;;
         --plugin-config) PLUGIN_CONFIG=${2:?--plugin-config needs a file}; shift 2 ;;
         -h|--help) usage ;;
         -*) die "unknown option $1" ;;

@@ -578,6 +578,48 @@ node_restart_plugin() {
     die "the device plugin did not serve its socket within 60 s ($DIR/device-plugin.log)"
 }
 
+# `kubectl apply -k` of scripts/local-agent-overlay (the kustomize base with the local node's
+# settings) under a kustomization made here with what is known only now: the image by
+# digest, the API server's loopback address and the metrics port (env and containerPort:
+# on the host network they are the node's).
+node_agent_kustomize() {
+    local kubectl=$1 digest=$2 k="$DIR/agent-kustomize" overlay
+    mkdir -p "$k"
+    # kustomize takes no absolute path to a base.
+    overlay=$(realpath --relative-to="$k" "$ROOT/scripts/local-agent-overlay")
+    cat > "$k/kustomization.yaml" <<KUST
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - $overlay
+images:
+  - name: registry.example.invalid/taintgate
+    newName: $REGISTRY_HOST/taintgate
+    digest: $digest
+patches:
+  - target: {kind: DaemonSet, name: taintgate}
+    patch: |-
+      - op: replace
+        path: /spec/template/spec/containers/0/ports/0/containerPort
+        value: $AGENT_METRICS_PORT
+  - patch: |-
+      apiVersion: apps/v1
+      kind: DaemonSet
+      metadata: {name: taintgate, namespace: taintgate-system}
+      spec:
+        template:
+          spec:
+            containers:
+              - name: taintgate
+                env:
+                  - {name: TAINTGATE_METRICS_ADDR, value: "0.0.0.0:$AGENT_METRICS_PORT"}
+                  - {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}
+                  - {name: KUBERNETES_SERVICE_PORT, value: "$APISERVER_PORT"}
+KUST
+    "$kubectl" --kubeconfig "$DIR/kubeconfig" apply -k "$k" >"$DIR/agent-install.log" 2>&1 \
+        || { cat "$DIR/agent-install.log" >&2; fail_up "kubectl apply -k $k failed"; }
+}
+
 # `up --node --agent` (after node_up): the agent as users deploy it. The image
 # (TAINTGATE_IMAGE_ARCHIVE, else scripts/build-image.sh builds it, release binary and all)
 # is pushed to a loopback docker-registry that runs in the node namespace, the kubelet pulls
@@ -630,15 +672,19 @@ node_agent_up() {
 
     AGENT_METRICS_PORT=$(free_port)
     save_state
-    local values=(-f "$ROOT/scripts/local-agent-values.yaml")
-    [ -n "${TAINTGATE_AGENT_VALUES:-}" ] && values+=(-f "$TAINTGATE_AGENT_VALUES")
-    HELM_CACHE_HOME="$DIR/helm/cache" HELM_CONFIG_HOME="$DIR/helm/config" HELM_DATA_HOME="$DIR/helm/data" \
-        "$helm" --kubeconfig "$DIR/kubeconfig" install taintgate "$ROOT/charts/taintgate" \
-        --namespace default "${values[@]}" \
-        --set "image.repository=$REGISTRY_HOST/taintgate" --set "image.digest=$digest" \
-        --set apiServer.host=127.0.0.1 --set "apiServer.port=$APISERVER_PORT" \
-        --set "metricsPort=$AGENT_METRICS_PORT" >"$DIR/helm-install.log" 2>&1 \
-        || { cat "$DIR/helm-install.log" >&2; fail_up "helm install failed"; }
+    if [ "${AGENT_VIA:-helm}" = kustomize ]; then
+        node_agent_kustomize "$kubectl" "$digest"
+    else
+        local values=(-f "$ROOT/scripts/local-agent-values.yaml")
+        [ -n "${TAINTGATE_AGENT_VALUES:-}" ] && values+=(-f "$TAINTGATE_AGENT_VALUES")
+        HELM_CACHE_HOME="$DIR/helm/cache" HELM_CONFIG_HOME="$DIR/helm/config" HELM_DATA_HOME="$DIR/helm/data" \
+            "$helm" --kubeconfig "$DIR/kubeconfig" install taintgate "$ROOT/charts/taintgate" \
+            --namespace default "${values[@]}" \
+            --set "image.repository=$REGISTRY_HOST/taintgate" --set "image.digest=$digest" \
+            --set apiServer.host=127.0.0.1 --set "apiServer.port=$APISERVER_PORT" \
+            --set "metricsPort=$AGENT_METRICS_PORT" >"$DIR/agent-install.log" 2>&1 \
+            || { cat "$DIR/agent-install.log" >&2; fail_up "helm install failed"; }
+    fi
 
     # Ready = released (the chart's readiness probe is the agent's /readyz).
     local ready=""

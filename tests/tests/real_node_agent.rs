@@ -1,8 +1,10 @@
-//! The agent as its DaemonSet's Pod on a real node (issue 47, items 1–2): the node of
+//! The agent as its DaemonSet's Pod on a real node (issue 47, items 1–3): the node of
 //! `scripts/local-cluster.sh up DIR --node`, then `local-cluster.sh install-agent` (what
-//! `up --node --agent` does): the agent's image pushed to a loopback registry, the chart
-//! installed as users install it, with only `scripts/local-agent-values.yaml` and the
-//! addresses known at install on top. Against it:
+//! `up --node --agent` does): the agent's image pushed to a loopback registry, and the
+//! agent deployed as users deploy it, once per test: the chart (`helm install` with only
+//! `scripts/local-agent-values.yaml` on top) and the kustomize base (`kubectl apply -k` of
+//! `scripts/local-agent-overlay/`), each with only the addresses known at install added.
+//! Each test has a node of its own (they run side by side). Against it:
 //!
 //! - a Deployment requesting `nvidia.com/gpu`, created **before** the agent, is left
 //!   unschedulable by the scheduler (untolerated startup taint);
@@ -18,7 +20,13 @@
 //!   log stays empty (smoke and peer-bw are off in the values: no CUDA device here);
 //! - the agent's Pod releases the node (its readiness is the release; its own log says so);
 //!   the GPU Deployment's Pod is then scheduled there, Running and Ready, as read back from the
-//!   API server.
+//!   API server;
+//! - the readiness chain, observed (item 3): the scheduler's own `FailedScheduling`
+//!   (untolerated taint) Event is stamped before the release; each stamp the agent recorded
+//!   equals the field it comes from (never the agent's own output); `taintgate timeline`
+//!   lists every link and `kubectl events` the agent's `Released` and `WorkloadReady`; the
+//!   time from the verdict to the Pod's binding (the scheduler's `Scheduled` Event) is
+//!   printed, not judged.
 //!
 //! The API server from inside the Pod: no kube-proxy runs on this node, so the chart's
 //! `apiServer.host/port` (the API server's loopback address) with `hostNetwork: true` are set
@@ -40,14 +48,13 @@ use serde_json::{Value, json};
 use taintgate_tests::agent::{TAINT, condition, taint_keys};
 use taintgate_tests::cluster::{ApiServer, kubectl};
 use taintgate_tests::nvidia::DriverRoot;
-use taintgate_tests::real_node::install_agent;
+use taintgate_tests::real_node::{Deploy, install_agent};
 use taintgate_tests::require_service;
 use taintgate_tests::services::taintgate_bin;
 use taintgate_validators::profile::NodeProfile;
 
 include!("../fake-nvml/compile.rs");
 
-const NODE: &str = "tg-agent-node";
 const GPU: &str = "nvidia.com/gpu";
 const GPUS_ASKED: u32 = 4;
 const AGENT_NS: &str = "taintgate-system";
@@ -171,6 +178,17 @@ fn jwt_claims(token: &str) -> Value {
 
 #[test]
 fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() {
+    deploy_and_observe("tg-agent-chart", Deploy::Chart);
+}
+
+#[test]
+fn the_kustomize_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() {
+    deploy_and_observe("tg-agent-kustomize", Deploy::Kustomize);
+}
+
+/// One node named `node_name`, the agent deployed on it `how`, and everything the module
+/// comment lists.
+fn deploy_and_observe(node_name: &str, how: Deploy) {
     let started = Instant::now();
     let profile = NodeProfile::load("builtin").unwrap();
     let driver = DriverRoot::new(fake_library(), &profile, "").unwrap();
@@ -181,13 +199,13 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
         "real node (scripts/local-cluster.sh up --node)",
         ApiServer::start_node(&[
             ("TAINTGATE_NODE_DRIVER_ROOT", driver.path().as_os_str()),
-            ("TAINTGATE_NODE_NAME", OsStr::new(NODE)),
+            ("TAINTGATE_NODE_NAME", OsStr::new(node_name)),
         ])
     );
     let plane = api.control_plane();
     let node_up = started.elapsed();
     let var = |k: &str| plane.var(k).unwrap().to_string();
-    let node = api.get_object("nodes", NODE).unwrap().expect("no Node");
+    let node = api.get_object("nodes", node_name).unwrap().expect("no Node");
     assert!(taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
 
     // 1. The GPU workload exists before the agent: the scheduler leaves it unschedulable.
@@ -212,7 +230,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     let install_started = Instant::now();
     let env = require_service!(
         "the agent's chart on the real node (local-cluster.sh install-agent)",
-        install_agent(&api, None)
+        install_agent(&api, how, None)
     );
     let install_took = install_started.elapsed();
     let agents = pods_labelled(&api, "app.kubernetes.io/name", "taintgate");
@@ -220,7 +238,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     let pod = &agents[0];
     let pod_name = pod["metadata"]["name"].as_str().unwrap().to_string();
     assert_eq!(pod["metadata"]["namespace"], AGENT_NS);
-    assert_eq!(pod["spec"]["nodeName"], NODE);
+    assert_eq!(pod["spec"]["nodeName"], node_name);
     assert_eq!(
         pod_condition(pod, "Ready").map(|c| c["status"].clone()),
         Some(json!("True")),
@@ -328,7 +346,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     ))
     .unwrap();
     let claims = jwt_claims(token.trim());
-    assert_eq!(claims["kubernetes.io"]["node"]["name"], NODE, "{claims:#}");
+    assert_eq!(claims["kubernetes.io"]["node"]["name"], node_name, "{claims:#}");
     assert_eq!(claims["kubernetes.io"]["pod"]["name"], json!(pod_name), "{claims:#}");
     let empty = tmp.path().join("empty-kubeconfig");
     std::fs::write(&empty, "apiVersion: v1\nkind: Config\n").unwrap();
@@ -337,7 +355,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
         .arg(&empty)
         .args(["--server", &format!("https://127.0.0.1:{}", var("APISERVER_PORT"))])
         .args(["--certificate-authority", &var("CA"), "--token", token.trim()])
-        .args(["label", "node", NODE, "example.com/not-the-agents=1"])
+        .args(["label", "node", node_name, "example.com/not-the-agents=1"])
         .output()
         .unwrap();
     let denied_text = String::from_utf8_lossy(&denied.stderr);
@@ -349,7 +367,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
 
     // 3. The agent's Pod released the node (its readiness is the release, and its log,
     //    written by the kubelet under the node's /var/log, says so).
-    let node = api.get_object("nodes", NODE).unwrap().unwrap();
+    let node = api.get_object("nodes", node_name).unwrap().unwrap();
     assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
     let verified = condition(&node, "TaintgateVerified").cloned().unwrap_or_default();
     assert!(verified["lastTransitionTime"].is_string(), "{node:#}");
@@ -369,7 +387,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     // 4. The GPU Pod now runs on the node (read back from the API server).
     let gpu_pod = wait_until("the GPU Pod Running and Ready on the node", || {
         pods_labelled(&api, "app", "gpu-web").into_iter().find(|p| {
-            p["spec"]["nodeName"] == NODE
+            p["spec"]["nodeName"] == node_name
                 && p["status"]["phase"] == "Running"
                 && pod_condition(p, "Ready").is_some_and(|c| c["status"] == "True")
         })
@@ -396,7 +414,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
         })
     });
     let timeline = wait_until("the agent's chain ending in WorkloadReady", || {
-        let node = api.get_object("nodes", NODE).ok()??;
+        let node = api.get_object("nodes", node_name).ok()??;
         let doc: Value =
             serde_json::from_str(node["metadata"]["annotations"]["taintgate.io/timeline"].as_str()?).ok()?;
         (doc["workload"]["outcome"] == "WorkloadReady").then_some(doc)
@@ -487,7 +505,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     let out = Command::new(taintgate_bin().unwrap())
         .args(["timeline", "--color", "never", "--kubeconfig"])
         .arg(api.kubeconfig_path())
-        .arg(NODE)
+        .arg(node_name)
         .output()
         .unwrap();
     let table = String::from_utf8_lossy(&out.stdout).to_string();
@@ -513,7 +531,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     }
     assert!(table.contains("workload: WorkloadReady"), "{table}");
     let events = plane
-        .kubectl(&["events", "-n", "default", "--for", &format!("node/{NODE}")])
+        .kubectl(&["events", "-n", "default", "--for", &format!("node/{node_name}")])
         .unwrap();
     let events = String::from_utf8_lossy(&events.stdout).to_string();
     for reason in ["Released", "WorkloadReady"] {
@@ -539,7 +557,7 @@ fn the_chart_deployed_agent_pod_releases_a_real_node_and_a_gpu_pod_runs_there() 
     );
     assert!(!dir.exists(), "{} left behind", dir.display());
     eprintln!(
-        "real node agent test: node up {node_up:?}, chart install to release {install_took:?}, {:?} in all",
+        "real node agent test ({how:?}): node up {node_up:?}, install to release {install_took:?}, {:?} in all",
         started.elapsed()
     );
 }
