@@ -15,13 +15,18 @@
 #     `restrict_oom_score_adj = true`, because these machines lack CAP_SYS_RESOURCE and
 #     runc fails every sandbox that asks for oom_score_adj -998), the sandbox image
 #     registry.k8s.io/pause:3.10 imported from the archive scripts/install-test-deps-node.sh
-#     builds;
+#     builds; its runtime handler "nvidia" (RuntimeClass nvidia) is runc with a base OCI spec
+#     that bind-mounts the driver root's fake NVML and a fake libcuda (tests/fake-cuda) into
+#     every container of that handler, as the NVIDIA container runtime injects the driver;
 #   - a kubelet (cgroup v1: failCgroupV1 false, cgroupDriver cgroupfs, failSwapOn false,
 #     cgroupRoot /taintgate-node-<slot>) registering one Node with the startup taint
 #     (registerWithTaints) and the labels a Karpenter NodePool would give it (nodeLabels),
 #     under the client certificate system:node:<name> (group system:nodes), so the API
 #     server's Node authorizer and NodeRestriction apply to it;
-#   - NVIDIA's device plugin against the fake NVML, registered with that kubelet.
+#   - NVIDIA's device plugin against the fake NVML, registered with that kubelet;
+#   - with --agent (or `install-agent` later): a docker-registry on loopback, in the node
+#     namespace, holding the agent's image, and the agent deployed from the chart (or the
+#     kustomize base) as its DaemonSet's Pod (node_agent_up, below).
 #
 # Network containment: each node owns a slot N (1..32): a Linux bridge tg-node-N holding the
 # node address 10.244.N.1/24 (never loopback), the same bridge for the pods' CNI network
