@@ -546,6 +546,40 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         bound_at - verdict_at
     );
 
+    // The call log's positive control (once: both tests share the runtime's setup): a Pod of
+    // the same image and handler that does run the smoke stage (`taintgate check`, the
+    // defaults) calls the injected fake libcuda, and its cuInit line lands in the log the
+    // agent left empty. So the empty log above means "nothing called CUDA", not "no log".
+    if how == Deploy::Chart {
+        let probe = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "cuda-probe", "namespace": AGENT_NS},
+            "spec": {
+                "runtimeClassName": "nvidia",
+                "hostNetwork": true,
+                "serviceAccountName": "taintgate",
+                "restartPolicy": "Never",
+                "containers": [{
+                    "name": "check",
+                    "image": image,
+                    "args": ["check", "--node-name", node_name, "--color", "never"],
+                    "env": [
+                        {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                        {"name": "KUBERNETES_SERVICE_PORT", "value": var("APISERVER_PORT")},
+                    ],
+                }],
+            },
+        });
+        let file = tmp.path().join("cuda-probe.json");
+        std::fs::write(&file, probe.to_string()).unwrap();
+        api.apply_file(&file).unwrap();
+        let line = wait_until("the probe Pod's cuInit in the fake libcuda's log", || {
+            std::fs::read_to_string(&cuda_log).ok().filter(|t| t.contains("cuInit"))
+        });
+        assert!(line.starts_with("cuInit CUDA_VISIBLE_DEVICES="), "{line}");
+    }
+
     // 5. `down` takes the registry with the node (it ran in the node's namespace).
     let registry_pid = env.get("REGISTRY_PID").cloned().unwrap_or_default();
     assert!(!registry_pid.is_empty(), "no REGISTRY_PID in {env:?}");
