@@ -223,13 +223,14 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
     assert!(msg.contains("untolerated taint"), "{msg}");
     assert!(
         pods_labelled(&api, "app.kubernetes.io/name", "taintgate").is_empty(),
-        "an agent Pod exists before the chart is installed"
+        "an agent Pod exists before the agent is deployed"
     );
 
-    // 2. The chart, as users install it; the script returns once the agent's Pod is Ready.
+    // 2. The agent, as users deploy it (chart or kustomize base); the script returns once
+    //    the agent's Pod is Ready.
     let install_started = Instant::now();
     let env = require_service!(
-        "the agent's chart on the real node (local-cluster.sh install-agent)",
+        "the agent deployed on the real node (local-cluster.sh install-agent)",
         install_agent(&api, how, None)
     );
     let install_took = install_started.elapsed();
@@ -257,7 +258,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         "{pod:#}"
     );
 
-    // The Pod as the chart ships it.
+    // The Pod as the chart and the base ship it.
     assert_eq!(spec["runtimeClassName"], "nvidia");
     assert_eq!(spec["hostNetwork"], true);
     assert_eq!(spec["securityContext"]["seccompProfile"]["type"], "RuntimeDefault");
