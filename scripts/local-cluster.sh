@@ -3,13 +3,18 @@
 # Go modules by scripts/install-test-deps-kube.sh. The test harness starts its clusters with
 # this same script.
 #
-#   scripts/local-cluster.sh up [DIR] [--node] [--watch-pid PID]
+#   scripts/local-cluster.sh up [DIR] [--node [--agent [--kustomize]]] [--watch-pid PID]
 #   scripts/local-cluster.sh down [DIR]
 #   scripts/local-cluster.sh env [DIR]      # prints the cluster's settings (shell syntax)
 #   scripts/local-cluster.sh restart-plugin DIR [--plugin-config FILE]   # --node only
+#   scripts/local-cluster.sh install-agent DIR [--kustomize]   # --node only: what --agent does, later
 #
 # --node (root only) adds a real node: kube-controller-manager, kube-scheduler, a private
 # containerd, a kubelet and NVIDIA's device plugin on the fake NVML (scripts/local-node.sh).
+# --agent (with --node) then deploys the agent as users do: the image (scripts/build-image.sh,
+# or TAINTGATE_IMAGE_ARCHIVE) pushed to a loopback registry, the chart installed with
+# scripts/local-agent-values.yaml (--kustomize: `kubectl apply -k` of the base with
+# scripts/local-agent-overlay/); `up` returns once the agent's Pod released the node.
 #
 # DIR defaults to ${TMPDIR:-/tmp}/taintgate-cluster. `up` generates a CA, serving and admin
 # client certificates and the service-account signing key with openssl, starts etcd and
@@ -39,7 +44,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "local-cluster: $*" >&2; exit 1; }
 
 usage() {
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -49,11 +54,15 @@ shift
 DIR=""
 WATCH_PID=""
 NODE_MODE=0
+AGENT_MODE=0
+AGENT_VIA=helm
 PLUGIN_CONFIG=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --watch-pid) WATCH_PID=${2:?--watch-pid needs a pid}; shift 2 ;;
         --node) NODE_MODE=1; shift ;;
+        --agent) AGENT_MODE=1; shift ;;
+        --kustomize) AGENT_VIA=kustomize; shift ;;
         --plugin-config) PLUGIN_CONFIG=${2:?--plugin-config needs a file}; shift 2 ;;
         -h|--help) usage ;;
         -*) die "unknown option $1" ;;
@@ -61,6 +70,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 DIR=${DIR:-${TMPDIR:-/tmp}/taintgate-cluster}
+[ "$AGENT_MODE" = 0 ] || [ "$NODE_MODE" = 1 ] || die "--agent needs --node (the agent's Pod runs on that node)"
 STATE="$DIR/cluster.env"
 
 pid_alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
@@ -233,6 +243,9 @@ CONTAINERD_SOCK=${CONTAINERD_SOCK:-}
 KUBELET_PID=${KUBELET_PID:-}
 KUBELET_PORT=${KUBELET_PORT:-}
 PLUGIN_PID=${PLUGIN_PID:-}
+REGISTRY_PID=${REGISTRY_PID:-}
+REGISTRY_HOST=${REGISTRY_HOST:-}
+AGENT_METRICS_PORT=${AGENT_METRICS_PORT:-}
 NODE_KUBECONFIG=${NODE_SLOT:+$DIR/node.kubeconfig}
 KUBECONFIG=$DIR/kubeconfig
 CA=$DIR/pki/ca.crt
@@ -316,6 +329,9 @@ ST
     if [ "$NODE_MODE" = 1 ]; then
         node_up
         echo "local-cluster: up: node $NODE_NAME Ready at $NODE_IP ($("$(tg_tool_path kubelet)" --version)), nvidia.com/gpu: $NODE_GPUS" >&2
+        if [ "$AGENT_MODE" = 1 ]; then
+            node_agent_up
+        fi
     fi
     echo "local-cluster: up: kube-apiserver https://127.0.0.1:$APISERVER_PORT ($("$apiserver" --version)), etcd 127.0.0.1:$ETCD_PORT" >&2
     echo "$DIR/kubeconfig"
@@ -333,5 +349,22 @@ case "$cmd" in
     down) down ;;
     env) [ -f "$STATE" ] || die "no cluster state in $DIR"; cat "$STATE" ;;
     restart-plugin) [ -f "$STATE" ] || die "no cluster state in $DIR"; node_restart_plugin "$PLUGIN_CONFIG" ;;
+    install-agent)
+        [ -f "$STATE" ] || die "no cluster state in $DIR"
+        # shellcheck disable=SC1090
+        . "$STATE"
+        [ "${NODE_MODE:-0}" = 1 ] || die "$DIR runs no node (it was not started with --node)"
+        pid_alive "${NODE_INIT_PID:-}" || die "the node in $DIR is not running"
+        [ -z "${REGISTRY_PID:-}" ] || die "the agent is installed in $DIR already"
+        # The node keeps running when the install fails: only what it started is recorded.
+        fail_up() { die "$*"; }
+        save_state() {
+            local v
+            for v in REGISTRY_PID REGISTRY_HOST AGENT_METRICS_PORT; do
+                sed -i "s|^$v=.*|$v=${!v:-}|" "$STATE"
+            done
+        }
+        node_agent_up
+        ;;
     *) usage ;;
 esac

@@ -15,13 +15,18 @@
 #     `restrict_oom_score_adj = true`, because these machines lack CAP_SYS_RESOURCE and
 #     runc fails every sandbox that asks for oom_score_adj -998), the sandbox image
 #     registry.k8s.io/pause:3.10 imported from the archive scripts/install-test-deps-node.sh
-#     builds;
+#     builds; its runtime handler "nvidia" (RuntimeClass nvidia) is runc with a base OCI spec
+#     that bind-mounts the driver root's fake NVML and a fake libcuda (tests/fake-cuda) into
+#     every container of that handler, as the NVIDIA container runtime injects the driver;
 #   - a kubelet (cgroup v1: failCgroupV1 false, cgroupDriver cgroupfs, failSwapOn false,
 #     cgroupRoot /taintgate-node-<slot>) registering one Node with the startup taint
 #     (registerWithTaints) and the labels a Karpenter NodePool would give it (nodeLabels),
 #     under the client certificate system:node:<name> (group system:nodes), so the API
 #     server's Node authorizer and NodeRestriction apply to it;
-#   - NVIDIA's device plugin against the fake NVML, registered with that kubelet.
+#   - NVIDIA's device plugin against the fake NVML, registered with that kubelet;
+#   - with --agent (or `install-agent` later): a docker-registry on loopback, in the node
+#     namespace, holding the agent's image, and the agent deployed from the chart (or the
+#     kustomize base) as its DaemonSet's Pod (node_agent_up, below).
 #
 # Network containment: each node owns a slot N (1..32): a Linux bridge tg-node-N holding the
 # node address 10.244.N.1/24 (never loopback), the same bridge for the pods' CNI network
@@ -208,6 +213,46 @@ node_build_fake_nvml() {
     printf 'gpus=8\np2p_nvlink=0,1,2,3;4,5,6,7\n' > "$root/$NODE_LIB_SUBDIR/profile.txt"
 }
 
+# The fake libcuda.so.1 (tests/fake-cuda) in $1, and $1/log, where it appends a line for
+# each cuInit: the "nvidia" handler injects both, so a container that called CUDA shows.
+node_build_fake_cuda() {
+    local d=$1
+    mkdir -p "$d/log"
+    "${CC:-cc}" -shared -fPIC -O1 -Wall -Werror -o "$d/libcuda.so.1" "$ROOT/tests/fake-cuda/fake_cuda.c" \
+        || fail_up "compiling the fake libcuda failed"
+}
+
+# Where the "nvidia" handler puts the driver in a container: the library directory of a
+# Debian/Ubuntu image, as the NVIDIA container toolkit does (the loader finds it there).
+NODE_CONTAINER_LIB=/usr/lib/x86_64-linux-gnu
+NODE_CONTAINER_CUDA_LOG=/var/log/fake-cuda
+
+# The base OCI spec of the "nvidia" runtime handler ($1): containerd's default spec plus
+# read-only bind mounts of the fake NVML (with the profile.txt it reads beside itself) and
+# the fake libcuda, and the libcuda call log directory (writable) with FAKE_CUDA_LOG naming
+# it. CRI applies each Pod's own settings on top of this spec.
+node_nvidia_base_spec() {
+    local out=$1 nd="$DIR/node"
+    mkdir -p "$(dirname "$out")"
+    ctr oci spec > "$out.default" || fail_up "ctr oci spec failed"
+    python3 - "$out.default" "$out" "$NODE_DRIVER_ROOT/$NODE_LIB_SUBDIR" "$nd/fake-cuda" \
+        "$NODE_CONTAINER_LIB" "$NODE_CONTAINER_CUDA_LOG" <<'PY' || fail_up "writing the nvidia base spec failed"
+import json, sys
+src, out, driver_lib, cuda, lib, log = sys.argv[1:]
+spec = json.load(open(src))
+ro = ["rbind", "ro", "nosuid", "nodev"]
+def bind(source, dest, options):
+    spec["mounts"].append({"destination": dest, "type": "bind", "source": source, "options": options})
+bind(f"{driver_lib}/libnvidia-ml.so.1", f"{lib}/libnvidia-ml.so.1", ro)
+bind(f"{driver_lib}/profile.txt", f"{lib}/profile.txt", ro)
+bind(f"{cuda}/libcuda.so.1", f"{lib}/libcuda.so.1", ro)
+bind(f"{cuda}/log", log, ["rbind", "rw", "nosuid", "nodev", "noexec"])
+spec["process"].setdefault("env", []).append(f"FAKE_CUDA_LOG={log}/calls.log")
+json.dump(spec, open(out, "w"), indent=2)
+PY
+    rm -f "$out.default"
+}
+
 # Check what --node needs before anything starts; build what is missing.
 node_preflight() {
     [ "$(id -u)" = 0 ] || die "--node needs root (mount and pid namespaces, a bridge, cgroups, containerd)"
@@ -316,6 +361,16 @@ node_up() {
     NODE_PIDNS=$(readlink "/proc/$NODE_INIT_PID/ns/pid")
     save_state
 
+    # The driver root, before containerd: its `nvidia` runtime handler injects it.
+    NODE_DRIVER_ROOT=${TAINTGATE_NODE_DRIVER_ROOT:-}
+    if [ -z "$NODE_DRIVER_ROOT" ]; then
+        NODE_DRIVER_ROOT=$nd/driver-root
+        node_build_fake_nvml "$NODE_DRIVER_ROOT"
+    fi
+    save_state
+    node_build_fake_cuda "$nd/fake-cuda"
+    node_nvidia_base_spec "$nd/containerd/nvidia-base-spec.json"
+
     # containerd.
     local snap=overlayfs
     mkdir -p "$nd/ovl"/{l,u,w,m}
@@ -356,6 +411,17 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
+    # The handler of RuntimeClass "nvidia": runc, with a base spec that bind-mounts the
+    # driver's libraries into every container of that handler, as the NVIDIA container
+    # runtime injects them (the Pod spec names none of them).
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]
+      runtime_type = "io.containerd.runc.v2"
+      base_runtime_spec = "$nd/containerd/nvidia-base-spec.json"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]
+        SystemdCgroup = false
+  # Loopback registries (--agent's) are mapped to plain HTTP here (hosts.toml, read on each pull).
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$nd/containerd/certs.d"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$nd/cni"
@@ -451,12 +517,6 @@ KCFG
 
     # NVIDIA's device plugin on the fake NVML; it registers on the kubelet's compiled-in
     # socket path, which is DIR/node/var-lib/kubelet/device-plugins/ in the namespace.
-    NODE_DRIVER_ROOT=${TAINTGATE_NODE_DRIVER_ROOT:-}
-    if [ -z "$NODE_DRIVER_ROOT" ]; then
-        NODE_DRIVER_ROOT=$nd/driver-root
-        node_build_fake_nvml "$NODE_DRIVER_ROOT"
-    fi
-    save_state
     node_plugin_start "$plugin"
     node_wait_socket "$nd/var-lib/kubelet/device-plugins/nvidia-gpu.sock" "NVIDIA's device plugin" "$DIR/device-plugin.log" "$PLUGIN_PID"
 
@@ -521,4 +581,130 @@ node_restart_plugin() {
         sleep 0.2
     done
     die "the device plugin did not serve its socket within 60 s ($DIR/device-plugin.log)"
+}
+
+# `kubectl apply -k` of scripts/local-agent-overlay (the kustomize base with the local node's
+# settings) under a kustomization made here with what is known only now: the image by
+# digest, the API server's loopback address and the metrics port (env and containerPort:
+# on the host network they are the node's).
+node_agent_kustomize() {
+    local kubectl=$1 digest=$2 k="$DIR/agent-kustomize" overlay
+    mkdir -p "$k"
+    # kustomize takes no absolute path to a base.
+    overlay=$(realpath --relative-to="$k" "$ROOT/scripts/local-agent-overlay")
+    cat > "$k/kustomization.yaml" <<KUST
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - $overlay
+images:
+  - name: registry.example.invalid/taintgate
+    newName: $REGISTRY_HOST/taintgate
+    digest: $digest
+patches:
+  - target: {kind: DaemonSet, name: taintgate}
+    patch: |-
+      - op: replace
+        path: /spec/template/spec/containers/0/ports/0/containerPort
+        value: $AGENT_METRICS_PORT
+  - patch: |-
+      apiVersion: apps/v1
+      kind: DaemonSet
+      metadata: {name: taintgate, namespace: taintgate-system}
+      spec:
+        template:
+          spec:
+            containers:
+              - name: taintgate
+                env:
+                  - {name: TAINTGATE_METRICS_ADDR, value: "0.0.0.0:$AGENT_METRICS_PORT"}
+                  - {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}
+                  - {name: KUBERNETES_SERVICE_PORT, value: "$APISERVER_PORT"}
+KUST
+    "$kubectl" --kubeconfig "$DIR/kubeconfig" apply -k "$k" >"$DIR/agent-install.log" 2>&1 \
+        || { cat "$DIR/agent-install.log" >&2; fail_up "kubectl apply -k $k failed"; }
+}
+
+# `up --node --agent` (after node_up): the agent as users deploy it. The image
+# (TAINTGATE_IMAGE_ARCHIVE, else scripts/build-image.sh builds it, release binary and all)
+# is pushed to a loopback docker-registry that runs in the node namespace, the kubelet pulls
+# it by digest through CRI, and the chart (charts/taintgate) is installed with
+# scripts/local-agent-values.yaml (plus TAINTGATE_AGENT_VALUES, a values file, when set) and
+# the addresses only known now: the registry, the API server (apiServer.host/port: there is
+# no kube-proxy here, the Pod runs on the host network) and a free metricsPort. Returns once
+# the agent's Pod is Ready, which it is only when it released the node.
+node_agent_up() {
+    local nd="$DIR/node" kubectl helm registry skopeo archive version digest i
+    kubectl=$(tg_tool_path kubectl)
+    helm=$(tg_tool_path helm)
+    registry=$(command -v docker-registry || command -v registry) \
+        || fail_up "docker-registry not installed (scripts/install-test-deps-images.sh)"
+    skopeo=$(command -v skopeo) || fail_up "skopeo not installed (scripts/install-test-deps-images.sh)"
+    archive=${TAINTGATE_IMAGE_ARCHIVE:-}
+    if [ -z "$archive" ]; then
+        archive="${CARGO_TARGET_DIR:-$ROOT/target}/image/taintgate-oci.tar"
+        echo "local-cluster: building the agent image (scripts/build-image.sh: a release build, minutes when cold)" >&2
+        bash "$ROOT/scripts/build-image.sh" "$archive" >&2 || fail_up "scripts/build-image.sh failed"
+    fi
+    [ -f "$archive" ] || fail_up "image archive $archive not found (TAINTGATE_IMAGE_ARCHIVE)"
+    version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' "$ROOT/Cargo.toml")
+
+    # The registry, in the node namespace (it goes with the node), on loopback.
+    REGISTRY_HOST=127.0.0.1:$(free_port)
+    mkdir -p "$nd/registry"
+    printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\nhttp:\n  addr: %s\n' \
+        "$nd/registry/data" "$REGISTRY_HOST" > "$nd/registry/config.yml"
+    node_ns_run "$DIR/registry.log" "$registry" serve "$nd/registry/config.yml"
+    REGISTRY_PID=$NS_RUN_PID
+    save_state
+    for i in $(seq 1 150); do
+        curl -fsS --max-time 1 "http://$REGISTRY_HOST/v2/" >/dev/null 2>&1 && break
+        pid_alive "$REGISTRY_PID" || { tail -20 "$DIR/registry.log" >&2; fail_up "docker-registry exited ($DIR/registry.log)"; }
+        sleep 0.2
+    done
+    mkdir -p "$nd/containerd/certs.d/$REGISTRY_HOST"
+    printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' \
+        "$REGISTRY_HOST" "$REGISTRY_HOST" > "$nd/containerd/certs.d/$REGISTRY_HOST/hosts.toml"
+    "$skopeo" copy --quiet --dest-tls-verify=false --digestfile "$nd/registry/digest" \
+        "oci-archive:$archive" "docker://$REGISTRY_HOST/taintgate:$version" >&2 \
+        || fail_up "pushing $archive to $REGISTRY_HOST failed"
+    digest=$(cat "$nd/registry/digest")
+
+    # What the GPU Operator (or the NVIDIA container toolkit's install) creates on a real
+    # cluster: the RuntimeClass the chart's runtimeClassName names.
+    printf 'apiVersion: node.k8s.io/v1\nkind: RuntimeClass\nmetadata:\n  name: nvidia\nhandler: nvidia\n' \
+        | "$kubectl" --kubeconfig "$DIR/kubeconfig" apply -f - >&2 || fail_up "creating RuntimeClass nvidia failed"
+
+    AGENT_METRICS_PORT=$(free_port)
+    save_state
+    if [ "${AGENT_VIA:-helm}" = kustomize ]; then
+        node_agent_kustomize "$kubectl" "$digest"
+    else
+        local values=(-f "$ROOT/scripts/local-agent-values.yaml")
+        [ -n "${TAINTGATE_AGENT_VALUES:-}" ] && values+=(-f "$TAINTGATE_AGENT_VALUES")
+        HELM_CACHE_HOME="$DIR/helm/cache" HELM_CONFIG_HOME="$DIR/helm/config" HELM_DATA_HOME="$DIR/helm/data" \
+            "$helm" --kubeconfig "$DIR/kubeconfig" install taintgate "$ROOT/charts/taintgate" \
+            --namespace default "${values[@]}" \
+            --set "image.repository=$REGISTRY_HOST/taintgate" --set "image.digest=$digest" \
+            --set apiServer.host=127.0.0.1 --set "apiServer.port=$APISERVER_PORT" \
+            --set "metricsPort=$AGENT_METRICS_PORT" >"$DIR/agent-install.log" 2>&1 \
+            || { cat "$DIR/agent-install.log" >&2; fail_up "helm install failed"; }
+    fi
+
+    # Ready = released (the chart's readiness probe is the agent's /readyz).
+    local ready=""
+    for i in $(seq 1 900); do
+        ready=$("$kubectl" --kubeconfig "$DIR/kubeconfig" -n taintgate-system get pods \
+            -l app.kubernetes.io/name=taintgate -o 'jsonpath={.items[*].status.conditions[?(@.type=="Ready")].status}' 2>/dev/null || true)
+        [ "$ready" = True ] && break
+        pid_alive "$KUBELET_PID" || fail_up "the kubelet exited ($DIR/kubelet.log)"
+        sleep 0.2
+    done
+    if [ "$ready" != True ]; then
+        "$kubectl" --kubeconfig "$DIR/kubeconfig" -n taintgate-system get pods -o wide >&2 || true
+        "$kubectl" --kubeconfig "$DIR/kubeconfig" -n taintgate-system get events >&2 || true
+        tail -20 "$nd"/var-log/pods/taintgate-system_*/taintgate/*.log >&2 2>/dev/null || true
+        fail_up "the agent's Pod did not become Ready (release its node) within 180 s"
+    fi
+    echo "local-cluster: up: agent $REGISTRY_HOST/taintgate@$digest released node $NODE_NAME (Pod Ready)" >&2
 }

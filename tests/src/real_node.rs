@@ -1,7 +1,9 @@
 //! Helpers for the tests on a real node (`scripts/local-cluster.sh up DIR --node`, started
 //! with [`crate::cluster::ApiServer::start_node`]): the agent run as a process on that node
-//! against the kubelet's own sockets, and the device plugin restarted with another config.
+//! against the kubelet's own sockets, the agent deployed there as its DaemonSet's Pod (the
+//! chart, the image through CRI), and the device plugin restarted with another config.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -82,4 +84,46 @@ pub fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Optio
         }
         std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// How [`install_agent`] deploys the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deploy {
+    /// `helm install` of charts/taintgate with scripts/local-agent-values.yaml.
+    Chart,
+    /// `kubectl apply -k` of scripts/local-agent-overlay/ (the kustomize base under it).
+    Kustomize,
+}
+
+/// Deploy the agent on the node `api` runs as users deploy it
+/// (`local-cluster.sh install-agent`, what `up --node --agent` does): the image pushed to a
+/// loopback registry and pulled by the kubelet through CRI, the chart installed with
+/// `scripts/local-agent-values.yaml` (plus `values`, a values file) or the kustomize base
+/// applied with `scripts/local-agent-overlay/` (`how`). Returns once the agent's
+/// Pod is Ready (it released the node), with the cluster's settings as `local-cluster.sh
+/// env` prints them then (`REGISTRY_HOST`, `AGENT_METRICS_PORT`, ...). The image is
+/// `TAINTGATE_IMAGE_ARCHIVE` when set (CI builds it once), else the script builds it.
+pub fn install_agent(api: &ApiServer, how: Deploy, values: Option<&Path>) -> anyhow::Result<BTreeMap<String, String>> {
+    let script = repo_root().join("scripts/local-cluster.sh");
+    let dir = api.control_plane().dir();
+    let mut cmd = Command::new("bash");
+    cmd.arg(&script).arg("install-agent").arg(dir);
+    if how == Deploy::Kustomize {
+        cmd.arg("--kustomize");
+    }
+    if let Some(v) = values {
+        cmd.env("TAINTGATE_AGENT_VALUES", v);
+    }
+    let out = cmd.output().context("running local-cluster.sh install-agent")?;
+    if !out.status.success() {
+        bail!(
+            "local-cluster.sh install-agent: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let out = Command::new("bash").arg(&script).arg("env").arg(dir).output()?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .collect())
 }
