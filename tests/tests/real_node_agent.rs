@@ -515,9 +515,9 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         "taintgate timeline: {table}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // Every link is in the table. Not their order: the Pod's and the slice's stamps have
-    // one-second resolution, so one written in the release's second sorts before it
-    // (docs/readiness-chain.md, "One chain on the real node").
+    // Every link is in the table, and the workload's steps after the release: the Pod's and
+    // the slice's stamps have one-second resolution, and one written in the release's
+    // second sorts at the release, not before it (docs/readiness-chain.md).
     for s in [
         "node-created",
         "kubelet-ready",
@@ -530,6 +530,18 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
     ] {
         assert!(table.contains(&format!(" {s} ")), "no {s} in:\n{table}");
     }
+    let at = |s: &str| table.find(&format!(" {s} ")).unwrap_or(usize::MAX);
+    let after = [
+        "released",
+        "pod-scheduled",
+        "containers-started",
+        "pod-ready",
+        "endpoint-ready",
+    ];
+    assert!(
+        after.windows(2).all(|w| at(w[0]) < at(w[1])),
+        "the workload's steps are not after the release, in order:\n{table}"
+    );
     assert!(table.contains("workload: WorkloadReady"), "{table}");
     let events = plane
         .kubectl(&["events", "-n", "default", "--for", &format!("node/{node_name}")])

@@ -192,7 +192,12 @@ impl Chain {
             });
         }
         // Stable sort: equal (time, tie) keep insertion order (stage report order).
-        stamps.sort_by_key(|s| (s.at_ms, s.tie));
+        let released_at = doc
+            .verdict
+            .as_ref()
+            .filter(|v| v.released)
+            .map(|v| origin.saturating_add(v.at_ms as i64));
+        stamps.sort_by_key(|s| (order_ms(s, released_at), s.tie));
         stages.sort_by_key(|s| s.start_ms);
         Chain {
             node: node.to_string(),
@@ -310,6 +315,29 @@ impl Chain {
     }
 }
 
+/// Where a stamp sorts. The API server stores Pod conditions, `startedAt` and object
+/// creation in whole seconds, the agent its own stamps in milliseconds: a workload step
+/// stamped `S.000` happened somewhere in `[S, S+1 s)`. A step that can only follow the
+/// release (the Pod bound to the node, and everything after it; not its creation, which a
+/// workload waiting for the node does before) stamped in the release's own second, before
+/// the release's millisecond, sorts at the release: within its source's precision, where it
+/// causally is. Its stamp keeps the value the source gave.
+fn order_ms(s: &ChainStamp, released_at: Option<i64>) -> i64 {
+    use crate::readiness::decide::names::POD_CREATED;
+    match released_at {
+        Some(r)
+            if s.kind == StampKind::Post
+                && s.name != POD_CREATED
+                && s.at_ms.rem_euclid(1000) == 0
+                && s.at_ms < r
+                && r < s.at_ms + 1000 =>
+        {
+            r
+        }
+        _ => s.at_ms,
+    }
+}
+
 /// Intervals between adjacent stamps (the stamps must be sorted).
 pub fn intervals(stamps: &[ChainStamp]) -> Vec<Interval> {
     stamps
@@ -409,6 +437,69 @@ mod tests {
         assert!(text.contains("1m 50") || text.contains("110.000s"), "{text}");
         assert!(text.contains("[failed: DigestMismatch]"), "{text}");
         assert!(text.contains("<- longest"), "{text}");
+    }
+
+    /// A workload that was scheduled, started and Ready within the release's second: the
+    /// API server's whole-second stamps read `S.000`, before the release at `S.149`. They
+    /// sort after the release (the Pod could not bind before it), their values unchanged;
+    /// the Pod's creation, which may precede the release, keeps its place. A stamp of an
+    /// earlier second, or one with milliseconds, is not moved.
+    #[test]
+    fn whole_second_workload_stamps_sort_after_a_release_in_their_second() {
+        let doc = decode(
+            r#"{"v":1,"start":"2026-01-01T00:02:05.100Z","gpu":"nvml",
+            "stages":[["untaint",0,49,"passed",""]],
+            "verdict":{"released":true,"dryRun":false,"reason":"Released","atMs":49},
+            "post":[["pod-created",1767225725000],["pod-scheduled",1767225725000],
+                    ["containers-started",1767225725000],["pod-ready",1767225725000],
+                    ["endpoint-ready",1767225726000]]}"#,
+        )
+        .unwrap();
+        let c = Chain::from_doc("n1", &doc);
+        let names: Vec<&str> = c.stamps.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "pod-created",
+                "agent-start",
+                "untaint.start",
+                "untaint.end",
+                "released",
+                "pod-scheduled",
+                "containers-started",
+                "pod-ready",
+                "endpoint-ready"
+            ]
+        );
+        let scheduled = c.stamps.iter().find(|s| s.name == "pod-scheduled").unwrap();
+        assert_eq!(scheduled.at_ms, 1767225725000, "the stamp keeps its source's value");
+        let iv = c.intervals();
+        let after: Vec<(&str, u64)> = iv.iter().skip(4).map(|i| (i.to.as_str(), i.ms)).collect();
+        assert_eq!(
+            after,
+            [
+                ("pod-scheduled", 0),
+                ("containers-started", 0),
+                ("pod-ready", 0),
+                ("endpoint-ready", 1000)
+            ]
+        );
+        // Not moved: a stamp with milliseconds (a precise source), or held nodes.
+        let precise = ChainStamp {
+            name: "pod-scheduled".into(),
+            at_ms: 1767225725001,
+            kind: StampKind::Post,
+            outcome: None,
+            reason: None,
+            tie: 51,
+        };
+        assert_eq!(order_ms(&precise, Some(1767225725149)), 1767225725001);
+        assert_eq!(order_ms(scheduled, None), 1767225725000);
+        assert_eq!(
+            order_ms(scheduled, Some(1767225726149)),
+            1767225725000,
+            "another second"
+        );
     }
 
     #[test]
