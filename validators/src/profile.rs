@@ -4,6 +4,7 @@
 //! whole evidence chain runs on a machine without a GPU or a cluster.
 
 use crate::gpu::{GpuInfo, Nic, PeerDomain, Sxid};
+pub use crate::network::SimPort;
 use crate::input::{InputError, parse_yaml, read_bounded};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -51,43 +52,6 @@ pub struct NodeProfile {
     /// The host side of the network half (the NICs themselves are under `nics`).
     #[serde(default)]
     pub network: SimNetworkHost,
-}
-
-/// One simulated RDMA port (`nics[].ports`), in the kernel's words.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SimPort {
-    /// Port number.
-    pub port: u32,
-    /// `ACTIVE`, `DOWN`, `INIT`, `ARMED`.
-    pub state: String,
-    /// `LinkUp`, `Polling`, `Disabled`.
-    pub phys_state: String,
-    /// Gb/s.
-    pub rate_gbps: f64,
-    /// `InfiniBand` or `Ethernet`.
-    pub link_layer: String,
-    /// `link_downed` at the first read.
-    pub link_downed: u64,
-    /// How much `link_downed` rises during the flap window.
-    pub flaps: u64,
-    /// How much `symbol_error` rises during the flap window.
-    pub symbol_errors: u64,
-}
-
-impl Default for SimPort {
-    fn default() -> Self {
-        Self {
-            port: 1,
-            state: "ACTIVE".into(),
-            phys_state: "LinkUp".into(),
-            rate_gbps: 400.0,
-            link_layer: "InfiniBand".into(),
-            link_downed: 0,
-            flaps: 0,
-            symbol_errors: 0,
-        }
-    }
 }
 
 /// The simulated host's network side.

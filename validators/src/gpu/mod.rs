@@ -275,7 +275,7 @@ pub struct Nic {
     pub switch: Option<String>,
     /// Its RDMA ports (a node profile's simulated network; none: not an RDMA NIC).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub ports: Vec<crate::profile::SimPort>,
+    pub ports: Vec<crate::network::SimPort>,
 }
 
 /// How GPUs of a peer domain talk to each other.

@@ -146,3 +146,42 @@ pub trait NetworkHost: Send + Sync {
 pub fn port_key(device: &str, port: u32) -> String {
     format!("{device}/{port}")
 }
+
+/// One RDMA port as a node profile states it (`nics[].ports`), in the kernel's words: the
+/// simulated host serves it as an [`RdmaPort`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimPort {
+    /// Port number.
+    pub port: u32,
+    /// `ACTIVE`, `DOWN`, `INIT`, `ARMED`.
+    pub state: String,
+    /// `LinkUp`, `Polling`, `Disabled`.
+    pub phys_state: String,
+    /// Gb/s.
+    pub rate_gbps: f64,
+    /// `InfiniBand` or `Ethernet`.
+    pub link_layer: String,
+    /// `link_downed` at the first read.
+    pub link_downed: u64,
+    /// How much `link_downed` rises during the flap window.
+    pub flaps: u64,
+    /// How much `symbol_error` rises during the flap window.
+    pub symbol_errors: u64,
+}
+
+impl Default for SimPort {
+    fn default() -> Self {
+        Self {
+            port: 1,
+            state: "ACTIVE".into(),
+            phys_state: "LinkUp".into(),
+            rate_gbps: 400.0,
+            link_layer: "InfiniBand".into(),
+            link_downed: 0,
+            flaps: 0,
+            symbol_errors: 0,
+        }
+    }
+}
+
