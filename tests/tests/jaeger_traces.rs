@@ -9,7 +9,8 @@
 //! says (to Jaeger's microsecond), and the pre-agent intervals up to the agent start. The
 //! readiness chain's own trace, exported as the resident agent exports it, comes back with
 //! its root linked to that bootstrap root span. (The chain's stamps from real Pods and
-//! EndpointSlices are checked in `readiness_chain.rs`.)
+//! EndpointSlices are checked in `readiness_chain.rs`, where the resident agent process
+//! itself exports both traces into Jaeger and the link is read back from there.)
 //!
 //! With the collector gone, or accepting connections and never answering, the run still
 //! ends with its verdict; the failure is logged with its reason code (the project's own
@@ -18,95 +19,23 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use anyhow::Context;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 use taintgate::telemetry::Stamp;
 use taintgate::telemetry::annotation::WorkloadEntry;
 use taintgate::telemetry::otlp::bootstrap_ids;
 use taintgate::timeline::{Outcome, Timeline};
 use taintgate_tests::agent::reference_node;
-use taintgate_tests::cluster::{ApiServer, go_tool};
+use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::{http_status, metrics, node_with_foreign_taint};
 use taintgate_tests::faults::{
     AgentRun, RunningAgent, agent_args, agent_command, wait_until, write_config, write_profile,
 };
 use taintgate_tests::require_service;
-use taintgate_tests::services::{ServiceProcess, free_port, wait_for_tcp};
-
-/// Jaeger v2 on loopback: every listener named (its defaults bind all interfaces).
-struct Jaeger {
-    _proc: ServiceProcess,
-    grpc: u16,
-    http: u16,
-    query: u16,
-    dir: tempfile::TempDir,
-}
-
-impl Jaeger {
-    fn start() -> anyhow::Result<Self> {
-        let bin = go_tool("jaeger")?;
-        let dir = tempfile::Builder::new().prefix("tg-jaeger").tempdir()?;
-        let (grpc, http, query, query_grpc) = (free_port()?, free_port()?, free_port()?, free_port()?);
-        let config = json!({
-            "service": {
-                "extensions": ["jaeger_storage", "jaeger_query"],
-                "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"], "exporters": ["jaeger_storage_exporter"]}},
-                "telemetry": {"metrics": {"level": "none"}, "logs": {"level": "info"}},
-            },
-            "extensions": {
-                "jaeger_storage": {"backends": {"mem": {"memory": {"max_traces": 1000}}}},
-                "jaeger_query": {
-                    "storage": {"traces": "mem"},
-                    "http": {"endpoint": format!("127.0.0.1:{query}")},
-                    "grpc": {"endpoint": format!("127.0.0.1:{query_grpc}")},
-                },
-            },
-            "receivers": {"otlp": {"protocols": {
-                "grpc": {"endpoint": format!("127.0.0.1:{grpc}")},
-                "http": {"endpoint": format!("127.0.0.1:{http}")},
-            }}},
-            "processors": {"batch": {"timeout": "100ms"}},
-            "exporters": {"jaeger_storage_exporter": {"trace_storage": "mem"}},
-        });
-        let path = dir.path().join("jaeger.yaml");
-        std::fs::write(&path, serde_yaml_ng::to_string(&config)?)?;
-        let log = std::fs::File::create(dir.path().join("jaeger.log"))?;
-        let child = Command::new(bin)
-            .arg("--config")
-            .arg(&path)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting jaeger")?;
-        let j = Self {
-            _proc: ServiceProcess::new("jaeger", child),
-            grpc,
-            http,
-            query,
-            dir,
-        };
-        for port in [grpc, http, query] {
-            wait_for_tcp(&format!("127.0.0.1:{port}"), Duration::from_secs(60))
-                .with_context(|| format!("jaeger did not listen on {port}\n{}", j.log()))?;
-        }
-        Ok(j)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("jaeger.log")).unwrap_or_default()
-    }
-
-    /// The traces of `service`, as Jaeger's query API returns them.
-    fn traces(&self, service: &str) -> anyhow::Result<Vec<Value>> {
-        let url = format!("http://127.0.0.1:{}/api/traces?service={service}&limit=20", self.query);
-        let body: Value = serde_json::from_str(&reqwest::blocking::get(url)?.text()?)?;
-        Ok(body["data"].as_array().cloned().unwrap_or_default())
-    }
-}
+use taintgate_tests::services::free_port;
+use taintgate_tests::services::jaeger::Jaeger;
 
 /// Run the agent once (dry run: the node keeps its taint, so both runs check it) with `env`.
 fn run_once(api: &ApiServer, dir: &Path, env: &[(&str, String)]) -> AgentRun {

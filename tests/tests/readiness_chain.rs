@@ -7,6 +7,8 @@
 //! - only this node's Pods are watched (field selector), and every watch is closed once
 //!   the chain is recorded — also when no workload comes and the deadline ends the wait;
 //! - a serving group ends the chain only when every member is Ready;
+//! - the resident agent process exports the chain as its own trace into a real Jaeger,
+//!   its root linked to the bootstrap trace's root there;
 //! - `taintgate timeline NODE` prints the chain from NodeClaim created to endpoint ready,
 //!   and `timeline --all`'s percentiles per interval equal a direct computation, naming
 //!   the interval with the largest p90.
@@ -665,19 +667,21 @@ fn check_fleet(text: &str, fleet: &[Intervals], real: &taintgate::telemetry::ann
 }
 
 /// The real binary, resident after its own release: the chain is recorded by the agent
-/// process, through its kubeconfig, into its own annotation.
+/// process, through its kubeconfig, into its own annotation, and exported over OTLP to a
+/// real Jaeger as its own trace, whose root links to the bootstrap's root span there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_resident_agent_records_the_chain_after_its_own_release() {
-    use taintgate_tests::agent::{NODE, TAINT, output_text, profile, reference_node, spawn_agent, taint_keys};
+    use taintgate_tests::agent::{NODE, TAINT, agent_cmd, output_text, profile, reference_node, taint_keys};
+    let jaeger = require_service!("jaeger", taintgate_tests::services::jaeger::Jaeger::start());
     let api = require_service!("kube-apiserver", ApiServer::start().await);
     api.put_object(reference_node(true).build()).unwrap();
     setup_namespace(&api);
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("config.yaml");
     std::fs::write(&cfg, "readiness:\n  deadline: 5m\n  endpoint_wait: 1s\n").unwrap();
-    let child = require_service!(
-        "taintgate binary",
-        spawn_agent(&[
+    let mut cmd = require_service!("taintgate binary", agent_cmd(120));
+    let child = cmd
+        .args([
             "run",
             "--simulate",
             &profile("8gpu-two-domains"),
@@ -686,7 +690,15 @@ async fn the_resident_agent_records_the_chain_after_its_own_release() {
             "--config",
             &cfg.to_string_lossy(),
         ])
-    );
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{}", jaeger.grpc),
+        )
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     let released = |n: &Value| !taint_keys(n).contains(&TAINT.to_string());
     api.wait_for("nodes", NODE, released, Duration::from_secs(90))
         .await
@@ -750,6 +762,65 @@ async fn the_resident_agent_records_the_chain_after_its_own_release() {
         "{}",
         output_text(&o)
     );
+    // Both traces in Jaeger, as a user's UI reads them: the bootstrap's, and the chain's,
+    // whose root follows from the bootstrap's root span and spans what the annotation says.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let traces = loop {
+        // reqwest's blocking client runs its own runtime: off this one's workers.
+        let traces = tokio::task::block_in_place(|| jaeger.traces("taintgate")).unwrap_or_default();
+        if traces.len() >= 2 || std::time::Instant::now() > deadline {
+            break traces;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let span_named = |name: &str| -> Value {
+        traces
+            .iter()
+            .flat_map(|t| t["spans"].as_array().cloned().unwrap_or_default())
+            .find(|s| s["operationName"] == name)
+            .unwrap_or_else(|| panic!("no {name} span in {traces:#?}\n{}", jaeger.log()))
+    };
+    let (boot_root, chain_root) = (span_named("bootstrap"), span_named("readiness"));
+    let hex = |v: &Value| v.as_str().unwrap().trim_start_matches('0').to_string();
+    let link = chain_root["references"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["refType"] == "FOLLOWS_FROM")
+        .unwrap_or_else(|| panic!("no link on the chain's root: {chain_root:#}"))
+        .clone();
+    assert_eq!(
+        (hex(&link["traceID"]), hex(&link["spanID"])),
+        (hex(&boot_root["traceID"]), hex(&boot_root["spanID"]))
+    );
+    assert_ne!(hex(&chain_root["traceID"]), hex(&boot_root["traceID"]), "its own trace");
+    // One span per interval of the chain (the release and each recorded stamp, in time
+    // order), named after the stamp that ends it: as many as the recorded stamps.
+    let chain_trace = traces
+        .iter()
+        .find(|t| {
+            t["spans"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|s| s["operationName"] == "readiness"))
+        })
+        .unwrap();
+    let mut names: Vec<String> = chain_trace["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["operationName"].as_str().map(String::from))
+        .filter(|n| n != "readiness")
+        .collect();
+    names.sort_unstable();
+    let known: Vec<String> = doc
+        .post
+        .iter()
+        .map(|s| s.name.as_str())
+        .chain(["released"])
+        .map(|n| format!("readiness:{n}"))
+        .collect();
+    assert_eq!(names.len(), doc.post.len(), "{names:?}");
+    assert!(names.iter().all(|n| known.contains(n)), "{names:?} not among {known:?}");
 }
 
 /// A credential that may not list the node's Pods: the chain records

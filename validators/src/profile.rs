@@ -4,8 +4,8 @@
 //! whole evidence chain runs on a machine without a GPU or a cluster.
 
 use crate::gpu::{GpuInfo, Nic, PeerDomain, Sxid};
-pub use crate::network::SimPort;
 use crate::input::{InputError, parse_yaml, read_bounded};
+pub use crate::network::SimPort;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

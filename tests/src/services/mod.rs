@@ -147,6 +147,7 @@ pub fn taintgate_bin() -> anyhow::Result<PathBuf> {
 }
 
 pub mod containerd;
+pub mod jaeger;
 pub mod moto;
 pub mod nginx;
 pub mod registry;
