@@ -274,14 +274,31 @@ fn gpu_without_event_support_keeps_the_others_subscribed() {
     assert_eq!(gpu.drain_xids().unwrap(), vec![(1, 64)]);
 }
 
+/// The fabric, read through NVML, as the fabric stage decides it: a GPU still
+/// registering is waited for (the stage holds `FabricNotReady` only when its wait ends),
+/// a failed registration holds at once, no fabric at all is fine; the driver stage no
+/// longer looks at the fabric.
 #[test]
-fn fabric_not_ready_on_nvswitch_systems() {
-    for state in ["in_progress", "not_started", "failed"] {
+fn fabric_states_on_nvswitch_systems() {
+    use taintgate_validators::gpu::fabric::{FabricOutcome, evaluate_fabric};
+    let outcome = |inv: &Inventory| match evaluate_fabric(&inv.gpus) {
+        Ok(FabricOutcome::NoFabric) => "NoFabric".to_string(),
+        Ok(FabricOutcome::Pending { gpus }) => format!("Pending {gpus:?}"),
+        Ok(FabricOutcome::Ready(ev)) => format!("Ready {}", ev.gpus),
+        Err(f) => f.reason.to_string(),
+    };
+    for (state, want) in [
+        ("in_progress", "Pending [7]"),
+        ("not_started", "Pending [7]"),
+        ("failed", "FabricNotReady"),
+        ("completed", "Ready 8"),
+    ] {
         let inv = Node::new(&format!("gpus=8\nfabric=completed\ngpu.7.fabric={state}\n")).inventory();
-        assert_eq!(reason(&inv), "FabricNotReady", "{state}");
+        assert_eq!(outcome(&inv), want, "{state}");
+        assert_eq!(reason(&inv), "Ok", "{state}: the driver stage passes");
     }
     // No fabric (NOT_SUPPORTED from NVML) is fine.
-    assert_eq!(reason(&Node::new("gpus=8\n").inventory()), "Ok");
+    assert_eq!(outcome(&Node::new("gpus=8\n").inventory()), "NoFabric");
 }
 
 #[test]

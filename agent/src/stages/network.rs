@@ -57,7 +57,7 @@ pub async fn fabric(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
             if ev.health_read {
                 ", healthy"
             } else {
-                " (driver reports no health mask)"
+                " (the driver reports no fabric health)"
             }
         ),
         _ => format!("no NVLink fabric on this node, {imex}"),

@@ -56,7 +56,8 @@ pub struct FabricEvidence {
     pub clique_id: u32,
     /// GPUs registered.
     pub gpus: u32,
-    /// Whether the driver gave a health mask (R550+); R535 has none, so health was not read.
+    /// Whether the driver gave a health mask with a supported field (R550+ on NVL
+    /// systems); R535 has no mask, and a mask of all NOT_SUPPORTED fields says nothing.
     pub health_read: bool,
     /// Health fields that are set but do not hold the node (recoveries in progress).
     pub warnings: Vec<String>,
@@ -160,7 +161,8 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, FabricFailure>
             .or_default()
             .push(g.index);
         match id.health_mask {
-            None => health_read = false,
+            // No mask (R535's call), or one whose every field is NOT_SUPPORTED.
+            None | Some(0) => health_read = false,
             Some(mask) => {
                 for (name, hold) in health_flags(mask) {
                     let line = format!("GPU {}: {name} (health mask {mask:#x})", g.index);
@@ -338,11 +340,19 @@ mod tests {
         };
         assert_eq!(ev.warnings.len(), 1, "{ev:?}");
         assert!(ev.warnings[0].contains("route recovery"), "{ev:?}");
-        let g = gpus(&[(DONE, Some((U, 7, None)))]);
+        for mask in [None, Some(0)] {
+            // No mask, or every field NOT_SUPPORTED (HGX H100): health not read.
+            let g = gpus(&[(DONE, Some((U, 7, mask)))]);
+            let Ok(FabricOutcome::Ready(ev)) = evaluate_fabric(&g) else {
+                panic!()
+            };
+            assert!(!ev.health_read, "{mask:?}");
+        }
+        let g = gpus(&[(DONE, Some((U, 7, Some(HEALTHY))))]);
         let Ok(FabricOutcome::Ready(ev)) = evaluate_fabric(&g) else {
             panic!()
         };
-        assert!(!ev.health_read);
+        assert!(ev.health_read);
     }
 
     #[test]
