@@ -425,6 +425,17 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         json!([format!("default/{gpu_name}")]),
         "{timeline:#}"
     );
+    // The network half ran inside the Pod and passed, through the shipped device mounts and
+    // the container's own /sys and /proc (no RDMA NIC on this node: nothing required).
+    for stage in ["network", "fabric"] {
+        let rec = timeline["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s[0] == stage)
+            .unwrap_or_else(|| panic!("no {stage} record in {timeline:#}"));
+        assert_eq!(rec[3], "passed", "{stage}: {rec}");
+    }
     let post: Vec<(String, i64)> = timeline["post"]
         .as_array()
         .unwrap()
