@@ -8,28 +8,8 @@
 //! (`/dev/nvidia-caps-imex-channels/channel<N>`).
 
 use super::{FabricIdentity, FabricState, GpuInfo};
+use crate::reason::Hold;
 use serde::Serialize;
-
-/// A fabric decision that holds the node.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct FabricFailure {
-    /// Stable reason code.
-    pub reason: &'static str,
-    /// Names the GPUs and the values read.
-    pub message: String,
-    /// Waiting may clear it (registration still running).
-    pub transient: bool,
-}
-
-impl crate::reason::ReasonCode for FabricFailure {
-    fn reason(&self) -> &'static str {
-        self.reason
-    }
-    fn is_transient(&self) -> bool {
-        self.transient
-    }
-}
 
 /// What the GPUs' fabric state says, short of a failure.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -98,19 +78,11 @@ pub fn uuid_text(b: &[u8; 16]) -> String {
     )
 }
 
-fn fail(reason: &'static str, message: String) -> FabricFailure {
-    FabricFailure {
-        reason,
-        message,
-        transient: false,
-    }
-}
-
 /// Decide the fabric over the GPUs NVML reported (lost GPUs are the driver stage's; they
 /// are passed over). In order: a registration that failed; GPUs still registering
 /// ([`FabricOutcome::Pending`]); a node whose GPUs are partly in a fabric and partly not;
 /// disagreement on cluster or clique; a health field that holds.
-pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, FabricFailure> {
+pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, Hold> {
     let live: Vec<&GpuInfo> = gpus.iter().filter(|g| !g.health.lost).collect();
     let failed: Vec<u32> = live
         .iter()
@@ -118,7 +90,7 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, FabricFailure>
         .map(|g| g.index)
         .collect();
     if !failed.is_empty() {
-        return Err(fail(
+        return Err(Hold::permanent(
             "FabricNotReady",
             format!("fabric registration completed with an error on GPUs {failed:?}"),
         ));
@@ -138,7 +110,7 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, FabricFailure>
     }
     if !outside.is_empty() {
         let out: Vec<u32> = outside.iter().map(|g| g.index).collect();
-        return Err(fail(
+        return Err(Hold::permanent(
             "FabricMismatch",
             format!("GPUs {out:?} are in no fabric while the others registered in one"),
         ));
@@ -176,13 +148,13 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, FabricFailure>
             .iter()
             .map(|((cluster, clique), gpus)| format!("cluster {cluster} clique {clique}: GPUs {gpus:?}"))
             .collect();
-        return Err(fail(
+        return Err(Hold::permanent(
             "FabricMismatch",
             format!("the GPUs disagree on their fabric: {}", parts.join("; ")),
         ));
     }
     if !holds.is_empty() {
-        return Err(fail("FabricDegraded", holds.join("; ")));
+        return Err(Hold::permanent("FabricDegraded", holds.join("; ")));
     }
     let Some(((cluster_uuid, clique_id), members)) = groups.into_iter().next() else {
         return Ok(FabricOutcome::NoFabric);
@@ -197,8 +169,8 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, FabricFailure>
 }
 
 /// The failure for GPUs still registering when the wait ended.
-pub fn still_pending(gpus: &[u32], waited: std::time::Duration) -> FabricFailure {
-    fail(
+pub fn still_pending(gpus: &[u32], waited: std::time::Duration) -> Hold {
+    Hold::permanent(
         "FabricNotReady",
         format!(
             "fabric registration still not completed on GPUs {gpus:?} after waiting {}s (check nvidia-fabricmanager / NVLink5 registration)",
@@ -208,12 +180,12 @@ pub fn still_pending(gpus: &[u32], waited: std::time::Duration) -> FabricFailure
 }
 
 /// Check the IMEX channels: at least `required` channel devices (`channel0` …) exist.
-pub fn evaluate_imex(present: &[u32], required: u32) -> Result<(), FabricFailure> {
+pub fn evaluate_imex(present: &[u32], required: u32) -> Result<(), Hold> {
     let missing: Vec<u32> = (0..required).filter(|c| !present.contains(c)).collect();
     if missing.is_empty() {
         Ok(())
     } else {
-        Err(fail(
+        Err(Hold::permanent(
             "ImexChannelsMissing",
             format!(
                 "IMEX channel devices missing: {} (want channel0..channel{} under /dev/nvidia-caps-imex-channels; is the IMEX daemon or the DRA driver's channel injection running?)",

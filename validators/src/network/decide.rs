@@ -8,37 +8,9 @@
 //! the window, GPUDirect RDMA unavailable where RDMA NICs and GPUs are both present.
 
 use super::{NetworkView, PciPlace, PortCounters, port_key};
+use crate::reason::Hold;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-
-/// A network decision that holds the node.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct NetworkFailure {
-    /// Stable reason code.
-    pub reason: &'static str,
-    /// Names the devices, ports and values read.
-    pub message: String,
-    /// Waiting may clear it (a link still training after boot).
-    pub transient: bool,
-}
-
-impl crate::reason::ReasonCode for NetworkFailure {
-    fn reason(&self) -> &'static str {
-        self.reason
-    }
-    fn is_transient(&self) -> bool {
-        self.transient
-    }
-}
-
-fn fail(reason: &'static str, message: String) -> NetworkFailure {
-    NetworkFailure {
-        reason,
-        message,
-        transient: false,
-    }
-}
 
 /// When GPUDirect RDMA is required.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -136,13 +108,13 @@ pub fn checked(view: &NetworkView, exp: &NetworkExpect) -> NetworkView {
 
 /// The ports: count, link layer, state, rate, then the character devices. Returns one
 /// line per port for the evidence.
-pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<String>, NetworkFailure> {
+pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<String>, Hold> {
     let ports: Vec<_> = view.ports().collect();
     if let Some(want) = exp.ports
         && (ports.len() as u32) < want
     {
         let have: Vec<String> = ports.iter().map(|(d, p)| port_key(&d.name, p.port)).collect();
-        return Err(fail(
+        return Err(Hold::permanent(
             "RdmaPortsMissing",
             format!(
                 "{} RDMA ports present, {want} expected (network.expect.ports): {have:?}",
@@ -157,7 +129,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
             .map(|(d, p)| format!("{} is {}", port_key(&d.name, p.port), p.link_layer))
             .collect();
         if !wrong.is_empty() {
-            return Err(fail(
+            return Err(Hold::permanent(
                 "RdmaLinkLayerMismatch",
                 format!("ports not on {layer} (network.expect.link_layer): {}", wrong.join(", ")),
             ));
@@ -169,11 +141,10 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
         .map(|(d, p)| format!("{} {}/{}", port_key(&d.name, p.port), p.state, p.phys_state))
         .collect();
     if !down.is_empty() {
-        return Err(NetworkFailure {
-            reason: "RdmaPortDown",
-            message: format!("RDMA ports not ACTIVE/LinkUp: {}", down.join(", ")),
-            transient: true,
-        });
+        return Err(Hold::transient(
+            "RdmaPortDown",
+            format!("RDMA ports not ACTIVE/LinkUp: {}", down.join(", ")),
+        ));
     }
     let mut best: BTreeMap<&str, f64> = BTreeMap::new();
     for (_, p) in &ports {
@@ -200,7 +171,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
         })
         .collect();
     if !slow.is_empty() {
-        return Err(fail(
+        return Err(Hold::permanent(
             "RdmaRateLow",
             format!("RDMA ports below rate: {}", slow.join(", ")),
         ));
@@ -209,7 +180,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
         let count = |prefix: &str| view.dev_infiniband.iter().filter(|n| n.starts_with(prefix)).count();
         let (uverbs, umad) = (count("uverbs"), count("umad"));
         if uverbs < view.rdma.len() || umad < ports.len() {
-            return Err(fail(
+            return Err(Hold::permanent(
                 "RdmaDevicesMissing",
                 format!(
                     "/dev/infiniband has {uverbs} uverbs and {umad} umad devices for {} RDMA devices and {} ports (are ib_uverbs and ib_umad loaded, and /dev/infiniband mounted into the agent?)",
@@ -248,7 +219,7 @@ pub fn evaluate_flaps(
     view: &NetworkView,
     after: &BTreeMap<String, PortCounters>,
     limits: &FlapLimits,
-) -> Result<(), NetworkFailure> {
+) -> Result<(), Hold> {
     let mut bad = Vec::new();
     for (d, p) in view.ports() {
         let key = port_key(&d.name, p.port);
@@ -278,7 +249,7 @@ pub fn evaluate_flaps(
     if bad.is_empty() {
         Ok(())
     } else {
-        Err(fail(
+        Err(Hold::permanent(
             "RdmaLinkFlapping",
             format!("RDMA links flapped during the window: {}", bad.join(", ")),
         ))
@@ -286,7 +257,7 @@ pub fn evaluate_flaps(
 }
 
 /// Whether GPUDirect RDMA is required on this node, and whether the path is there.
-pub fn evaluate_gpudirect(view: &NetworkView, rule: GpuDirectRule) -> Result<String, NetworkFailure> {
+pub fn evaluate_gpudirect(view: &NetworkView, rule: GpuDirectRule) -> Result<String, Hold> {
     let g = &view.gpudirect;
     let path = match (g.peermem, g.dmabuf) {
         (true, _) => Some("nvidia_peermem loaded"),
@@ -301,7 +272,7 @@ pub fn evaluate_gpudirect(view: &NetworkView, rule: GpuDirectRule) -> Result<Str
     match (path, required) {
         (Some(p), _) => Ok(format!("GPUDirect RDMA via {p}")),
         (None, false) => Ok(format!("GPUDirect RDMA unavailable, not required ({})", g.dmabuf_why)),
-        (None, true) => Err(fail(
+        (None, true) => Err(Hold::permanent(
             "GpuDirectUnavailable",
             format!(
                 "GPUDirect RDMA is required (network.expect.gpudirect) but nvidia_peermem is not loaded and dma-buf is not possible ({}); CUDA may still claim support",
@@ -369,7 +340,7 @@ pub fn affinity_map(view: &NetworkView) -> Vec<GpuNic> {
 }
 
 /// The map against the rule; a node without RDMA NICs has nothing to map.
-pub fn evaluate_affinity(map: &[GpuNic], rule: AffinityRule, nics: usize) -> Result<(), NetworkFailure> {
+pub fn evaluate_affinity(map: &[GpuNic], rule: AffinityRule, nics: usize) -> Result<(), Hold> {
     let need = match rule {
         AffinityRule::Report => return Ok(()),
         AffinityRule::Numa => Nearness::Numa,
@@ -397,7 +368,7 @@ pub fn evaluate_affinity(map: &[GpuNic], rule: AffinityRule, nics: usize) -> Res
     if bad.is_empty() {
         Ok(())
     } else {
-        Err(fail(
+        Err(Hold::permanent(
             "NicAffinityBroken",
             format!(
                 "GPUs without an RDMA NIC {} (network.expect.affinity): {}",
@@ -588,10 +559,7 @@ mod tests {
     #[test]
     fn flap_decisions() {
         let v = view();
-        let same: BTreeMap<String, PortCounters> = v
-            .ports()
-            .map(|(d, p)| (port_key(&d.name, p.port), p.counters))
-            .collect();
+        let same = v.counters();
         let lim = FlapLimits::default();
         assert!(evaluate_flaps(&v, &same, &lim).is_ok());
         let mut up = same.clone();

@@ -109,6 +109,20 @@ impl NetworkView {
     pub fn ports(&self) -> impl Iterator<Item = (&RdmaDevice, &RdmaPort)> {
         self.rdma.iter().flat_map(|d| d.ports.iter().map(move |p| (d, p)))
     }
+
+    /// Every port's counters as read, by `device/port` ([`port_key`]).
+    pub fn counters(&self) -> BTreeMap<String, PortCounters> {
+        counters_by_port(&self.rdma)
+    }
+}
+
+/// The ports' counters of `devices`, by `device/port` ([`port_key`]): what
+/// [`NetworkHost::counters_after`] answers.
+pub fn counters_by_port(devices: &[RdmaDevice]) -> BTreeMap<String, PortCounters> {
+    devices
+        .iter()
+        .flat_map(|d| d.ports.iter().map(move |p| (port_key(&d.name, p.port), p.counters)))
+        .collect()
 }
 
 /// A host file that exists but could not be read or understood.

@@ -4,7 +4,7 @@
 //! each counter rises in it, and the answer comes at once.
 
 use super::{
-    GpuDirect, NetworkError, NetworkHost, NetworkView, PciPlace, PortCounters, RdmaDevice, RdmaPort, port_key,
+    GpuDirect, NetworkError, NetworkHost, NetworkView, PciPlace, PortCounters, RdmaDevice, RdmaPort, counters_by_port,
 };
 use crate::profile::NodeProfile;
 use std::collections::BTreeMap;
@@ -97,15 +97,7 @@ impl NetworkHost for SimNetwork {
     }
 
     fn counters_after(&self, _window: Duration) -> Result<BTreeMap<String, PortCounters>, NetworkError> {
-        Ok(self
-            .devices(true)
-            .into_iter()
-            .flat_map(|d| {
-                d.ports
-                    .into_iter()
-                    .map(move |p| (port_key(&d.name, p.port), p.counters))
-            })
-            .collect())
+        Ok(counters_by_port(&self.devices(true)))
     }
 
     fn imex_channels(&self) -> Result<Vec<u32>, NetworkError> {

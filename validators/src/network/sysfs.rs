@@ -20,7 +20,7 @@
 //! [`NetworkError`] naming it, never a panic.
 
 use super::{
-    GpuDirect, NetworkError, NetworkHost, NetworkView, PciPlace, PortCounters, RdmaDevice, RdmaPort, port_key,
+    GpuDirect, NetworkError, NetworkHost, NetworkView, PciPlace, PortCounters, RdmaDevice, RdmaPort, counters_by_port,
 };
 use crate::gpu::real::sysfs::normalize_bdf;
 use std::collections::BTreeMap;
@@ -272,15 +272,7 @@ impl NetworkHost for HostRoot {
 
     fn counters_after(&self, window: Duration) -> Result<BTreeMap<String, PortCounters>, NetworkError> {
         std::thread::sleep(window);
-        Ok(self
-            .devices()?
-            .into_iter()
-            .flat_map(|d| {
-                d.ports
-                    .into_iter()
-                    .map(move |p| (port_key(&d.name, p.port), p.counters))
-            })
-            .collect())
+        Ok(counters_by_port(&self.devices()?))
     }
 
     fn imex_channels(&self) -> Result<Vec<u32>, NetworkError> {
