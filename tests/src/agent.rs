@@ -130,3 +130,42 @@ pub fn condition<'a>(node: &'a Value, type_: &str) -> Option<&'a Value> {
         .iter()
         .find(|c| c["type"] == type_)
 }
+
+/// An RFC 3339 time from the API server, in Unix milliseconds (panics naming it when it
+/// does not parse: the server wrote it).
+pub fn timestamp_ms(rfc: &str) -> i64 {
+    rfc.parse::<jiff::Timestamp>()
+        .unwrap_or_else(|e| panic!("{rfc}: {e}"))
+        .as_millisecond()
+}
+
+/// The stamps the readiness chain must record for `pod`, read independently from the Pod
+/// as the API server stores it: its creation, its conditions' transitions, its containers'
+/// latest `startedAt`. Panics when the Pod lacks one (it is expected Ready).
+pub fn expected_pod_stamps(pod: &Value) -> Vec<(String, i64)> {
+    let cond = |t: &str| -> i64 {
+        let c = pod["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == t))
+            .unwrap_or_else(|| panic!("no {t} condition: {pod}"));
+        timestamp_ms(c["lastTransitionTime"].as_str().unwrap_or_default())
+    };
+    let started = pod["status"]["containerStatuses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| timestamp_ms(c["state"]["running"]["startedAt"].as_str().unwrap_or_default()))
+        .max()
+        .unwrap_or_else(|| panic!("no running container: {pod}"));
+    vec![
+        (
+            "pod-created".into(),
+            timestamp_ms(pod["metadata"]["creationTimestamp"].as_str().unwrap_or_default()),
+        ),
+        ("pod-scheduled".into(), cond("PodScheduled")),
+        ("pod-initialized".into(), cond("Initialized")),
+        ("containers-started".into(), started),
+        ("containers-ready".into(), cond("ContainersReady")),
+        ("pod-ready".into(), cond("Ready")),
+    ]
+}

@@ -4,7 +4,7 @@
 //! chart, the image through CRI), and the device plugin restarted with another config.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -126,4 +126,65 @@ pub fn install_agent(api: &ApiServer, how: Deploy, values: Option<&Path>) -> any
         .lines()
         .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
         .collect())
+}
+
+/// A workload waiting for the node, as a `List` file in `dir`: Deployment `name` in
+/// `default` (one pause Pod labelled `app: <name>`, no toleration of the startup taint, a
+/// limit of `gpus` `nvidia.com/gpu` when given) and Service `name` selecting it.
+pub fn workload_manifest(dir: &Path, name: &str, gpus: Option<u32>) -> anyhow::Result<PathBuf> {
+    let labels = json!({"app": name});
+    let mut container = json!({
+        "name": "web",
+        "image": "registry.k8s.io/pause:3.10",
+        "imagePullPolicy": "Never",
+    });
+    if let Some(n) = gpus {
+        container["resources"] = json!({"limits": {"nvidia.com/gpu": n.to_string()}});
+    }
+    let docs = json!({
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        // No toleration of the startup taint: it must wait for the agent.
+                        "spec": {"containers": [container]},
+                    },
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"selector": labels, "ports": [{"port": 80}]},
+            },
+        ],
+    });
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, docs.to_string())?;
+    Ok(path)
+}
+
+/// The Pods (any namespace) whose label `key` is `value`.
+pub fn pods_labelled(api: &ApiServer, key: &str, value: &str) -> anyhow::Result<Vec<Value>> {
+    Ok(api
+        .list_objects("pods")?
+        .into_iter()
+        .filter(|p| p["metadata"]["labels"][key] == value)
+        .collect())
+}
+
+/// A Pod's condition of `type_`, if it has one.
+pub fn pod_condition<'a>(pod: &'a Value, type_: &str) -> Option<&'a Value> {
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
 }

@@ -28,6 +28,7 @@ use taintgate::fleet::{TimelineArgs, timeline_output};
 use taintgate::node::kube::KubeNodeApi;
 use taintgate::readiness;
 use taintgate::telemetry::annotation::decode;
+use taintgate_tests::agent::{expected_pod_stamps, timestamp_ms};
 use taintgate_tests::cluster::{ApiServer, NodeBuilder, now_rfc3339};
 use taintgate_tests::otlp::OtlpReceiver;
 use taintgate_tests::require_service;
@@ -35,10 +36,6 @@ use tokio_util::sync::CancellationToken;
 
 const NS: &str = "ml";
 const KEY: &str = "taintgate.io/timeline";
-
-fn ms(rfc: &str) -> i64 {
-    rfc.parse::<Timestamp>().unwrap().as_millisecond()
-}
 
 /// A node as the bootstrap left it: released, with pre-agent stamps and stages; the
 /// release lies `released_ago` before now.
@@ -145,37 +142,6 @@ fn make_ready(api: &ApiServer, name: &str, pause: bool) {
         ],
         Some(&started),
     );
-}
-
-/// The stamps the chain must record, read independently from the Pod as stored.
-fn expected_pod_stamps(pod: &Value) -> Vec<(String, i64)> {
-    let cond = |t: &str| -> i64 {
-        let c = pod["status"]["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == t)
-            .unwrap();
-        ms(c["lastTransitionTime"].as_str().unwrap())
-    };
-    let started = pod["status"]["containerStatuses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| ms(c["state"]["running"]["startedAt"].as_str().unwrap()))
-        .max()
-        .unwrap();
-    vec![
-        (
-            "pod-created".into(),
-            ms(pod["metadata"]["creationTimestamp"].as_str().unwrap()),
-        ),
-        ("pod-scheduled".into(), cond("PodScheduled")),
-        ("pod-initialized".into(), cond("Initialized")),
-        ("containers-started".into(), started),
-        ("containers-ready".into(), cond("ContainersReady")),
-        ("pod-ready".into(), cond("Ready")),
-    ]
 }
 
 fn stamps_of(r: &[taintgate::telemetry::Stamp]) -> Vec<(String, i64)> {
@@ -310,7 +276,7 @@ async fn first_workload_to_first_ready_endpoint_and_the_fleet_view() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| ms(m["time"].as_str().unwrap()))
+        .map(|m| timestamp_ms(m["time"].as_str().unwrap()))
         .max()
         .unwrap();
     want.push(("endpoint-ready".into(), slice_time));

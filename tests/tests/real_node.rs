@@ -25,14 +25,14 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::json;
 use taintgate::stage::Stage;
 use taintgate::timeline::Outcome;
 use taintgate_tests::agent::{TAINT, condition, taint_keys};
 use taintgate_tests::cluster::{ApiServer, go_tool};
 use taintgate_tests::faults::RunningAgent;
 use taintgate_tests::nvidia::DriverRoot;
-use taintgate_tests::real_node::agent_on_node;
+use taintgate_tests::real_node::{agent_on_node, pod_condition, pods_labelled, workload_manifest};
 use taintgate_tests::require_service;
 use taintgate_validators::profile::NodeProfile;
 
@@ -99,60 +99,6 @@ fn host_state() -> HostState {
         cgroups,
         mounts,
     }
-}
-
-fn deployment_manifest(dir: &Path) -> PathBuf {
-    let labels = json!({"app": "web"});
-    let docs = json!({
-        "apiVersion": "v1",
-        "kind": "List",
-        "items": [
-            {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": {"name": "web", "namespace": "default"},
-                "spec": {
-                    "replicas": 1,
-                    "selector": {"matchLabels": labels},
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            // No toleration of the startup taint: it must wait for the agent.
-                            "containers": [{
-                                "name": "web",
-                                "image": "registry.k8s.io/pause:3.10",
-                                "imagePullPolicy": "Never",
-                            }],
-                        },
-                    },
-                },
-            },
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": "web", "namespace": "default"},
-                "spec": {"selector": labels, "ports": [{"port": 80}]},
-            },
-        ],
-    });
-    let path = dir.join("web.json");
-    std::fs::write(&path, docs.to_string()).unwrap();
-    path
-}
-
-fn web_pods(api: &ApiServer) -> Vec<Value> {
-    api.list_objects("pods")
-        .unwrap()
-        .into_iter()
-        .filter(|p| p["metadata"]["labels"]["app"] == "web")
-        .collect()
-}
-
-fn pod_condition<'a>(pod: &'a Value, type_: &str) -> Option<&'a Value> {
-    pod["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)
 }
 
 #[test]
@@ -239,9 +185,10 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
 
     // 2. A Deployment that does not tolerate the startup taint stays unschedulable.
     let tmp = tempfile::tempdir().unwrap();
-    api.apply_file(&deployment_manifest(tmp.path())).unwrap();
+    api.apply_file(&workload_manifest(tmp.path(), "web", None).unwrap())
+        .unwrap();
     let pending = wait_until("the web Pod found unschedulable", || {
-        web_pods(&api).into_iter().find(|p| {
+        pods_labelled(&api, "app", "web").unwrap().into_iter().find(|p| {
             pod_condition(p, "PodScheduled").is_some_and(|c| c["status"] == "False" && c["reason"] == "Unschedulable")
         })
     });
@@ -293,7 +240,8 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
 
     // 4. The Deployment now runs on the node and its endpoint is ready.
     let pod = wait_until("the web Pod Ready on the node", || {
-        web_pods(&api)
+        pods_labelled(&api, "app", "web")
+            .unwrap()
             .into_iter()
             .find(|p| p["spec"]["nodeName"] == NODE && pod_condition(p, "Ready").is_some_and(|c| c["status"] == "True"))
     });

@@ -45,10 +45,10 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use taintgate_tests::agent::{TAINT, condition, taint_keys};
+use taintgate_tests::agent::{TAINT, condition, expected_pod_stamps, taint_keys, timestamp_ms};
 use taintgate_tests::cluster::{ApiServer, kubectl};
 use taintgate_tests::nvidia::DriverRoot;
-use taintgate_tests::real_node::{Deploy, install_agent};
+use taintgate_tests::real_node::{Deploy, install_agent, pod_condition, pods_labelled, workload_manifest};
 use taintgate_tests::require_service;
 use taintgate_tests::services::taintgate_bin;
 use taintgate_validators::profile::NodeProfile;
@@ -73,61 +73,6 @@ fn wait_until<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
     taintgate_tests::real_node::wait_until(what, T, f).unwrap()
 }
 
-fn workload_manifest(dir: &Path) -> PathBuf {
-    let labels = json!({"app": "gpu-web"});
-    let docs = json!({
-        "apiVersion": "v1",
-        "kind": "List",
-        "items": [
-            {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": {"name": "gpu-web", "namespace": "default"},
-                "spec": {
-                    "replicas": 1,
-                    "selector": {"matchLabels": labels},
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            // No toleration of the startup taint: it must wait for the agent.
-                            "containers": [{
-                                "name": "web",
-                                "image": "registry.k8s.io/pause:3.10",
-                                "imagePullPolicy": "Never",
-                                "resources": {"limits": {GPU: GPUS_ASKED.to_string()}},
-                            }],
-                        },
-                    },
-                },
-            },
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": "gpu-web", "namespace": "default"},
-                "spec": {"selector": labels, "ports": [{"port": 80}]},
-            },
-        ],
-    });
-    let path = dir.join("gpu-web.json");
-    std::fs::write(&path, docs.to_string()).unwrap();
-    path
-}
-
-fn pods_labelled(api: &ApiServer, key: &str, value: &str) -> Vec<Value> {
-    api.list_objects("pods")
-        .unwrap()
-        .into_iter()
-        .filter(|p| p["metadata"]["labels"][key] == value)
-        .collect()
-}
-
-fn pod_condition<'a>(pod: &'a Value, type_: &str) -> Option<&'a Value> {
-    pod["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)
-}
-
 /// The host pid of the agent's process: `taintgate run` in the cgroup of Pod `uid` (the
 /// kubelet's cgroupfs layout names the Pod's cgroup `pod<uid>`).
 fn agent_pid(uid: &str) -> Option<u32> {
@@ -144,12 +89,6 @@ fn agent_pid(uid: &str) -> Option<u32> {
 }
 
 /// Milliseconds since the epoch of an RFC 3339 time the API server wrote.
-fn ms(t: &str) -> i64 {
-    t.parse::<jiff::Timestamp>()
-        .unwrap_or_else(|e| panic!("{t}: {e}"))
-        .as_millisecond()
-}
-
 /// The EndpointSlice of the `gpu-web` Service.
 fn endpoint_slice(api: &ApiServer) -> Option<Value> {
     api.list_objects("endpointslices")
@@ -210,9 +149,10 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
 
     // 1. The GPU workload exists before the agent: the scheduler leaves it unschedulable.
     let tmp = tempfile::tempdir().unwrap();
-    api.apply_file(&workload_manifest(tmp.path())).unwrap();
+    api.apply_file(&workload_manifest(tmp.path(), "gpu-web", Some(GPUS_ASKED)).unwrap())
+        .unwrap();
     let pending = wait_until("the GPU Pod found unschedulable", || {
-        pods_labelled(&api, "app", "gpu-web").into_iter().find(|p| {
+        pods_labelled(&api, "app", "gpu-web").unwrap().into_iter().find(|p| {
             pod_condition(p, "PodScheduled").is_some_and(|c| c["status"] == "False" && c["reason"] == "Unschedulable")
         })
     });
@@ -222,7 +162,9 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         .to_string();
     assert!(msg.contains("untolerated taint"), "{msg}");
     assert!(
-        pods_labelled(&api, "app.kubernetes.io/name", "taintgate").is_empty(),
+        pods_labelled(&api, "app.kubernetes.io/name", "taintgate")
+            .unwrap()
+            .is_empty(),
         "an agent Pod exists before the agent is deployed"
     );
 
@@ -234,7 +176,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         install_agent(&api, how, None)
     );
     let install_took = install_started.elapsed();
-    let agents = pods_labelled(&api, "app.kubernetes.io/name", "taintgate");
+    let agents = pods_labelled(&api, "app.kubernetes.io/name", "taintgate").unwrap();
     assert_eq!(agents.len(), 1, "{agents:#?}");
     let pod = &agents[0];
     let pod_name = pod["metadata"]["name"].as_str().unwrap().to_string();
@@ -387,7 +329,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
 
     // 4. The GPU Pod now runs on the node (read back from the API server).
     let gpu_pod = wait_until("the GPU Pod Running and Ready on the node", || {
-        pods_labelled(&api, "app", "gpu-web").into_iter().find(|p| {
+        pods_labelled(&api, "app", "gpu-web").unwrap().into_iter().find(|p| {
             p["spec"]["nodeName"] == node_name
                 && p["status"]["phase"] == "Running"
                 && pod_condition(p, "Ready").is_some_and(|c| c["status"] == "True")
@@ -449,33 +391,16 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
             .unwrap_or_else(|| panic!("no {name} in the chain {post:?}"))
     };
     let gpu_pod = api.get_object("pods", &format!("default/{gpu_name}")).unwrap().unwrap();
-    let transition = |type_: &str| {
-        ms(pod_condition(&gpu_pod, type_).unwrap()["lastTransitionTime"]
-            .as_str()
-            .unwrap())
-    };
-    assert_eq!(
-        stamp("pod-created"),
-        ms(gpu_pod["metadata"]["creationTimestamp"].as_str().unwrap())
-    );
-    assert_eq!(stamp("pod-scheduled"), transition("PodScheduled"));
-    assert_eq!(stamp("pod-ready"), transition("Ready"));
-    assert_eq!(stamp("containers-ready"), transition("ContainersReady"));
-    let started_at = gpu_pod["status"]["containerStatuses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| ms(c["state"]["running"]["startedAt"].as_str().unwrap()))
-        .max()
-        .unwrap();
-    assert_eq!(stamp("containers-started"), started_at);
+    for (name, want) in expected_pod_stamps(&gpu_pod) {
+        assert_eq!(stamp(&name), want, "{name}");
+    }
     // The slice's write that listed the Pod ready (nothing wrote it since: one Pod).
     let slice = endpoint_slice(&api).unwrap();
     let slice_write = slice["metadata"]["managedFields"]
         .as_array()
         .unwrap()
         .iter()
-        .filter_map(|f| f["time"].as_str().map(ms))
+        .filter_map(|f| f["time"].as_str().map(timestamp_ms))
         .max()
         .unwrap();
     assert_eq!(stamp("endpoint-ready"), slice_write, "{slice:#}");
@@ -496,18 +421,20 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         .find(|e| e["message"].as_str().unwrap_or_default().contains("untolerated taint"))
         .unwrap_or_else(|| panic!("no FailedScheduling Event naming the taint: {refused:#?}"));
     assert_eq!(refused["reportingComponent"], "default-scheduler", "{refused:#}");
-    let released_at = ms(verified["lastTransitionTime"].as_str().unwrap());
-    let refused_at = ms(refused["eventTime"].as_str().unwrap());
+    let released_at = timestamp_ms(verified["lastTransitionTime"].as_str().unwrap());
+    let refused_at = timestamp_ms(refused["eventTime"].as_str().unwrap());
     // The condition's time has one-second resolution: compare seconds.
     assert!(
         refused_at / 1000 <= released_at / 1000,
         "FailedScheduling at {refused_at} ms, release at {released_at} ms"
     );
     let bound = about_pod("Scheduled");
-    let bound_at = ms(bound
-        .first()
-        .and_then(|e| e["eventTime"].as_str())
-        .unwrap_or_else(|| panic!("no Scheduled Event: {bound:#?}")));
+    let bound_at = timestamp_ms(
+        bound
+            .first()
+            .and_then(|e| e["eventTime"].as_str())
+            .unwrap_or_else(|| panic!("no Scheduled Event: {bound:#?}")),
+    );
     assert!(
         bound_at >= released_at,
         "bound at {bound_at} ms, before the release at {released_at} ms"
@@ -563,7 +490,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
     }
     // What this run measured (docs/readiness-chain.md): the verdict (the last evidence) to
     // the scheduler's binding, from the agent's and the scheduler's microsecond stamps.
-    let verdict_at = ms(timeline["verdict"]["at"].as_str().unwrap());
+    let verdict_at = timestamp_ms(timeline["verdict"]["at"].as_str().unwrap());
     eprintln!("chain:\n{table}");
     eprintln!(
         "last evidence (verdict) -> workload Pod bound (Scheduled Event): {} ms",
