@@ -130,19 +130,8 @@ fn binary_runs_on_jemalloc_with_its_compiled_in_settings() {
 
 #[test]
 fn run_on_healthy_profile_releases() {
-    let o = bin()
-        .args([
-            "run",
-            "--simulate",
-            &profile("8gpu-two-domains"),
-            "--once",
-            "--output",
-            "json",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (code, t, out) = run_json(Path::new(&profile("8gpu-two-domains")), &[]);
+    assert_eq!(code, Some(0), "{out}");
     assert_eq!(t["verdict"]["reason"], "Released");
     assert!(t["stages"].as_array().unwrap().iter().any(|s| s["stage"] == "untaint"));
 }
@@ -165,22 +154,12 @@ fn each_faulty_profile_is_held_with_its_reason() {
         ("nic-slow", "RdmaRateLow", "network"),
         ("peermem-missing", "GpuDirectUnavailable", "network"),
     ];
-    for (p, reason, stage) in cases {
-        let o = bin()
-            .args(["run", "--simulate", &profile(p), "--once", "--output", "json"])
-            .output()
-            .unwrap();
-        assert_eq!(o.status.code(), Some(1), "{p}: {}", text(&o));
-        let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for (p, reason, failed) in cases {
+        let (code, t, out) = run_json(Path::new(&profile(p)), &[]);
+        assert_eq!(code, Some(1), "{p}: {out}");
         assert_eq!(t["verdict"]["reason"], reason, "{p}");
         assert_eq!(t["verdict"]["released"], false, "{p}");
-        let rec = t["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["stage"] == stage)
-            .unwrap();
-        assert_eq!(rec["outcome"], "failed", "{p}");
+        assert_eq!(stage(&t, failed)["outcome"], "failed", "{p}");
         assert!(
             !t["stages"].as_array().unwrap().iter().any(|s| s["stage"] == "untaint"),
             "{p}: must not untaint"
@@ -193,28 +172,8 @@ fn each_faulty_profile_is_held_with_its_reason() {
 /// cluster and clique.
 #[test]
 fn network_and_fabric_profiles_release_with_their_evidence() {
-    let stage = |t: &serde_json::Value, name: &str| -> serde_json::Value {
-        t["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["stage"] == name)
-            .unwrap()
-            .clone()
-    };
-    let o = bin()
-        .args([
-            "run",
-            "--simulate",
-            &profile("hgx-h100-ib"),
-            "--once",
-            "--output",
-            "json",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (code, t, out) = run_json(Path::new(&profile("hgx-h100-ib")), &[]);
+    assert_eq!(code, Some(0), "{out}");
     let net = stage(&t, "network");
     assert_eq!(net["outcome"], "passed", "{net}");
     let map = net["evidence"]["affinity"].as_array().unwrap();
@@ -227,19 +186,8 @@ fn network_and_fabric_profiles_release_with_their_evidence() {
     assert_eq!(net["evidence"]["gpudirect"]["peermem"], true, "{net}");
     assert_eq!(net["evidence"]["ports"].as_array().unwrap().len(), 8, "{net}");
 
-    let o = bin()
-        .args([
-            "run",
-            "--simulate",
-            &profile("gb200-nvl72"),
-            "--once",
-            "--output",
-            "json",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (code, t, out) = run_json(Path::new(&profile("gb200-nvl72")), &[]);
+    assert_eq!(code, Some(0), "{out}");
     let fabric = stage(&t, "fabric");
     let f = &fabric["evidence"]["fabric"];
     assert_eq!(f["outcome"], "ready", "{fabric}");
@@ -255,28 +203,12 @@ fn network_and_fabric_profiles_release_with_their_evidence() {
 /// record spans the wait, and its message names the GPU.
 #[test]
 fn an_incomplete_fabric_is_waited_out_then_held() {
-    let o = bin()
-        .args([
-            "run",
-            "--simulate",
-            &profile("gb200-fabric-incomplete"),
-            "--once",
-            "--output",
-            "json",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (code, t, out) = run_json(Path::new(&profile("gb200-fabric-incomplete")), &[]);
+    assert_eq!(code, Some(1), "{out}");
     assert_eq!(t["verdict"]["reason"], "FabricNotReady", "{t}");
     let msg = t["verdict"]["message"].as_str().unwrap();
     assert!(msg.contains("GPUs [2]") && msg.contains("60s"), "{msg}");
-    let rec = t["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["stage"] == "fabric")
-        .unwrap();
+    let rec = stage(&t, "fabric");
     let ms = rec["duration_ms"].as_u64().unwrap();
     assert!(ms >= 60_000, "the stage waited {ms} ms: {rec}");
 }
@@ -286,67 +218,30 @@ fn allocatable_short_is_held_at_the_deadline_with_the_last_state() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("c.yaml");
     std::fs::write(&cfg, "stages:\n  allocatable: {deadline: 1s}\n").unwrap();
-    let o = bin()
-        .args([
-            "run",
-            "--simulate",
-            &profile("allocatable-short"),
-            "--once",
-            "--output",
-            "json",
-            "--config",
-        ])
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (code, t, out) = run_json(
+        Path::new(&profile("allocatable-short")),
+        &["--config", cfg.to_str().unwrap()],
+    );
+    assert_eq!(code, Some(1), "{out}");
     assert_eq!(t["verdict"]["reason"], "AllocatableShort");
     let msg = t["verdict"]["message"].as_str().unwrap();
     assert!(
         msg.contains("expected 8, allocatable 7") && msg.contains("deadline"),
         "{msg}"
     );
-    let fit = t["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["stage"] == "fit")
-        .unwrap();
-    assert_eq!(fit["outcome"], "skipped");
+    assert_eq!(stage(&t, "fit")["outcome"], "skipped");
 }
 
 #[test]
 fn late_registration_waits_then_releases() {
-    let o = bin()
-        .args([
-            "run",
-            "--simulate",
-            &profile("late-registration"),
-            "--once",
-            "--output",
-            "json",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let reg = t["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["stage"] == "register")
-        .unwrap();
+    let (code, t, out) = run_json(Path::new(&profile("late-registration")), &[]);
+    assert_eq!(code, Some(0), "{out}");
+    let reg = stage(&t, "register");
     assert!(
         reg["duration_ms"].as_u64().unwrap() >= 1400,
         "register must wait for the label: {reg}"
     );
-    let untaint = t["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["stage"] == "untaint")
-        .unwrap();
+    let untaint = stage(&t, "untaint");
     assert!(
         untaint["start_ms"].as_u64().unwrap()
             >= reg["start_ms"].as_u64().unwrap() + reg["duration_ms"].as_u64().unwrap()
