@@ -316,7 +316,13 @@ pub async fn report_verdict(
                 message: if hw_failed {
                     v.message.clone()
                 } else {
-                    "driver, smoke and peer-bandwidth evidence complete".into()
+                    // Named from the stages, so a new hardware stage is in the message.
+                    let names: Vec<&str> = Stage::ALL
+                        .iter()
+                        .filter(|s| s.is_hardware())
+                        .map(|s| s.name())
+                        .collect();
+                    format!("{} evidence complete", names.join(", "))
                 },
             };
             match set_condition(api, &c, latest.take()).await {
