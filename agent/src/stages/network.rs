@@ -106,11 +106,13 @@ pub async fn network(ctx: &Context) -> Result<Evidence, StageFailure> {
     let summary = if ports.is_empty() {
         format!("no RDMA ports; {gpudirect}")
     } else {
-        let mut rates: Vec<String> = view
+        // Each link layer and rate once, whatever order the devices list them in.
+        let rates: Vec<String> = view
             .ports()
             .map(|(_, p)| format!("{} {} Gb/s", p.link_layer, p.rate_gbps))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
             .collect();
-        rates.dedup();
         format!(
             "{} RDMA ports up ({}){}; {gpudirect}; nearest NIC {}",
             ports.len(),
