@@ -604,7 +604,12 @@ pub const REASONS: &[Reason] = &[
     r(
         "NoWorkloadYet",
         &[Readiness],
-        "No workload Pod was Ready on the node by `readiness.deadline` after release: nothing was scheduled yet, or it is still starting. Recorded once; the agent stops watching. Not a failure of the node.",
+        "No workload Pod was on the node by `readiness.deadline` after release: nothing was scheduled there yet. Recorded once; the agent stops watching. Not a failure of the node.",
+    ),
+    r(
+        "WorkloadNotReady",
+        &[Readiness],
+        "A workload Pod was on the node but not Ready by `readiness.deadline` after release: its readiness (or startup) probe never passed, or its containers never started. The timeline keeps the steps it reached and names the Pod; a Warning Event says so; `kubectl describe pod` shows the probe's failures. Recorded once; the node stays released.",
     ),
     r(
         "ReadinessWatchFailed",

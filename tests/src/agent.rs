@@ -143,29 +143,57 @@ pub fn timestamp_ms(rfc: &str) -> i64 {
 /// as the API server stores it: its creation, its conditions' transitions, its containers'
 /// latest `startedAt`. Panics when the Pod lacks one (it is expected Ready).
 pub fn expected_pod_stamps(pod: &Value) -> Vec<(String, i64)> {
-    let cond = |t: &str| -> i64 {
+    let stamps = reached_pod_stamps(pod);
+    let names: Vec<&str> = stamps.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "pod-created",
+            "pod-scheduled",
+            "pod-initialized",
+            "containers-started",
+            "containers-ready",
+            "pod-ready"
+        ],
+        "a Pod that did not reach every step: {pod}"
+    );
+    stamps
+}
+
+/// The steps `pod` (as the API server returned it) has reached, with their times from its
+/// own fields, in causal order: creation, each condition that is `True` (PodScheduled,
+/// Initialized, ContainersReady, Ready) and the latest `startedAt` once every container
+/// runs. A Pod that never got Ready stops early.
+pub fn reached_pod_stamps(pod: &Value) -> Vec<(String, i64)> {
+    let cond = |t: &str| -> Option<i64> {
         let c = pod["status"]["conditions"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["type"] == t))
-            .unwrap_or_else(|| panic!("no {t} condition: {pod}"));
-        timestamp_ms(c["lastTransitionTime"].as_str().unwrap_or_default())
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == t && c["status"] == "True")?;
+        Some(timestamp_ms(c["lastTransitionTime"].as_str()?))
     };
-    let started = pod["status"]["containerStatuses"]
+    let statuses = pod["status"]["containerStatuses"]
         .as_array()
-        .into_iter()
-        .flatten()
-        .map(|c| timestamp_ms(c["state"]["running"]["startedAt"].as_str().unwrap_or_default()))
-        .max()
-        .unwrap_or_else(|| panic!("no running container: {pod}"));
-    vec![
-        (
-            "pod-created".into(),
-            timestamp_ms(pod["metadata"]["creationTimestamp"].as_str().unwrap_or_default()),
-        ),
-        ("pod-scheduled".into(), cond("PodScheduled")),
-        ("pod-initialized".into(), cond("Initialized")),
-        ("containers-started".into(), started),
-        ("containers-ready".into(), cond("ContainersReady")),
-        ("pod-ready".into(), cond("Ready")),
+        .cloned()
+        .unwrap_or_default();
+    let containers = pod["spec"]["containers"].as_array().map_or(0, Vec::len);
+    let running: Vec<i64> = statuses
+        .iter()
+        .filter_map(|c| c["state"]["running"]["startedAt"].as_str().map(timestamp_ms))
+        .collect();
+    let started = (!running.is_empty() && running.len() >= containers)
+        .then(|| running.into_iter().max())
+        .flatten();
+    let created = pod["metadata"]["creationTimestamp"].as_str().map(timestamp_ms);
+    [
+        ("pod-created", created),
+        ("pod-scheduled", cond("PodScheduled")),
+        ("pod-initialized", cond("Initialized")),
+        ("containers-started", started),
+        ("containers-ready", cond("ContainersReady")),
+        ("pod-ready", cond("Ready")),
     ]
+    .into_iter()
+    .filter_map(|(n, t)| t.map(|t| (n.to_string(), t)))
+    .collect()
 }

@@ -6,6 +6,8 @@
 //! - the recorded stamps equal the objects' own timestamps as the server stores them;
 //! - only this node's Pods are watched (field selector), and every watch is closed once
 //!   the chain is recorded — also when no workload comes and the deadline ends the wait;
+//! - a workload that starts but is never Ready ends the chain in `WorkloadNotReady`, with
+//!   the steps it reached and a Warning Event;
 //! - a serving group ends the chain only when every member is Ready;
 //! - the resident agent process exports the chain as its own trace into a real Jaeger,
 //!   its root linked to the bootstrap trace's root there;
@@ -28,7 +30,7 @@ use taintgate::fleet::{TimelineArgs, timeline_output};
 use taintgate::node::kube::KubeNodeApi;
 use taintgate::readiness;
 use taintgate::telemetry::annotation::decode;
-use taintgate_tests::agent::{expected_pod_stamps, timestamp_ms};
+use taintgate_tests::agent::{expected_pod_stamps, reached_pod_stamps, timestamp_ms};
 use taintgate_tests::cluster::{ApiServer, NodeBuilder, now_rfc3339};
 use taintgate_tests::otlp::OtlpReceiver;
 use taintgate_tests::require_service;
@@ -363,11 +365,9 @@ async fn no_workload_by_the_deadline_is_recorded_and_the_watch_closed() {
     let node = "gpu-idle-1";
     api.put_object(released_node(node, Duration::from_secs(5))).unwrap();
     setup_namespace(&api);
+    // Only a node agent (a DaemonSet's Pod): no workload comes.
     create_pod(&api, "agent-y", node, "DaemonSet", json!({}));
     make_ready(&api, "agent-y", false);
-    // A workload that never gets Ready.
-    create_pod(&api, "stuck-0", node, "ReplicaSet", json!({}));
-    set_status(&api, "stuck-0", &[("PodScheduled", &now_rfc3339())], None);
 
     let run = spawn_run(&api, node, config(Duration::from_secs(3), Duration::from_secs(1)));
     let rec = tokio::time::timeout(Duration::from_secs(60), run)
@@ -377,6 +377,7 @@ async fn no_workload_by_the_deadline_is_recorded_and_the_watch_closed() {
         .unwrap();
     assert_eq!(rec.workload.outcome, "NoWorkloadYet");
     assert!(rec.stamps.is_empty());
+    assert!(rec.workload.pods.is_empty());
     assert!(
         api.requests()
             .iter()
@@ -387,9 +388,10 @@ async fn no_workload_by_the_deadline_is_recorded_and_the_watch_closed() {
         open_watches_on(&api, "/pods").is_empty()
     });
     assert!(open_watches_on(&api, "/endpointslices").is_empty());
-    // Stopped: the Pod getting Ready now opens nothing.
+    // Stopped: a workload coming and getting Ready now opens nothing.
     let watches_before = api.requests().iter().filter(|r| r.watch).count();
-    make_ready(&api, "stuck-0", false);
+    create_pod(&api, "late-0", node, "ReplicaSet", json!({}));
+    make_ready(&api, "late-0", false);
     let stored = api.get_object("nodes", node).unwrap().unwrap();
     let doc = decode(stored["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
     let w = doc.workload.unwrap();
@@ -405,6 +407,79 @@ async fn no_workload_by_the_deadline_is_recorded_and_the_watch_closed() {
         text.contains("workload: NoWorkloadYet") && text.contains("no workload yet"),
         "{text}"
     );
+}
+
+/// A workload that came, started and never got Ready (its readiness probe never passed):
+/// the chain ends in `WorkloadNotReady` at the deadline, naming the Pod and keeping the
+/// steps it reached, each equal to the Pod's own field; a Warning Event says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_never_ready_by_the_deadline_is_named_with_the_steps_it_reached() {
+    let api = require_service!("kube-apiserver", ApiServer::start().await);
+    let node = "gpu-stuck-1";
+    api.put_object(released_node(node, Duration::from_secs(5))).unwrap();
+    setup_namespace(&api);
+    create_pod(&api, "agent-y", node, "DaemonSet", json!({}));
+    make_ready(&api, "agent-y", false);
+    create_pod(&api, "stuck-0", node, "ReplicaSet", json!({}));
+    let sched = now_rfc3339();
+    set_status(&api, "stuck-0", &[("PodScheduled", &sched)], Some(&sched));
+
+    let run = spawn_run(&api, node, config(Duration::from_secs(3), Duration::from_secs(1)));
+    let rec = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.workload.outcome, "WorkloadNotReady");
+    assert_eq!(rec.workload.pods, [format!("{NS}/stuck-0")]);
+    let pod = api.get_object("pods", &format!("{NS}/stuck-0")).unwrap().unwrap();
+    let want: Vec<(String, i64)> = reached_pod_stamps(&pod);
+    assert_eq!(stamps_of(&rec.stamps), want);
+    let names: Vec<&str> = want.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["pod-created", "pod-scheduled", "containers-started"]);
+    let stored = api.get_object("nodes", node).unwrap().unwrap();
+    let doc = decode(stored["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
+    assert_eq!(doc.workload.unwrap().outcome, "WorkloadNotReady");
+    assert_eq!(doc.post.len(), 3, "{:?}", doc.post);
+    wait_until("the pod watch to close", Duration::from_secs(30), || {
+        open_watches_on(&api, "/pods").is_empty()
+    });
+    assert!(
+        open_watches_on(&api, "/endpointslices").is_empty(),
+        "no endpoint watch for a Pod never Ready"
+    );
+    // The Warning Event about the Node, read back.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ev = loop {
+        let found = api
+            .list_objects("events")
+            .unwrap()
+            .into_iter()
+            .find(|e| e["reason"] == "WorkloadNotReady" && e["involvedObject"]["name"] == node);
+        if let Some(ev) = found {
+            break ev;
+        }
+        assert!(Instant::now() < deadline, "no WorkloadNotReady Event");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(ev["type"], "Warning", "{ev}");
+    let msg = ev["message"].as_str().unwrap();
+    assert!(
+        msg.contains("ml/stuck-0") && msg.contains("containers-started at"),
+        "{msg}"
+    );
+    let text = timeline_output(&args(Some(node)), &api.client().unwrap())
+        .await
+        .unwrap();
+    save("timeline-not-ready.txt", &text);
+    assert!(
+        text.contains("workload: WorkloadNotReady") && text.contains("[ml/stuck-0]"),
+        "{text}"
+    );
+    for step in ["pod-scheduled", "containers-started"] {
+        assert!(text.contains(&format!(" {step} ")), "no {step} in:\n{text}");
+    }
+    assert!(!text.contains(" pod-ready "), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

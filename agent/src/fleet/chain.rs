@@ -302,6 +302,10 @@ impl Chain {
                 outcome::NO_WORKLOAD_YET => {
                     "no workload yet at the readiness deadline; the agent stopped watching".to_string()
                 }
+                outcome::WORKLOAD_NOT_READY => {
+                    "the workload came but was not Ready at the readiness deadline; the agent stopped watching"
+                        .to_string()
+                }
                 other => other.to_string(),
             };
             let pods = if pods.is_empty() {

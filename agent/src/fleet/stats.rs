@@ -82,7 +82,7 @@ pub struct FleetReport {
     /// Nodes skipped: `(node, why)`.
     pub skipped: Vec<(String, String)>,
     /// Nodes per readiness-chain outcome after release (`WorkloadReady`, `NoWorkloadYet`,
-    /// ...); nodes with none recorded yet are not counted.
+    /// `WorkloadNotReady`, ...); nodes with none recorded yet are not counted.
     pub workload: BTreeMap<String, usize>,
     /// The critical stage of each release ([`Chain::critical_stage`]): per stage, how many
     /// released nodes waited for it last and the distribution of its duration on them;

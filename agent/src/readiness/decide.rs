@@ -229,6 +229,58 @@ pub fn decide<'a>(
     }
 }
 
+/// At the deadline, the workload that came but never became Ready: among the candidates
+/// on the node that are not Ready (every Pod the watch sees is bound to this node), the one
+/// created first (ties by name), with its stamps so far. With `group = (label, size)`: the
+/// group with the most such members (ties: the one whose first member came first), its
+/// first `size` members and the steps every one of them has done. `None` when no
+/// candidate is there: nothing came, which is `NoWorkloadYet`, not this.
+pub fn stalled<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    selector_configured: bool,
+    group: Option<(&str, usize)>,
+) -> Option<Chosen> {
+    /// A waiting candidate: its creation time, its reference, the Pod.
+    type Waiting<'p> = (Option<Timestamp>, PodRef, &'p Pod);
+    let mut waiting: Vec<Waiting<'a>> = pods
+        .into_iter()
+        .filter(|p| is_workload(p, selector_configured) && !is_ready(p))
+        .map(|p| (p.metadata.creation_timestamp.as_ref().map(|t| t.0), PodRef::of(p), p))
+        .collect();
+    waiting.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+    match group {
+        None => {
+            let (_, r, p) = waiting.into_iter().next()?;
+            Some(Chosen {
+                pods: vec![r],
+                group: None,
+                stamps: pod_stamps(p),
+            })
+        }
+        Some((label, size)) => {
+            let mut groups: BTreeMap<String, Vec<Waiting<'a>>> = BTreeMap::new();
+            for e in waiting {
+                if let Some(v) = e.2.metadata.labels.as_ref().and_then(|l| l.get(label)) {
+                    groups.entry(v.clone()).or_default().push(e);
+                }
+            }
+            let (value, mut members) = groups.into_iter().min_by(|a, b| {
+                b.1.len()
+                    .cmp(&a.1.len())
+                    .then_with(|| a.1.first().map(|e| e.0).cmp(&b.1.first().map(|e| e.0)))
+                    .then_with(|| a.0.cmp(&b.0))
+            })?;
+            members.truncate(size.max(1));
+            let stamps = group_stamps(&members.iter().map(|e| pod_stamps(e.2)).collect::<Vec<_>>());
+            Some(Chosen {
+                pods: members.into_iter().map(|e| e.1).collect(),
+                group: Some(value),
+                stamps,
+            })
+        }
+    }
+}
+
 /// When `slice` lists `pod` as a ready endpoint, the time of this version's write (the
 /// newest `managedFields[].time`, else the slice's creation). `None` when it does not.
 pub fn slice_ready_for(slice: &EndpointSlice, pod: &PodRef) -> Option<Timestamp> {
@@ -362,6 +414,58 @@ mod tests {
             vec![Stamp::new("pod-created", at(2))],
         ]);
         assert_eq!(partial, vec![Stamp::new("pod-created", at(2))]);
+    }
+
+    #[test]
+    fn the_workload_that_came_but_never_got_ready() {
+        let ds = pod("agent", Some("DaemonSet"), json!({}), None);
+        let ready = pod("llm-9", Some("ReplicaSet"), json!({}), Some(20));
+        let stuck = pod("llm-1", Some("ReplicaSet"), json!({}), None);
+        let mut later = pod("llm-0", Some("ReplicaSet"), json!({}), None);
+        later.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(8)));
+        let mut going = pod("llm-2", Some("ReplicaSet"), json!({}), None);
+        going.metadata.deletion_timestamp = going.metadata.creation_timestamp.clone();
+        // (pods, selector configured, expected): only candidates that are not Ready count,
+        // the first created wins; nothing there is None (that is NoWorkloadYet).
+        let cases: Vec<(Vec<&Pod>, bool, Option<&str>)> = vec![
+            (vec![], false, None),
+            (vec![&ds], false, None),
+            (vec![&ds], true, Some("agent")),
+            (vec![&ready], false, None),
+            (vec![&going], false, None),
+            (vec![&ds, &later, &stuck, &ready], false, Some("llm-1")),
+            (vec![&later, &going], false, Some("llm-0")),
+        ];
+        for (pods, sel, want) in cases {
+            let got = stalled(pods.iter().copied(), sel, None).map(|c| c.pods[0].name.clone());
+            assert_eq!(got.as_deref(), want, "{pods:?}");
+        }
+        // Its stamps stop where it stopped: bound, initialised, started; never Ready.
+        let c = stalled([&stuck], false, None).unwrap();
+        let names: Vec<(&str, Timestamp)> = c.stamps.iter().map(|s| (s.name.as_str(), s.at)).collect();
+        assert_eq!(
+            names,
+            [
+                ("pod-created", at(1)),
+                ("pod-scheduled", at(2)),
+                ("pod-initialized", at(3)),
+                ("containers-started", at(5)),
+            ]
+        );
+        // A group: the one with most members waiting, at most `size` of them.
+        let g = |name: &str, group: &str| pod(name, Some("StatefulSet"), json!({"example.com/group": group}), None);
+        let (a0, b0, b1, b2) = (g("a-0", "a"), g("b-0", "b"), g("b-1", "b"), g("b-2", "b"));
+        let c = stalled([&a0, &b0, &b1, &b2, &stuck], false, Some(("example.com/group", 2))).unwrap();
+        assert_eq!(c.group.as_deref(), Some("b"));
+        assert_eq!(
+            c.pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+            ["b-0", "b-1"]
+        );
+        assert_eq!(
+            stalled([&stuck], false, Some(("example.com/group", 2))),
+            None,
+            "no member of any group"
+        );
     }
 
     #[test]

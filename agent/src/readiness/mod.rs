@@ -8,8 +8,9 @@
 //! annotation ([`record`]), the OTLP trace ([`trace`]) and a Normal Event named after
 //! the outcome, and stops watching. Both waits
 //! are bounded (`readiness.deadline`, `readiness.endpoint_wait`): a node whose workload
-//! never comes records `NoWorkloadYet` at the deadline, which is not a failure of the
-//! node. See `docs/readiness-chain.md`.
+//! never comes records `NoWorkloadYet` at the deadline, one that came but never got Ready
+//! records `WorkloadNotReady` with the steps it reached (a Warning Event); neither is a
+//! failure of the node. See `docs/readiness-chain.md`.
 
 pub mod decide;
 pub mod record;
@@ -35,8 +36,11 @@ pub mod outcome {
     pub const WORKLOAD_READY: &str = "WorkloadReady";
     /// The workload was Ready; no EndpointSlice listed it ready within `endpoint_wait`.
     pub const NO_ENDPOINT_YET: &str = "NoEndpointYet";
-    /// No workload was Ready by `readiness.deadline`.
+    /// No workload Pod was on the node by `readiness.deadline`.
     pub const NO_WORKLOAD_YET: &str = "NoWorkloadYet";
+    /// A workload Pod was on the node but not Ready by `readiness.deadline` (its probe or
+    /// its start never passed): recorded with the steps it did reach.
+    pub const WORKLOAD_NOT_READY: &str = "WorkloadNotReady";
     /// The Pod watch never delivered a list (forbidden, unreachable) by the deadline.
     pub const WATCH_FAILED: &str = "ReadinessWatchFailed";
 }
@@ -55,7 +59,7 @@ pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::r
         loop {
             let ev = tokio::select! {
                 ev = pods.next() => ev,
-                _ = &mut timer => break Err((listed, last_error)),
+                _ = &mut timer => break Err((listed, last_error, decide::stalled(store.values(), selector.is_some(), cfg.group()))),
             };
             match ev {
                 Some(Seen::Reset) => {
@@ -74,13 +78,17 @@ pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::r
                 }
                 Some(Seen::Error(e)) => {
                     tracing::warn!(error = %e, reason = outcome::WATCH_FAILED, "watching the node's pods failed; retrying with backoff");
-                    last_error = Some(e);
+                    last_error = Some(e.to_string());
                     continue;
                 }
                 // A source that ends: nothing more can arrive, wait out the deadline.
                 None => {
                     (&mut timer).await;
-                    break Err((listed, last_error));
+                    break Err((
+                        listed,
+                        last_error,
+                        decide::stalled(store.values(), selector.is_some(), cfg.group()),
+                    ));
                 }
             }
             if !listing && let Some(c) = decide::decide(store.values(), selector.is_some(), cfg.group()) {
@@ -91,10 +99,24 @@ pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::r
     };
     let chosen = match chosen {
         Ok(c) => c,
-        Err((listed, last_error)) => {
+        // It came but never got Ready: its steps so far, and who it was.
+        Err((_, _, Some(stalled))) => {
+            let pods: Vec<String> = stalled.pods.iter().map(ToString::to_string).collect();
+            tracing::warn!(reason = outcome::WORKLOAD_NOT_READY, deadline = ?cfg.deadline, ?pods, "the workload was not Ready by readiness.deadline; stopped watching (the node stays released)");
+            return Record {
+                stamps: stalled.stamps,
+                workload: WorkloadEntry {
+                    outcome: outcome::WORKLOAD_NOT_READY.into(),
+                    at_ms: Timestamp::now().as_millisecond(),
+                    pods,
+                    group: stalled.group.unwrap_or_default(),
+                },
+            };
+        }
+        Err((listed, last_error, None)) => {
             let (code, why) = match (listed, last_error) {
                 (false, Some(e)) => (outcome::WATCH_FAILED, format!("the pod watch never listed: {e}")),
-                _ => (outcome::NO_WORKLOAD_YET, "no workload Pod was Ready".to_string()),
+                _ => (outcome::NO_WORKLOAD_YET, "no workload Pod came".to_string()),
             };
             tracing::info!(reason = code, deadline = ?cfg.deadline, "{why} by readiness.deadline; stopped watching (not a failure of the node)");
             return Record {
@@ -192,9 +214,10 @@ pub async fn run(
         Ok(node) => {
             if config.reporting.events {
                 // A Normal Event: `kubectl get events` shows how the chain ended.
+                // A workload that never got Ready is a Warning: someone should look at it.
                 let ev = crate::node::report::node_event(
                     &node,
-                    false,
+                    rec.workload.outcome == outcome::WORKLOAD_NOT_READY,
                     &rec.workload.outcome,
                     &summary(&rec),
                     Timestamp::now(),
@@ -233,7 +256,23 @@ fn summary(rec: &Record) -> String {
             ready.map(|t| t.to_string()).unwrap_or_default()
         ),
         outcome::NO_WORKLOAD_YET => {
-            "no workload Pod Ready by readiness.deadline after release; stopped watching (not a failure)".into()
+            "no workload Pod on the node by readiness.deadline after release; stopped watching (not a failure)".into()
+        }
+        outcome::WORKLOAD_NOT_READY => {
+            let step = |name: &str| rec.stamps.iter().find(|s| s.name == name).map(|s| s.at.to_string());
+            let reached = [names::POD_SCHEDULED, names::CONTAINERS_STARTED]
+                .into_iter()
+                .filter_map(|n| step(n).map(|t| format!("{n} at {t}")))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "first workload {pods} not Ready by readiness.deadline ({}); its readiness probe or start never passed; stopped watching (the node stays released)",
+                if reached.is_empty() {
+                    "no step reached".into()
+                } else {
+                    reached
+                }
+            )
         }
         other => format!("readiness chain ended: {other}"),
     }

@@ -80,6 +80,8 @@ pub fn build_spans_with(
     let root_id = next_span_id();
     let status = match workload.outcome.as_str() {
         "WorkloadReady" | "NoEndpointYet" => Status::Ok,
+        // The workload failed, not the node: red in the trace view, as it is for the user.
+        "WorkloadNotReady" => Status::error("the workload was not Ready by readiness.deadline"),
         _ => Status::Unset,
     };
     let mut root = mk(

@@ -135,9 +135,11 @@ fn lenient_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Timesta
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkloadEntry {
-    /// Reason code: `WorkloadReady`, `NoEndpointYet`, `NoWorkloadYet`, `ReadinessWatchFailed`.
+    /// Reason code: `WorkloadReady`, `NoEndpointYet`, `NoWorkloadYet`, `WorkloadNotReady`,
+    /// `ReadinessWatchFailed`.
     pub outcome: String,
-    /// Unix ms when the agent recorded it (the deadline, for `NoWorkloadYet`).
+    /// Unix ms when the agent recorded it (the deadline, for `NoWorkloadYet` and
+    /// `WorkloadNotReady`).
     pub at_ms: i64,
     /// The Pods that ended the chain (`namespace/name`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
