@@ -4,6 +4,7 @@
 //! chart, the image through CRI), and the device plugin restarted with another config.
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -52,20 +53,53 @@ pub fn agent_on_node(api: &ApiServer, driver: &DriverRoot, dir: &Path, overlay: 
     Ok(cmd)
 }
 
-/// Restart the node's device plugin with `config` as its `--config-file` (none: whole
-/// GPUs), through `local-cluster.sh restart-plugin`.
+/// Restart (or start, when stopped) the node's device plugin with `config` as its
+/// `--config-file` (none: whole GPUs), through `local-cluster.sh restart-plugin`.
 pub fn restart_plugin(api: &ApiServer, config: Option<&Path>) -> anyhow::Result<()> {
-    let mut cmd = Command::new("bash");
-    cmd.arg(repo_root().join("scripts/local-cluster.sh"))
-        .arg("restart-plugin")
-        .arg(api.control_plane().dir());
-    if let Some(c) = config {
-        cmd.arg("--plugin-config").arg(c);
+    match config {
+        Some(c) => node_command(api, "restart-plugin", &[OsStr::new("--plugin-config"), c.as_os_str()]),
+        None => node_command(api, "restart-plugin", &[]),
     }
-    let out = cmd.output().context("running local-cluster.sh restart-plugin")?;
+}
+
+/// Start the node's device plugin with `config` (`restart-plugin --no-wait`) without waiting
+/// for its socket: for a plugin that cannot serve yet and retries on its own.
+pub fn start_plugin_no_wait(api: &ApiServer, config: &Path) -> anyhow::Result<()> {
+    node_command(
+        api,
+        "restart-plugin",
+        &[
+            OsStr::new("--plugin-config"),
+            config.as_os_str(),
+            OsStr::new("--no-wait"),
+        ],
+    )
+}
+
+/// Stop the node's device plugin (`local-cluster.sh stop-plugin`): its socket goes, the
+/// kubelet's endpoint for it closes.
+pub fn stop_plugin(api: &ApiServer) -> anyhow::Result<()> {
+    node_command(api, "stop-plugin", &[])
+}
+
+/// Restart the node's kubelet with its command line (`local-cluster.sh restart-kubelet`);
+/// returns once it serves its registration socket again.
+pub fn restart_kubelet(api: &ApiServer) -> anyhow::Result<()> {
+    node_command(api, "restart-kubelet", &[])
+}
+
+/// `local-cluster.sh COMMAND DIR ARGS...` on the node `api` runs; the error has its stderr.
+fn node_command(api: &ApiServer, command: &str, args: &[&OsStr]) -> anyhow::Result<()> {
+    let out = Command::new("bash")
+        .arg(repo_root().join("scripts/local-cluster.sh"))
+        .arg(command)
+        .arg(api.control_plane().dir())
+        .args(args)
+        .output()
+        .with_context(|| format!("running local-cluster.sh {command}"))?;
     if !out.status.success() {
         bail!(
-            "local-cluster.sh restart-plugin: {}",
+            "local-cluster.sh {command}: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
@@ -128,10 +162,49 @@ pub fn install_agent(api: &ApiServer, how: Deploy, values: Option<&Path>) -> any
         .collect())
 }
 
-/// A workload waiting for the node, as a `List` file in `dir`: Deployment `name` in
-/// `default` (one pause Pod labelled `app: <name>`, no toleration of the startup taint, a
-/// limit of `gpus` `nvidia.com/gpu` when given) and Service `name` selecting it.
+/// A DaemonSet rollout of the chart-deployed agent (`helm upgrade --reuse-values` of the
+/// release `install_agent` made, with `values` on top), as a user changes its config: the
+/// chart's ConfigMap name carries its content hash, so a changed config rolls the Pods.
+/// Returns when helm has applied it (not when the rollout is done).
+pub fn upgrade_agent(api: &ApiServer, values: &Path) -> anyhow::Result<()> {
+    let plane = api.control_plane();
+    let dir = plane.dir();
+    let out = Command::new(crate::cluster::go_tool("helm")?)
+        .env("HELM_CACHE_HOME", dir.join("helm/cache"))
+        .env("HELM_CONFIG_HOME", dir.join("helm/config"))
+        .env("HELM_DATA_HOME", dir.join("helm/data"))
+        .arg("--kubeconfig")
+        .arg(dir.join("kubeconfig"))
+        .args(["upgrade", "taintgate"])
+        .arg(repo_root().join("charts/taintgate"))
+        .args(["--namespace", "default", "--reuse-values", "-f"])
+        .arg(values)
+        .output()
+        .context("running helm upgrade")?;
+    if !out.status.success() {
+        bail!("helm upgrade: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+/// A workload waiting for the node, as a `List` file in `dir`: [`workload_list`] written
+/// as `<name>.json`.
 pub fn workload_manifest(dir: &Path, name: &str, gpus: Option<u32>) -> anyhow::Result<PathBuf> {
+    write_list(dir, name, &workload_list(name, gpus))
+}
+
+/// Write `list` (a `List` of objects) as `dir/<name>.json`, for `kubectl apply -f`.
+pub fn write_list(dir: &Path, name: &str, list: &Value) -> anyhow::Result<PathBuf> {
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, list.to_string())?;
+    Ok(path)
+}
+
+/// A workload waiting for the node: Deployment `name` in `default` (one pause Pod labelled
+/// `app: <name>`, no toleration of the startup taint, a limit of `gpus` `nvidia.com/gpu`
+/// when given) and Service `name` selecting it. Its one container is
+/// `items[0].spec.template.spec.containers[0]`, for a caller to add to.
+pub fn workload_list(name: &str, gpus: Option<u32>) -> Value {
     let labels = json!({"app": name});
     let mut container = json!({
         "name": "web",
@@ -141,7 +214,7 @@ pub fn workload_manifest(dir: &Path, name: &str, gpus: Option<u32>) -> anyhow::R
     if let Some(n) = gpus {
         container["resources"] = json!({"limits": {"nvidia.com/gpu": n.to_string()}});
     }
-    let docs = json!({
+    json!({
         "apiVersion": "v1",
         "kind": "List",
         "items": [
@@ -166,10 +239,7 @@ pub fn workload_manifest(dir: &Path, name: &str, gpus: Option<u32>) -> anyhow::R
                 "spec": {"selector": labels, "ports": [{"port": 80}]},
             },
         ],
-    });
-    let path = dir.join(format!("{name}.json"));
-    std::fs::write(&path, docs.to_string())?;
-    Ok(path)
+    })
 }
 
 /// The Pods (any namespace) whose label `key` is `value`.

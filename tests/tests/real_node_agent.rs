@@ -45,11 +45,17 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use serde_json::{Value, json};
+use taintgate_prefetch::Manifest;
+use taintgate_tests::agent::reached_pod_stamps;
 use taintgate_tests::agent::{TAINT, condition, expected_pod_stamps, taint_keys, timestamp_ms};
+use taintgate_tests::bundles::{files_under, publish_manifest, sha256_file, write_origin_file};
 use taintgate_tests::cluster::{ApiServer, kubectl};
 use taintgate_tests::nvidia::DriverRoot;
-use taintgate_tests::real_node::{Deploy, install_agent, pod_condition, pods_labelled, workload_manifest};
+use taintgate_tests::real_node::{
+    Deploy, install_agent, pod_condition, pods_labelled, upgrade_agent, workload_list, workload_manifest, write_list,
+};
 use taintgate_tests::require_service;
+use taintgate_tests::services::nginx::{AccessEntry, Nginx};
 use taintgate_tests::services::taintgate_bin;
 use taintgate_validators::profile::NodeProfile;
 
@@ -88,7 +94,25 @@ fn agent_pid(uid: &str) -> Option<u32> {
     })
 }
 
-/// Milliseconds since the epoch of an RFC 3339 time the API server wrote.
+/// The log of the agent's container in `pod`, as the kubelet wrote it under the node's
+/// `/var/log/pods`.
+fn agent_log(api: &ApiServer, pod: &Value) -> String {
+    let var_lib = PathBuf::from(api.control_plane().var("NODE_VAR_LIB").unwrap());
+    let (name, uid) = (
+        pod["metadata"]["name"].as_str().unwrap(),
+        pod["metadata"]["uid"].as_str().unwrap(),
+    );
+    let dir = var_lib
+        .parent()
+        .unwrap()
+        .join(format!("var-log/pods/{AGENT_NS}_{name}_{uid}/taintgate"));
+    std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(|e| e.ok())
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .collect()
+}
+
 /// The EndpointSlice of the `gpu-web` Service.
 fn endpoint_slice(api: &ApiServer) -> Option<Value> {
     api.list_objects("endpointslices")
@@ -316,15 +340,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
     assert!(verified["lastTransitionTime"].is_string(), "{node:#}");
     assert_eq!(verified["status"], "True", "{node:#}");
     assert_eq!(verified["reason"], "Released", "{node:#}");
-    let log_dir = PathBuf::from(var("NODE_VAR_LIB"))
-        .parent()
-        .unwrap()
-        .join(format!("var-log/pods/{AGENT_NS}_{pod_name}_{uid}/taintgate"));
-    let log: String = std::fs::read_dir(&log_dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", log_dir.display()))
-        .filter_map(|e| e.ok())
-        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
-        .collect();
+    let log = agent_log(&api, pod);
     assert!(log.contains("verdict: released"), "agent log:\n{log}");
 
     // 4. The GPU Pod now runs on the node (read back from the API server).
@@ -497,6 +513,11 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         bound_at - verdict_at
     );
 
+    // A config change rolls the agent on the released, serving node (issue 47 item 4).
+    if how == Deploy::Chart {
+        rollout_on_the_serving_node(&api, node_name, pod, &gpu_pod, &cuda_log, tmp.path());
+    }
+
     // The call log's positive control (once: both tests share the runtime's setup): a Pod of
     // the same image and handler that does run the smoke stage (`taintgate check`, the
     // defaults) calls the injected fake libcuda, and its cuInit line lands in the log the
@@ -545,4 +566,312 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         "real node agent test ({how:?}): node up {node_up:?}, install to release {install_took:?}, {:?} in all",
         started.elapsed()
     );
+}
+
+/// A DaemonSet rollout (a config change, `helm upgrade`) on the released node while its
+/// workload serves. The new config turns the CUDA stages on — on a node being gated they
+/// would open a context and allocate on every GPU (the probe Pod below shows the injected
+/// libcuda logs such calls) — yet the new Pod finds the node already released and runs no
+/// stage: the fake libcuda's call log stays empty, the agent's conditions keep their
+/// status and transition times, the taint stays off, the workload's Pod runs on untouched,
+/// and the new Pod is Ready at once (a rollout across a serving fleet proceeds).
+fn rollout_on_the_serving_node(
+    api: &ApiServer,
+    node_name: &str,
+    old: &Value,
+    workload: &Value,
+    cuda_log: &Path,
+    dir: &Path,
+) {
+    let kept = |n: &Value| -> Vec<Value> {
+        ["TaintgateVerified", "AcceleratedHardwareReady"]
+            .iter()
+            .map(|t| {
+                let c = condition(n, t).unwrap_or_else(|| panic!("no {t} condition: {n:#}"));
+                json!([c["type"], c["status"], c["reason"], c["lastTransitionTime"]])
+            })
+            .collect()
+    };
+    let before = kept(&api.get_object("nodes", node_name).unwrap().unwrap());
+    let values = dir.join("rollout-values.yaml");
+    std::fs::write(
+        &values,
+        "config:\n  stages:\n    smoke:\n      enabled: true\n    peer-bw:\n      enabled: true\n",
+    )
+    .unwrap();
+    upgrade_agent(api, &values).unwrap();
+    let old_uid = old["metadata"]["uid"].clone();
+    let new = wait_until("the rolled-out agent Pod Ready, the old one gone", || {
+        let pods = pods_labelled(api, "app.kubernetes.io/name", "taintgate").unwrap();
+        match &pods[..] {
+            [p] if p["metadata"]["uid"] != old_uid
+                && pod_condition(p, "Ready").is_some_and(|c| c["status"] == "True") =>
+            {
+                Some(p.clone())
+            }
+            _ => None,
+        }
+    });
+    // It runs the new config: its ConfigMap (named by content) turns smoke and peer-bw on.
+    let cm = new["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|v| v["configMap"]["name"].as_str())
+        .expect("no config volume");
+    let cm = api
+        .get_object("configmaps", &format!("{AGENT_NS}/{cm}"))
+        .unwrap()
+        .unwrap();
+    let cfg: Value = serde_yaml_ng::from_str(cm["data"]["config.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(cfg["stages"]["smoke"]["enabled"], true, "{cfg:#}");
+    assert_eq!(cfg["stages"]["peer-bw"]["enabled"], true, "{cfg:#}");
+    // The kubelet writes the container's log as it comes: wait for the line, bounded.
+    let log = wait_until("the new agent's log naming the released node", || {
+        Some(agent_log(api, &new)).filter(|l| l.contains("node already released"))
+    });
+    assert!(
+        !log.contains("verdict: released"),
+        "the new agent ran the stages:\n{log}"
+    );
+    // Nothing called CUDA, and the new process did not even map it.
+    let text = std::fs::read_to_string(cuda_log).unwrap_or_default();
+    assert!(text.is_empty(), "the rollout called CUDA on a serving node: {text}");
+    let pid = agent_pid(new["metadata"]["uid"].as_str().unwrap()).expect("no agent process in the new Pod");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(!maps.contains("libcuda"), "the new agent mapped a CUDA library");
+    // The node's record stands, and its workload serves on.
+    let node = api.get_object("nodes", node_name).unwrap().unwrap();
+    assert_eq!(kept(&node), before, "the rollout changed the agent's conditions");
+    assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
+    let name = workload["metadata"]["name"].as_str().unwrap();
+    let now = api.get_object("pods", &format!("default/{name}")).unwrap().unwrap();
+    assert_eq!(now["metadata"]["uid"], workload["metadata"]["uid"]);
+    assert_eq!(
+        pod_condition(&now, "Ready").map(|c| c["status"].clone()),
+        Some(json!("True"))
+    );
+    assert_eq!(now["status"]["containerStatuses"][0]["restartCount"], 0, "{now:#}");
+}
+
+/// The faults of issue 47 item 4 that need a node still gated, on one node of their own
+/// (their cases one after another): the agent's Pod deleted in the middle of its model
+/// download, and a workload whose readiness probe never passes.
+///
+/// - The chart's config names one 6 MiB bundle on a loopback nginx whose `/slow/` serves
+///   128 KiB/s per request, fetched in 256 KiB chunks two at a time (about a second a
+///   chunk: nginx lets a request's first second of bytes through at once). Once the origin has served
+///   at least three whole chunks, the test deletes the agent's Pod (as `kubectl delete pod`
+///   or a node drain would). The DaemonSet's next Pod resumes from the verified chunks on
+///   the hostPath cache: its log says so, the origin serves no verified chunk twice (at most
+///   the two in flight at the deletion), and the bundle verifies and releases the node.
+/// - A Deployment whose readiness probe never passes (a TCP probe on a port nothing
+///   listens on) waits for the node like any workload; after the release it is scheduled
+///   and started but never Ready, and at `readiness.deadline` (20 s here) the chain ends in
+///   `WorkloadNotReady`: the Pod named, the steps it reached equal to its own fields, no
+///   `pod-ready`, a Warning Event beside the kubelet's own probe failures, and the node
+///   still released.
+#[test]
+fn an_agent_pod_deleted_mid_download_resumes_and_a_never_ready_workload_ends_the_chain_honestly() {
+    // nginx's `limit_rate` lets the first second's bytes of each request through at once:
+    // a chunk of twice the per-second rate takes a second to serve.
+    const CHUNK: u64 = 256 << 10;
+    const SIZE: u64 = 24 * CHUNK;
+    let node_name = "tg-agent-faults";
+    let profile = NodeProfile::load("builtin").unwrap();
+    let driver = DriverRoot::new(fake_library(), &profile, "").unwrap();
+    let origin = tempfile::tempdir().unwrap();
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "128k"));
+    let (mut file, _) = write_origin_file(origin.path(), "model.bin", SIZE, 47, None).unwrap();
+    file.source = Some("slow/model.bin".into());
+    let digest = file.sha256.clone();
+    let manifest = Manifest {
+        base_uri: None,
+        files: vec![file],
+    };
+    let bundle = publish_manifest(origin.path(), "model.yaml", "llm", nginx.url("model.yaml"), &manifest).unwrap();
+
+    let api = require_service!(
+        "real node (scripts/local-cluster.sh up --node)",
+        ApiServer::start_node(&[
+            ("TAINTGATE_NODE_DRIVER_ROOT", driver.path().as_os_str()),
+            ("TAINTGATE_NODE_NAME", OsStr::new(node_name)),
+        ])
+    );
+    let plane = api.control_plane();
+    let tmp = tempfile::tempdir().unwrap();
+    // The workload that never gets Ready, waiting for the node before the agent comes.
+    let mut stuck = workload_list("never-ready", Some(GPUS_ASKED));
+    stuck["items"][0]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"] =
+        json!({"tcpSocket": {"port": 80}, "periodSeconds": 1, "failureThreshold": 1});
+    api.apply_file(&write_list(tmp.path(), "never-ready", &stuck).unwrap())
+        .unwrap();
+
+    // The chart's values for this node: the bundle, small chunks, and a short readiness
+    // deadline. No disk reserve: the cache is the test machine's disk, whose free space
+    // says nothing about a GPU node's.
+    let values = json!({"config": {
+        "models": {
+            "bundles": [bundle],
+            "fetch": {"chunk_size": CHUNK, "concurrency": 2, "file_concurrency": 2, "reserve_bytes": 0},
+        },
+        "readiness": {"deadline": "20s", "endpoint_wait": "10s"},
+    }});
+    let values_file = tmp.path().join("fault-values.yaml");
+    std::fs::write(&values_file, values.to_string()).unwrap();
+    let whole_chunks = |reqs: &[AccessEntry]| -> Vec<u64> {
+        reqs.iter()
+            .filter(|e| e.uri.ends_with("/model.bin") && e.status == 206 && e.body_bytes == CHUNK)
+            .filter_map(|e| e.range.strip_prefix("bytes=")?.split('-').next()?.parse().ok())
+            .collect()
+    };
+
+    // 1. The agent's Pod deleted mid-download.
+    let (deleted, served_before, installed) = std::thread::scope(|s| {
+        let install = s.spawn(|| install_agent(&api, Deploy::Chart, Some(&values_file)));
+        let (first, served) = wait_until("three chunks of the bundle served to the first agent Pod", || {
+            let served = whole_chunks(&nginx.requests().unwrap());
+            let pods = pods_labelled(&api, "app.kubernetes.io/name", "taintgate").unwrap();
+            (served.len() >= 3 && pods.len() == 1).then(|| (pods[0].clone(), served))
+        });
+        let name = first["metadata"]["name"].as_str().unwrap();
+        let out = plane
+            .kubectl(&["-n", AGENT_NS, "delete", "pod", name, "--wait=false"])
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        (first, served, install.join().unwrap())
+    });
+    require_service!(
+        "the agent deployed on the real node (local-cluster.sh install-agent)",
+        installed
+    );
+    assert!(
+        (served_before.len() as u64) < SIZE / CHUNK,
+        "the first Pod finished before its deletion: {served_before:?}"
+    );
+    let agents = pods_labelled(&api, "app.kubernetes.io/name", "taintgate").unwrap();
+    assert_eq!(agents.len(), 1, "{agents:#?}");
+    let second = &agents[0];
+    assert_ne!(
+        second["metadata"]["uid"], deleted["metadata"]["uid"],
+        "the deleted Pod released the node"
+    );
+    let log = wait_until("the second agent's log of its release", || {
+        Some(agent_log(&api, second)).filter(|l| l.contains("verdict: released"))
+    });
+    let on_disk: u64 = log
+        .lines()
+        .find(|l| l.contains("resuming partial download"))
+        .and_then(|l| l.split("chunks_on_disk").nth(1))
+        .map(|rest| {
+            rest.trim_start_matches(['=', '"', ':'])
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+        })
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the second agent did not resume:\n{log}"));
+    assert!(on_disk >= 1, "nothing resumed:\n{log}");
+    assert!(log.contains("verdict: released"), "second agent's log:\n{log}");
+    // From the origin's side: a chunk served whole before the deletion was not served whole
+    // again, except the two the first Pod had in flight (hashed, not yet recorded).
+    let all = whole_chunks(&nginx.requests().unwrap());
+    let mut seen = std::collections::BTreeSet::new();
+    let twice: Vec<u64> = all.iter().filter(|s| !seen.insert(**s)).copied().collect();
+    assert!(
+        twice.len() <= 2,
+        "chunks served twice at {twice:?} (served before the deletion: {served_before:?})"
+    );
+    assert!(
+        twice.len() < served_before.len(),
+        "every chunk served before the deletion was fetched again: {twice:?}"
+    );
+    let total: u64 = nginx
+        .requests()
+        .unwrap()
+        .iter()
+        .filter(|e| e.uri.ends_with("/model.bin"))
+        .map(|e| e.body_bytes)
+        .sum();
+    assert!(total < SIZE + 3 * CHUNK, "{total} bytes served for a {SIZE}-byte file");
+    // The bundle verified on the hostPath cache, and the node released by the second Pod.
+    let cache = PathBuf::from(plane.var("NODE_VAR_LIB").unwrap()).join("taintgate/models");
+    let files = files_under(&cache.join("bundles/llm")).unwrap();
+    assert!(
+        files.iter().any(|f| sha256_file(f).as_deref() == Ok(digest.as_str())),
+        "no verified model.bin in {}: {files:?}",
+        cache.display()
+    );
+    let node = api.get_object("nodes", node_name).unwrap().unwrap();
+    assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
+
+    // 2. The workload that never gets Ready: the chain's honest end.
+    let doc = wait_until("the chain ending at readiness.deadline", || {
+        let node = api.get_object("nodes", node_name).ok()??;
+        let doc: Value =
+            serde_json::from_str(node["metadata"]["annotations"]["taintgate.io/timeline"].as_str()?).ok()?;
+        doc["workload"]["outcome"].is_string().then_some(doc)
+    });
+    assert_eq!(doc["workload"]["outcome"], "WorkloadNotReady", "{doc:#}");
+    let pods = pods_labelled(&api, "app", "never-ready").unwrap();
+    assert_eq!(pods.len(), 1, "{pods:#?}");
+    let name = pods[0]["metadata"]["name"].as_str().unwrap().to_string();
+    assert_eq!(doc["workload"]["pods"], json!([format!("default/{name}")]), "{doc:#}");
+    let pod = api.get_object("pods", &format!("default/{name}")).unwrap().unwrap();
+    assert_eq!(pod["spec"]["nodeName"], node_name);
+    assert_eq!(pod["status"]["phase"], "Running", "{pod:#}");
+    assert_eq!(
+        pod_condition(&pod, "Ready").map(|c| c["status"].clone()),
+        Some(json!("False"))
+    );
+    let post: Vec<(String, i64)> = doc["post"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e[0].as_str().unwrap().to_string(), e[1].as_i64().unwrap()))
+        .collect();
+    let reached = reached_pod_stamps(&pod);
+    assert_eq!(post, reached, "the chain's steps are not the Pod's own");
+    let names: Vec<&str> = reached.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["pod-created", "pod-scheduled", "pod-initialized", "containers-started"]
+    );
+    // What the user sees: the kubelet's own probe failures and the agent's Warning.
+    let events = api.list_objects("events").unwrap();
+    assert!(
+        events.iter().any(|e| e["involvedObject"]["name"] == json!(name)
+            && e["reason"] == "Unhealthy"
+            && e["source"]["component"] == "kubelet"),
+        "no kubelet Unhealthy Event for {name}"
+    );
+    let out = plane
+        .kubectl(&[
+            "events",
+            "-n",
+            "default",
+            "--for",
+            &format!("node/{node_name}"),
+            "--types",
+            "Warning",
+        ])
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains("WorkloadNotReady") && text.contains(&name),
+        "kubectl events --types Warning:\n{text}"
+    );
+    let out = Command::new(taintgate_bin().unwrap())
+        .args(["timeline", "--color", "never", "--kubeconfig"])
+        .arg(api.kubeconfig_path())
+        .arg(node_name)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(table.contains("workload: WorkloadNotReady"), "{table}");
+    assert!(!table.contains(" pod-ready "), "{table}");
+    // Not a failure of the node: still released, its condition untouched.
+    let node = api.get_object("nodes", node_name).unwrap().unwrap();
+    assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
+    assert_eq!(condition(&node, "TaintgateVerified").unwrap()["status"], "True");
 }
