@@ -6,7 +6,9 @@
 #   scripts/local-cluster.sh up [DIR] [--node [--agent [--kustomize]]] [--watch-pid PID]
 #   scripts/local-cluster.sh down [DIR]
 #   scripts/local-cluster.sh env [DIR]      # prints the cluster's settings (shell syntax)
-#   scripts/local-cluster.sh restart-plugin DIR [--plugin-config FILE]   # --node only
+#   scripts/local-cluster.sh restart-plugin DIR [--plugin-config FILE] [--no-wait]  # --node only (starts a stopped one)
+#   scripts/local-cluster.sh stop-plugin DIR      # --node only
+#   scripts/local-cluster.sh restart-kubelet DIR  # --node only
 #   scripts/local-cluster.sh install-agent DIR [--kustomize]   # --node only: what --agent does, later
 #
 # --node (root only) adds a real node: kube-controller-manager, kube-scheduler, a private
@@ -44,7 +46,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "local-cluster: $*" >&2; exit 1; }
 
 usage() {
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -57,6 +59,7 @@ NODE_MODE=0
 AGENT_MODE=0
 AGENT_VIA=helm
 PLUGIN_CONFIG=""
+NO_WAIT=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --watch-pid) WATCH_PID=${2:?--watch-pid needs a pid}; shift 2 ;;
@@ -64,6 +67,7 @@ while [ $# -gt 0 ]; do
         --agent) AGENT_MODE=1; shift ;;
         --kustomize) AGENT_VIA=kustomize; shift ;;
         --plugin-config) PLUGIN_CONFIG=${2:?--plugin-config needs a file}; shift 2 ;;
+        --no-wait) NO_WAIT=1; shift ;;
         -h|--help) usage ;;
         -*) die "unknown option $1" ;;
         *) [ -z "$DIR" ] || die "more than one DIR given"; DIR=$1; shift ;;
@@ -88,8 +92,25 @@ sys.exit(1)
 PY
 }
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+# reserve_port VAR: a free loopback port into $VAR, reserved the way the test harness
+# reserves its ports (tests/src/services/mod.rs, free_port): an exclusive flock on
+# ${TMPDIR:-/tmp}/taintgate-ports/<port>.lock. The lock's file stays open in this script,
+# and the servers it starts inherit it, so the port stays reserved until they are gone;
+# another reserver (a test thread, a test process, a second cluster) meets the lock and
+# picks another port. Not in a $(...) subshell: the lock would close with it.
+reserve_port() {
+    local dir=${TMPDIR:-/tmp}/taintgate-ports p fd i
+    mkdir -p "$dir"
+    for i in $(seq 1 64); do
+        p=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+        exec {fd}>>"$dir/$p.lock"
+        if flock -n "$fd"; then
+            printf -v "$1" '%s' "$p"
+            return 0
+        fi
+        exec {fd}>&-
+    done
+    die "no unreserved loopback port after 64 tries ($dir)"
 }
 
 # Stop the processes named in $STATE: TERM, up to 10 s, then KILL.
@@ -263,18 +284,19 @@ ST
         rm -rf "$DIR"
         exit 1
     }
-    # A free port found by binding port 0 can be taken by another process (a parallel test's
-    # control plane) before etcd or kube-apiserver binds it. That race is retried with fresh
-    # ports, a bounded number of times; ports the caller fixed are never retried.
+    # Ports are reserved (reserve_port), so no other reserver takes them before etcd or
+    # kube-apiserver binds them; a program outside the scheme still can, and that bind
+    # failure is retried with fresh ports, a bounded number of times; ports the caller
+    # fixed are never retried.
     # Without a node lifecycle controller nothing would remove the not-ready taint the
     # TaintNodesByCondition admission plugin puts on every new Node; --node runs one.
     local node_admission="--disable-admission-plugins TaintNodesByCondition"
     [ "$NODE_MODE" = 1 ] && node_admission=""
     local attempt
     for attempt in 1 2 3 4; do
-        ETCD_PORT=${fixed_etcd:-$(free_port)}
-        ETCD_PEER_PORT=$(free_port)
-        APISERVER_PORT=${fixed_apiserver:-$(free_port)}
+        if [ -n "$fixed_etcd" ]; then ETCD_PORT=$fixed_etcd; else reserve_port ETCD_PORT; fi
+        reserve_port ETCD_PEER_PORT
+        if [ -n "$fixed_apiserver" ]; then APISERVER_PORT=$fixed_apiserver; else reserve_port APISERVER_PORT; fi
         setsid "$etcd" --name local --data-dir "$DIR/etcd" \
             --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
             --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
@@ -348,7 +370,9 @@ case "$cmd" in
     up) up ;;
     down) down ;;
     env) [ -f "$STATE" ] || die "no cluster state in $DIR"; cat "$STATE" ;;
-    restart-plugin) [ -f "$STATE" ] || die "no cluster state in $DIR"; node_restart_plugin "$PLUGIN_CONFIG" ;;
+    restart-plugin) [ -f "$STATE" ] || die "no cluster state in $DIR"; node_restart_plugin "$PLUGIN_CONFIG" "$NO_WAIT" ;;
+    stop-plugin) [ -f "$STATE" ] || die "no cluster state in $DIR"; node_stop_plugin ;;
+    restart-kubelet) [ -f "$STATE" ] || die "no cluster state in $DIR"; node_restart_kubelet ;;
     install-agent)
         [ -f "$STATE" ] || die "no cluster state in $DIR"
         # shellcheck disable=SC1090

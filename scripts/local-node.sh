@@ -318,8 +318,8 @@ node_up() {
     node_kubeconfig kcm
     node_kubeconfig scheduler
     node_kubeconfig node
-    KCM_PORT=$(free_port)
-    SCHEDULER_PORT=$(free_port)
+    reserve_port KCM_PORT
+    reserve_port SCHEDULER_PORT
     setsid "$kcm" --kubeconfig "$DIR/kcm.kubeconfig" \
         --authentication-kubeconfig "$DIR/kcm.kubeconfig" --authorization-kubeconfig "$DIR/kcm.kubeconfig" \
         --bind-address 127.0.0.1 --secure-port "$KCM_PORT" \
@@ -465,8 +465,8 @@ CNI
     # Karpenter runs here; the agent's register stage waits for it).
     local labels="taintgate.io/enabled=true,karpenter.sh/nodepool=gpu,karpenter.sh/capacity-type=on-demand,karpenter.sh/registered=true,node.kubernetes.io/instance-type=p5.48xlarge"
     [ -n "${TAINTGATE_NODE_LABELS:-}" ] && labels="$labels,$TAINTGATE_NODE_LABELS"
-    KUBELET_PORT=${KUBELET_PORT:-$(free_port)}
-    KUBELET_HEALTHZ_PORT=$(free_port)
+    [ -n "${KUBELET_PORT:-}" ] || reserve_port KUBELET_PORT
+    reserve_port KUBELET_HEALTHZ_PORT
     cat > "$nd/kubelet-config.yaml" <<KCFG
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -508,11 +508,12 @@ KCFG
         printf '#!/bin/sh\necho "%s: not available on the taintgate test node" >&2\nexit 1\n' "$t" > "$nd/no-iptables/$t"
         chmod +x "$nd/no-iptables/$t"
     done
-    node_ns_run "$DIR/kubelet.log" env "PATH=$nd/no-iptables:$PATH" "$kubelet" --config "$nd/kubelet-config.yaml" \
+    # The command line is kept (NUL-separated) for `restart-kubelet`.
+    printf '%s\0' env "PATH=$nd/no-iptables:$PATH" "$kubelet" --config "$nd/kubelet-config.yaml" \
         --kubeconfig "$DIR/node.kubeconfig" --root-dir /var/lib/kubelet \
-        --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --node-labels "$labels" --v=2
-    KUBELET_PID=$NS_RUN_PID
-    save_state
+        --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --node-labels "$labels" --v=2 \
+        > "$nd/kubelet.args"
+    node_kubelet_start
     node_wait_socket "$nd/var-lib/kubelet/device-plugins/kubelet.sock" kubelet "$DIR/kubelet.log" "$KUBELET_PID"
 
     # NVIDIA's device plugin on the fake NVML; it registers on the kubelet's compiled-in
@@ -537,27 +538,122 @@ KCFG
     NODE_GPUS=${got#True }
 }
 
+# Start the kubelet in the node namespace with the command line node_up recorded.
+node_kubelet_start() {
+    local args=()
+    mapfile -d '' args < "$DIR/node/kubelet.args"
+    node_ns_run "$DIR/kubelet.log" "${args[@]}"
+    KUBELET_PID=$NS_RUN_PID
+    save_state
+}
+
+# Stop a node process started with node_ns_run ($1: the nsenter pid, $2: what it is): TERM
+# to the process (nsenter's child), KILL after 10 s.
+node_ns_kill() {
+    local pid=$1 child i
+    pid_alive "$pid" || return 0
+    child=$(cat "/proc/$pid/task/$pid/children" 2>/dev/null | awk '{print $1}')
+    [ -n "$child" ] && kill -TERM "$child" 2>/dev/null
+    for i in $(seq 1 100); do
+        pid_alive "$pid" || return 0
+        sleep 0.1
+    done
+    echo "local-cluster: $2 ignored SIGTERM for 10 s; killing it" >&2
+    [ -n "$child" ] && kill -KILL "$child" 2>/dev/null
+    sleep 0.2
+}
+
+# The checks of every command on a running node: state loaded, a node, alive.
+node_running() {
+    # shellcheck disable=SC1090
+    . "$STATE"
+    [ "${NODE_MODE:-0}" = 1 ] || die "$DIR runs no node (it was not started with --node)"
+    pid_alive "${NODE_INIT_PID:-}" || die "the node in $DIR is not running"
+}
+
+# `local-cluster.sh restart-kubelet DIR`: stop the kubelet and start it again with the same
+# command line, as a node's kubelet restarts (an upgrade, a crash, a config change). Its
+# log so far moves to kubelet.log.1. The new kubelet empties the device-plugins directory
+# and serves a new registration socket; NVIDIA's device plugin sees that and registers
+# again (its own behaviour, not the script's). Returns once the new socket is there.
+node_restart_kubelet() {
+    node_running
+    node_ns_kill "$KUBELET_PID" kubelet
+    save_state() { sed -i "s/^KUBELET_PID=.*/KUBELET_PID=$KUBELET_PID/" "$STATE"; }
+    rm -f "$NODE_VAR_LIB/kubelet/device-plugins/kubelet.sock"
+    [ -f "$DIR/kubelet.log" ] && mv "$DIR/kubelet.log" "$DIR/kubelet.log.1"
+    node_kubelet_start
+    fail_up() { die "$*"; }
+    node_wait_socket "$NODE_VAR_LIB/kubelet/device-plugins/kubelet.sock" kubelet "$DIR/kubelet.log" "$KUBELET_PID"
+    echo "local-cluster: kubelet restarted (pid $KUBELET_PID)" >&2
+}
+
+# `local-cluster.sh stop-plugin DIR`: stop the device plugin (its socket goes with it), as
+# when its Pod is deleted or not yet started. `restart-plugin` starts it again.
+node_stop_plugin() {
+    node_running
+    node_ns_kill "$PLUGIN_PID" "the device plugin"
+    rm -f "$NODE_VAR_LIB/kubelet/device-plugins/nvidia-gpu.sock"
+    sed -i "s/^PLUGIN_PID=.*/PLUGIN_PID=/" "$STATE"
+    echo "local-cluster: device plugin stopped" >&2
+}
+
 # Start (or restart) the device plugin in the node namespace. Its config file, if any:
 # DIR/node/device-plugin-config.yaml (restart with another file to change the profile).
+#
+# MPS: a plugin config with `sharing.mps` makes the plugin ask NVIDIA's MPS control client
+# (`nvidia-cuda-mps-control`, found on its PATH) whether the MPS control daemon answers
+# before it serves. No GPU, so no daemon: DIR/node/mps-bin holds a stand-in for the client
+# that answers like the real one: `get_default_active_thread_percentage` gets `100.0` when
+# the daemon's control pipe exists under the config's `flags.mpsRoot`
+# (<mpsRoot>/<resource>/pipe/control, where the daemon makes it), and the real client's
+# error and exit status 1 otherwise. A test creates or removes that pipe.
 node_plugin_start() {
-    local plugin=$1 args=()
+    local plugin=$1 args=() bin="$DIR/node/mps-bin"
     [ -f "$DIR/node/device-plugin-config.yaml" ] && args+=("--config-file=$DIR/node/device-plugin-config.yaml")
-    node_ns_run "$DIR/device-plugin.log" "$plugin" \
+    mkdir -p "$bin"
+    # The plugin runs the client with only CUDA_MPS_PIPE_DIRECTORY and
+    # CUDA_MPS_LOG_DIRECTORY in its environment (no PATH): the stand-in uses shell builtins
+    # and reads the host root from the file beside it.
+    cat > "$bin/nvidia-cuda-mps-control" <<'MPS'
+#!/bin/sh
+# Stand-in for NVIDIA's MPS control client (scripts/local-node.sh, node_plugin_start).
+# The plugin passes CUDA_MPS_PIPE_DIRECTORY=/mps/<resource>/pipe (its container path); on
+# this node the daemon's pipe would be under the config's flags.mpsRoot (file mps-root).
+read -r cmd || true  # the plugin writes the command without a newline
+root=""
+[ -f "${0%/*}/mps-root" ] && read -r root < "${0%/*}/mps-root"
+r=${CUDA_MPS_PIPE_DIRECTORY#/mps/}
+resource=${r%/pipe}
+if [ -n "$root" ] && [ "$resource" != "$r" ] && [ -p "$root/$resource/pipe/control" ]; then
+    case "$cmd" in
+        get_default_active_thread_percentage) echo "100.0" ;;
+    esac
+    exit 0
+fi
+echo "Cannot find MPS control daemon process" >&2
+exit 1
+MPS
+    chmod +x "$bin/nvidia-cuda-mps-control"
+    local mps_root=""
+    [ -f "$DIR/node/device-plugin-config.yaml" ] \
+        && mps_root=$(sed -n 's/^ *mpsRoot: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' "$DIR/node/device-plugin-config.yaml" | head -1)
+    printf '%s\n' "$mps_root" > "$bin/mps-root"
+    node_ns_run "$DIR/device-plugin.log" env "PATH=$bin:$PATH" "$plugin" \
         "--container-driver-root=$NODE_DRIVER_ROOT" --fail-on-init-error=true "${args[@]}"
     PLUGIN_PID=$NS_RUN_PID
     save_state
 }
 
-# `local-cluster.sh restart-plugin DIR [--plugin-config FILE]`: stop the device plugin and
-# start it again, with FILE as its --config-file (time-slicing, MPS, ...) or, without it,
-# with none. Returns once the new plugin serves its socket; the kubelet then re-reads the
-# plugin's devices and republishes allocatable (callers wait for that on the Node).
+# `local-cluster.sh restart-plugin DIR [--plugin-config FILE]`: stop the device plugin (when
+# it runs) and start it, with FILE as its --config-file (time-slicing, MPS, ...) or, without
+# it, with none. Returns once the new plugin serves its socket; the kubelet then re-reads
+# the plugin's devices and republishes allocatable (callers wait for that on the Node).
+# With --no-wait ($2 = 1) it returns once the plugin is started (a plugin that cannot
+# serve yet, e.g. MPS without its daemon, retries on its own).
 node_restart_plugin() {
-    local config=$1 nd="$DIR/node" plugin child i
-    # shellcheck disable=SC1090
-    . "$STATE"
-    [ "${NODE_MODE:-0}" = 1 ] || die "$DIR runs no node (it was not started with --node)"
-    pid_alive "${NODE_INIT_PID:-}" || die "the node in $DIR is not running"
+    local config=$1 no_wait=${2:-0} nd="$DIR/node" plugin i
+    node_running
     plugin=$(tg_tool_path nvidia-device-plugin)
     if [ -n "$config" ]; then
         [ -f "$config" ] || die "--plugin-config $config: no such file"
@@ -565,16 +661,11 @@ node_restart_plugin() {
     else
         rm -f "$nd/device-plugin-config.yaml"
     fi
-    child=$(cat "/proc/$PLUGIN_PID/task/$PLUGIN_PID/children" 2>/dev/null | awk '{print $1}')
-    [ -n "$child" ] && kill -TERM "$child" 2>/dev/null
-    for i in $(seq 1 100); do
-        pid_alive "$PLUGIN_PID" || break
-        sleep 0.1
-    done
-    pid_alive "$PLUGIN_PID" && { kill -KILL "$child" 2>/dev/null; sleep 0.2; }
+    node_ns_kill "${PLUGIN_PID:-}" "the device plugin"
     rm -f "$NODE_VAR_LIB/kubelet/device-plugins/nvidia-gpu.sock"
     save_state() { sed -i "s/^PLUGIN_PID=.*/PLUGIN_PID=$PLUGIN_PID/" "$STATE"; }
     node_plugin_start "$plugin"
+    [ "$no_wait" = 1 ] && { echo "local-cluster: device plugin started (pid $PLUGIN_PID)" >&2; return 0; }
     for i in $(seq 1 300); do
         [ -S "$NODE_VAR_LIB/kubelet/device-plugins/nvidia-gpu.sock" ] && { echo "local-cluster: device plugin restarted (pid $PLUGIN_PID)" >&2; return 0; }
         pid_alive "$PLUGIN_PID" || { tail -20 "$DIR/device-plugin.log" >&2; die "the device plugin exited ($DIR/device-plugin.log)"; }
@@ -650,7 +741,9 @@ node_agent_up() {
     version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' "$ROOT/Cargo.toml")
 
     # The registry, in the node namespace (it goes with the node), on loopback.
-    REGISTRY_HOST=127.0.0.1:$(free_port)
+    local registry_port
+    reserve_port registry_port
+    REGISTRY_HOST=127.0.0.1:$registry_port
     mkdir -p "$nd/registry"
     printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\nhttp:\n  addr: %s\n' \
         "$nd/registry/data" "$REGISTRY_HOST" > "$nd/registry/config.yml"
@@ -675,7 +768,7 @@ node_agent_up() {
     printf 'apiVersion: node.k8s.io/v1\nkind: RuntimeClass\nmetadata:\n  name: nvidia\nhandler: nvidia\n' \
         | "$kubectl" --kubeconfig "$DIR/kubeconfig" apply -f - >&2 || fail_up "creating RuntimeClass nvidia failed"
 
-    AGENT_METRICS_PORT=$(free_port)
+    reserve_port AGENT_METRICS_PORT
     save_state
     if [ "${AGENT_VIA:-helm}" = kustomize ]; then
         node_agent_kustomize "$kubectl" "$digest"

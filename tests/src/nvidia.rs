@@ -53,11 +53,28 @@ impl DriverRoot {
         let libdir = dir.path().join(LIB_SUBDIR);
         std::fs::create_dir_all(&libdir)?;
         std::fs::copy(lib, libdir.join("libnvidia-ml.so.1"))?;
+        let root = Self { dir };
+        root.set_profile(profile, extra)?;
+        Ok(root)
+    }
+
+    /// Replace the profile (generated from `profile`, plus `extra` lines): what NVML reports
+    /// to every process that initialises it from now on (a GPU gone from the bus, another
+    /// machine). Processes already running keep what they read.
+    pub fn set_profile(&self, profile: &NodeProfile, extra: &str) -> anyhow::Result<()> {
         let mut text = crate::profile::fake_nvml_profile(profile);
-        text.push_str(&format!("xid_trigger={}\n", dir.path().join("xid-trigger").display()));
+        text.push_str(&format!(
+            "xid_trigger={}\n",
+            self.dir.path().join("xid-trigger").display()
+        ));
         text.push_str(extra);
-        std::fs::write(libdir.join("profile.txt"), text)?;
-        Ok(Self { dir })
+        let path = self.dir.path().join(LIB_SUBDIR).join("profile.txt");
+        // Written aside and renamed: a process starting meanwhile reads the old or the new
+        // profile, never half of one.
+        let tmp = path.with_extension("txt.new");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(())
     }
 
     /// The root (`--container-driver-root`).
