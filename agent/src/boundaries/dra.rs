@@ -4,17 +4,18 @@
 //! decisions over what is read live in `taintgate_validators::dra`.
 
 use crate::node::ApiError;
-use crate::node::kube::to_api_error;
+use crate::node::kube::watch_objects;
+use crate::node::workload::Seen;
 use async_trait::async_trait;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::api::{Api, ListParams, WatchEvent, WatchParams};
+use kube::api::Api;
+use kube::runtime::watcher;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 use taintgate_validators::dra::Slice;
 use taintgate_validators::dra::evidence::{DraFailure, Registration, from_resource_slice, registered_driver};
-use taintgate_validators::retry::RetryPolicy;
 
 /// A condition on the slices read so far.
 pub type SlicesDone<'a> = dyn Fn(&[Slice]) -> bool + Send + Sync + 'a;
@@ -47,68 +48,46 @@ impl DraSide for KubeDra {
         let api: Api<ResourceSlice> = Api::all(self.client.clone());
         let fields = format!("spec.nodeName={},spec.driver={driver}", self.node);
         let op = format!("watch resourceslices ({fields})");
-        let mut backoff = RetryPolicy::new(Duration::from_millis(200), Duration::from_secs(10)).backoff();
-        loop {
-            // List (filtered by the server), then watch from the list's version; a watch
-            // that ends or expires (410) starts over with a list.
-            let listed = match api.list(&ListParams::default().fields(&fields)).await {
-                Ok(l) => l,
-                Err(e) => {
-                    sleep_or_fail(to_api_error(&op, e), &mut backoff).await?;
+        // List (filtered by the server), then watch; a watch that ends resumes, one that
+        // expires (410) starts over with a list, errors back off (crate::node::kube).
+        let cfg = watcher::Config::default().fields(&fields).timeout(290);
+        let mut events = watch_objects(api, cfg, op);
+        let mut store: BTreeMap<String, Slice> = BTreeMap::new();
+        let mut listing = false;
+        while let Some(ev) = events.next().await {
+            match ev {
+                Seen::Reset => {
+                    store.clear();
+                    listing = true;
+                }
+                Seen::Applied(rs) => {
+                    store.insert(rs.metadata.name.clone().unwrap_or_default(), from_resource_slice(&rs));
+                }
+                Seen::Deleted(rs) => {
+                    store.remove(&rs.metadata.name.clone().unwrap_or_default());
+                }
+                Seen::Listed => listing = false,
+                Seen::Error(e) if e.code == 410 || e.retryable() => {
+                    tracing::debug!(error = %e, "watching resourceslices failed; retrying with backoff");
                     continue;
                 }
-            };
-            let mut store: BTreeMap<String, Slice> = listed
-                .items
-                .iter()
-                .map(|rs| (rs.metadata.name.clone().unwrap_or_default(), from_resource_slice(rs)))
-                .collect();
-            let current = |s: &BTreeMap<String, Slice>| s.values().cloned().collect::<Vec<_>>();
-            if done(&current(&store)) {
-                return Ok(current(&store));
+                Seen::Error(e) => return Err(e),
             }
-            let rv = listed.metadata.resource_version.unwrap_or_default();
-            let wp = WatchParams::default().fields(&fields).timeout(290);
-            let stream = match api.watch(&wp, &rv).await {
-                Ok(s) => s,
-                Err(e) => {
-                    sleep_or_fail(to_api_error(&op, e), &mut backoff).await?;
-                    continue;
-                }
-            };
-            let mut stream = stream.boxed();
-            while let Ok(Some(ev)) = stream.try_next().await {
-                match ev {
-                    WatchEvent::Added(rs) | WatchEvent::Modified(rs) => {
-                        store.insert(rs.metadata.name.clone().unwrap_or_default(), from_resource_slice(&rs));
-                    }
-                    WatchEvent::Deleted(rs) => {
-                        store.remove(&rs.metadata.name.clone().unwrap_or_default());
-                    }
-                    WatchEvent::Bookmark(_) => continue,
-                    // 410 Gone and other watch errors: list again.
-                    WatchEvent::Error(_) => break,
-                }
-                if done(&current(&store)) {
-                    return Ok(current(&store));
-                }
+            let current: Vec<Slice> = store.values().cloned().collect();
+            if !listing && done(&current) {
+                return Ok(current);
             }
         }
+        Err(ApiError::from_code(
+            format!("watch resourceslices of {driver}"),
+            0,
+            "the watch ended",
+        ))
     }
 
     async fn registration(&self, driver: &str) -> Result<Registration, DraFailure> {
         registered_driver(&self.plugins_registry, driver, self.registration_timeout).await
     }
-}
-
-/// An error retrying can help is slept off (the next backoff delay); any other ends the
-/// wait with it.
-async fn sleep_or_fail(e: ApiError, backoff: &mut impl Iterator<Item = Duration>) -> Result<(), ApiError> {
-    if !e.retryable() {
-        return Err(e);
-    }
-    tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
-    Ok(())
 }
 
 /// The simulated node's DRA driver (its profile's `dra:`), after the profile's latency.

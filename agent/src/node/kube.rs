@@ -1,12 +1,23 @@
-//! `NodeApi` over the real Kubernetes API with kube-rs. Waiting is a watch on the own Node
-//! only (field selector `metadata.name`), resumed from the last resourceVersion when the
-//! server closes it, re-listed after `410 Gone`, and backed off on transport errors.
+//! `NodeApi` over the real Kubernetes API with kube-rs.
+//!
+//! Two kinds of watch, for a reason: every watch of a collection (the readiness chain's
+//! Pods and EndpointSlices, the DRA ResourceSlices) is kube-runtime's watcher
+//! ([`watch_objects`]: list, then watch; resumed when the server ends it, re-listed after
+//! `410 Gone`), backed off with [`WATCH_RETRY`]. The wait on the own Node cannot be: the
+//! watcher starts with a `list`, and the agent's RBAC grants `get` and `watch` on nodes but
+//! no `list` (daemonset/rbac.yaml and the chart's: never called, kept off), nor can it rely on streaming
+//! lists (`sendInitialEvents`), which not every supported API server serves. So the Node
+//! wait reads its Node by name (`get`), then watches it (field selector `metadata.name`)
+//! from that resourceVersion, resumed when the server closes the watch, re-read after
+//! `410 Gone`, backed off with the same policy.
 
 use crate::node::{ApiError, NodeApi, NodePredicate};
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher;
 use std::path::Path;
 use std::time::Duration;
 use taintgate_validators::retry::RetryPolicy;
@@ -21,6 +32,53 @@ pub struct KubeNodeApi {
     events: std::sync::Mutex<EventCache>,
     /// `timeoutSeconds` of the node watch.
     watch_timeout_secs: u32,
+}
+
+/// Backoff of every watch after an error: 100 ms doubling to 10 s, jittered, unbounded (the
+/// caller's deadline bounds the wait).
+pub const WATCH_RETRY: RetryPolicy = RetryPolicy::new(Duration::from_millis(100), Duration::from_secs(10));
+
+/// [`WATCH_RETRY`] as kube-runtime's watcher backoff: restarted from its first delay once
+/// the watch delivers again (as kube's own backoff is).
+struct PolicyBackoff {
+    policy: RetryPolicy,
+    delays: Box<dyn Iterator<Item = Duration> + Send + Sync + Unpin>,
+}
+
+impl PolicyBackoff {
+    fn new(policy: RetryPolicy) -> Self {
+        Self {
+            policy,
+            delays: Box::new(policy.backoff()),
+        }
+    }
+}
+
+impl Iterator for PolicyBackoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        // An unbounded policy never ends; a capped one keeps its largest delay rather than
+        // ending the watch (kube's watcher stops on a backoff that ends).
+        Some(self.delays.next().unwrap_or(self.policy.max))
+    }
+}
+
+impl kube::runtime::utils::Backoff for PolicyBackoff {
+    fn reset(&mut self) {
+        self.delays = Box::new(self.policy.backoff());
+    }
+}
+
+/// A watcher error as an [`ApiError`] for `op` (the status of an API answer keeps its
+/// code, so 403 stays fatal and 5xx transient).
+fn watch_error(op: &str, e: watcher::Error) -> ApiError {
+    match e {
+        watcher::Error::InitialListFailed(e) | watcher::Error::WatchStartFailed(e) | watcher::Error::WatchFailed(e) => {
+            to_api_error(op, e)
+        }
+        watcher::Error::WatchError(s) => ApiError::from_code(op, s.code, format!("{} {}", s.reason, s.message)),
+        watcher::Error::NoResourceVersion => ApiError::from_code(op, 0, "the watch's answer has no resourceVersion"),
+    }
 }
 
 /// The node watch's `timeoutSeconds` for a read timeout: 290 s (under the API server's
@@ -117,7 +175,7 @@ impl NodeApi for KubeNodeApi {
         let wp = WatchParams::default()
             .fields(&format!("metadata.name={}", self.name))
             .timeout(self.watch_timeout_secs);
-        let mut backoff = RetryPolicy::new(Duration::from_millis(100), Duration::from_secs(10)).backoff();
+        let mut backoff = WATCH_RETRY.backoff();
         'relist: loop {
             // (Re)read: the starting point of the watch, and the check for a state reached
             // while no watch was open.
@@ -278,7 +336,7 @@ impl crate::node::workload::WorkloadSource for KubeNodeApi {
         if let Some(s) = selector {
             cfg = cfg.labels(s);
         }
-        seen(kube::runtime::watcher(self.pods.clone(), cfg))
+        watch_objects(self.pods.clone(), cfg, format!("watch pods on node {node}"))
     }
 
     fn endpoint_slices(
@@ -288,7 +346,7 @@ impl crate::node::workload::WorkloadSource for KubeNodeApi {
     {
         let api: Api<k8s_openapi::api::discovery::v1::EndpointSlice> = Api::namespaced(self.client.clone(), namespace);
         let cfg = kube::runtime::watcher::Config::default().timeout(self.watch_timeout_secs);
-        seen(kube::runtime::watcher(api, cfg))
+        watch_objects(api, cfg, format!("watch endpointslices in {namespace}"))
     }
 }
 
@@ -343,19 +401,28 @@ impl EventCache {
     }
 }
 
-fn seen<K: Send + 'static>(
-    s: impl futures::Stream<Item = Result<kube::runtime::watcher::Event<K>, kube::runtime::watcher::Error>> + Send + 'static,
-) -> futures::stream::BoxStream<'static, crate::node::workload::Seen<K>> {
+/// How the agent watches a collection: kube-runtime's watcher over `api` with `cfg`, backed
+/// off with [`WATCH_RETRY`], as [`Seen`](crate::node::workload::Seen) items; errors keep the
+/// API's status code (`op` names the watch in them). The readiness chain and the DRA slices
+/// read through it (the Node wait cannot: see the module comment).
+pub(crate) fn watch_objects<K>(
+    api: Api<K>,
+    cfg: watcher::Config,
+    op: String,
+) -> futures::stream::BoxStream<'static, crate::node::workload::Seen<K>>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
     use crate::node::workload::Seen;
-    use kube::runtime::WatchStreamExt;
     use kube::runtime::watcher::Event;
-    s.default_backoff()
-        .map(|r| match r {
+    watcher(api, cfg)
+        .backoff(PolicyBackoff::new(WATCH_RETRY))
+        .map(move |r| match r {
             Ok(Event::Init) => Seen::Reset,
             Ok(Event::InitApply(k)) | Ok(Event::Apply(k)) => Seen::Applied(k),
             Ok(Event::Delete(k)) => Seen::Deleted(k),
             Ok(Event::InitDone) => Seen::Listed,
-            Err(e) => Seen::Error(e.to_string()),
+            Err(e) => Seen::Error(watch_error(&op, e)),
         })
         .boxed()
 }

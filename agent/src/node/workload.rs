@@ -17,7 +17,7 @@ pub enum Seen<K> {
     /// The list that followed a `Reset` is complete.
     Listed,
     /// The watch failed; it is retried with backoff by the source.
-    Error(String),
+    Error(crate::node::ApiError),
 }
 
 /// Where the workload's objects are watched. Dropping a stream closes its watch.

@@ -44,10 +44,45 @@ pub fn service_or_skip<T>(name: &str, started: anyhow::Result<T>) -> Option<T> {
     }
 }
 
-/// A free loopback TCP port (bound and released; good enough for tests on one machine).
+/// Where port reservations are kept: one lock file per port, shared by every test process
+/// and by `scripts/local-cluster.sh` (its `reserve_port`), so no two of them hand out the
+/// same port while a server has yet to bind it.
+pub fn port_lock_dir() -> PathBuf {
+    std::env::temp_dir().join("taintgate-ports")
+}
+
+/// A free loopback TCP port, **reserved** for the rest of this process: the kernel picks a
+/// port (bind to 0, released for the server that will use it), and an exclusive `flock`
+/// on `port_lock_dir()/<port>.lock`, held until this process exits, keeps every other
+/// reserver — another test thread, another test process, `local-cluster.sh` — from taking
+/// it meanwhile (they meet the lock and pick again). Servers that can report the port they
+/// bound bind 0 instead; this is for the programs that must be told a port.
 pub fn free_port() -> std::io::Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
+    use std::sync::Mutex;
+    // The held locks: a flock lives as long as its open file.
+    static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+    let dir = port_lock_dir();
+    std::fs::create_dir_all(&dir)?;
+    for _ in 0..64 {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(format!("{port}.lock")))?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {
+                HELD.lock().unwrap_or_else(|p| p.into_inner()).push(file);
+                return Ok(port);
+            }
+            // Reserved by someone else (or by this process, earlier): pick again.
+            Err(e) if e == rustix::io::Errno::WOULDBLOCK => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(std::io::Error::other(
+        "no unreserved loopback port after 64 tries (see port_lock_dir())",
+    ))
 }
 
 /// Wait until `addr` accepts TCP connections or `timeout` passes.
