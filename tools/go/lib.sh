@@ -5,10 +5,12 @@
 #   tool.env        TOOL_PKG (main package), TOOL_VERSION (the upstream version the binary
 #                   reports), TOOL_CGO (0/1), TOOL_LDFLAGS (version stamps), TOOL_BIN,
 #                   TOOL_MODULE (build from another tool's go.mod: two programs of one
-#                   upstream module share one pinned graph, e.g. promtool and prometheus).
+#                   upstream module share one pinned graph, e.g. promtool and prometheus),
+#                   TOOL_TAGS (Go build tags, space-separated: upstream's own switches to
+#                   leave out what the tests never use).
 # The binary goes to a cache outside the clone (CI clones afresh each run), keyed by tool
-# version, the go.sum hash and the Go version, so a present binary is never rebuilt and a
-# change to any of the three builds a new one beside it.
+# version, build tags, the go.sum hash and the Go version, so a present binary is never
+# rebuilt and a change to any of them builds a new one beside it.
 
 TAINTGATE_TOOLS_DIR=${TAINTGATE_TOOLS_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 TAINTGATE_TOOLS_CACHE=${TAINTGATE_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/taintgate-tools}
@@ -40,7 +42,8 @@ tg_tool_path() {
         local sum gov
         sum=$(sha256sum "$TAINTGATE_TOOLS_DIR/${TOOL_MODULE:-$tool}/go.sum" | cut -c1-12)
         gov=$(go env GOVERSION)
-        echo "$TAINTGATE_TOOLS_CACHE/$tool/$TOOL_VERSION-$sum-$gov/${TOOL_BIN:-$tool}"
+        local tags=${TOOL_TAGS:+-${TOOL_TAGS// /,}}
+        echo "$TAINTGATE_TOOLS_CACHE/$tool/$TOOL_VERSION$tags-$sum-$gov/${TOOL_BIN:-$tool}"
     )
 }
 
@@ -62,7 +65,7 @@ tg_build() {
         echo "  $tool $TOOL_VERSION: building $TOOL_PKG (cold builds take minutes)"
         cd "$TAINTGATE_TOOLS_DIR/${TOOL_MODULE:-$tool}"
         # -mod=readonly: go.mod and go.sum are committed and must already be complete.
-        if ! CGO_ENABLED=${TOOL_CGO:-0} go build -mod=readonly -trimpath \
+        if ! CGO_ENABLED=${TOOL_CGO:-0} go build -mod=readonly -trimpath -tags "${TOOL_TAGS:-}" \
             -ldflags "-s -w ${TOOL_LDFLAGS:-}" -o "$tmp" "$TOOL_PKG"; then
             rm -f "$tmp"
             echo "error: building $tool ($TOOL_PKG) failed" >&2
