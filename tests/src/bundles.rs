@@ -367,6 +367,20 @@ pub fn fetch_in_child_then_kill(
     o: &PrefetchOptions,
     at: u64,
 ) -> anyhow::Result<u64> {
+    fetch_in_child_then_kill_when(child_test, env_var, b, o, at, &|| true)
+}
+
+/// [`fetch_in_child_then_kill`], killing only once `ready` also holds (asked at each
+/// progress line): a kill at a *state* on disk (a chunk map persisted), not at a byte
+/// count that the bytes in flight can reach before any chunk is recorded.
+pub fn fetch_in_child_then_kill_when(
+    child_test: &str,
+    env_var: &str,
+    b: &BundleRef,
+    o: &PrefetchOptions,
+    at: u64,
+    ready: &dyn Fn() -> bool,
+) -> anyhow::Result<u64> {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let spec = serde_json::to_string(&(b, o))?;
@@ -385,7 +399,7 @@ pub fn fetch_in_child_then_kill(
         let line = line?;
         if let Some(n) = line.strip_prefix("FETCHED ") {
             let n: u64 = n.parse()?;
-            if n >= at {
+            if n >= at && ready() {
                 child.kill()?;
                 killed_at = Some(n);
                 break;

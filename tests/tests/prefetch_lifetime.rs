@@ -40,8 +40,13 @@ async fn lifetime_kill_child() {
     bundles::run_as_kill_child("TG_LIFETIME_CHILD").await.unwrap();
 }
 
-fn fetch_in_child_then_kill(b: &BundleRef, o: &PrefetchOptions, at: u64) -> u64 {
-    bundles::fetch_in_child_then_kill("lifetime_kill_child", "TG_LIFETIME_CHILD", b, o, at).unwrap()
+/// Kill the child once it reported `at` bytes **and** the partial's chunk map of the file
+/// with `digest` is on disk: the bytes in flight reach `at` before any chunk is recorded
+/// when chunks arrive together, and a kill then leaves no map to resume from.
+fn fetch_in_child_then_kill(b: &BundleRef, o: &PrefetchOptions, at: u64, digest: &str) -> u64 {
+    let state = o.cache_dir.join(format!("tmp/{digest}.state"));
+    bundles::fetch_in_child_then_kill_when("lifetime_kill_child", "TG_LIFETIME_CHILD", b, o, at, &|| state.exists())
+        .unwrap()
 }
 
 /// A one-file bundle `name` of `size` bytes from `seed`, served through nginx's
@@ -70,7 +75,9 @@ fn partial_exists(cache: &Path, digest: &str) -> (bool, bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_fetch_then_a_bundle_switch() {
     let origin = tempfile::tempdir().unwrap();
-    let nginx = require_service!("nginx", Nginx::start(origin.path(), "3m"));
+    // 512 KiB/s per request: nginx lets a request's first second of bytes through at once,
+    // so a 1 MiB chunk takes about a second and the kills land mid-download.
+    let nginx = require_service!("nginx", Nginx::start(origin.path(), "512k"));
     let cache = tempfile::tempdir().unwrap();
     let o = opts(cache.path());
     let size = 16 * MIB + 7;
@@ -78,14 +85,14 @@ async fn a_killed_fetch_then_a_bundle_switch() {
     let (v2, d2) = slow_bundle(origin.path(), &nginx, "llm-v2", size, 82);
 
     // v1 killed mid-download: its partial is pre-allocated at the full size.
-    let at = fetch_in_child_then_kill(&v1, &o, 4 * MIB);
+    let at = fetch_in_child_then_kill(&v1, &o, 2 * MIB, &d1);
     assert!(at < size, "killed too late");
     assert_eq!(partial_exists(cache.path(), &d1), (true, true), "v1 left a partial");
     let part1 = cache.path().join(format!("tmp/{d1}.part"));
     assert_eq!(std::fs::metadata(&part1).unwrap().len(), size);
 
     // The node switches to v2; that download is killed too.
-    let at = fetch_in_child_then_kill(&v2, &o, 4 * MIB);
+    let at = fetch_in_child_then_kill(&v2, &o, 2 * MIB, &d2);
     assert!(at < size, "killed too late");
     assert_eq!(partial_exists(cache.path(), &d2), (true, true), "v2 left a partial");
 
