@@ -167,6 +167,23 @@ fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
     }
 }
 
+/// The Event with `reason` about Node `node`, read back from the API server: the agent
+/// records the annotation, then posts the Event, so it is waited for (bounded).
+async fn node_event(api: &ApiServer, node: &str, reason: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let events = api.list_objects("events").unwrap();
+        if let Some(ev) = events
+            .iter()
+            .find(|e| e["reason"] == reason && e["involvedObject"]["name"] == node)
+        {
+            return ev.clone();
+        }
+        assert!(Instant::now() < deadline, "no {reason} Event about {node}: {events:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn config(deadline: Duration, endpoint_wait: Duration) -> Config {
     let mut c = Config::default();
     c.readiness.deadline = deadline;
@@ -449,19 +466,7 @@ async fn a_workload_never_ready_by_the_deadline_is_named_with_the_steps_it_reach
         "no endpoint watch for a Pod never Ready"
     );
     // The Warning Event about the Node, read back.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let ev = loop {
-        let found = api
-            .list_objects("events")
-            .unwrap()
-            .into_iter()
-            .find(|e| e["reason"] == "WorkloadNotReady" && e["involvedObject"]["name"] == node);
-        if let Some(ev) = found {
-            break ev;
-        }
-        assert!(Instant::now() < deadline, "no WorkloadNotReady Event");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let ev = node_event(&api, node, "WorkloadNotReady").await;
     assert_eq!(ev["type"], "Warning", "{ev}");
     let msg = ev["message"].as_str().unwrap();
     assert!(
@@ -771,20 +776,8 @@ async fn the_resident_agent_records_the_chain_after_its_own_release() {
     );
     assert!(doc.verdict.unwrap().released, "the bootstrap's record is kept");
     // The agent records the annotation, then posts the Event: wait (bounded) for it.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let events = loop {
-        let events = api.list_objects("events").unwrap();
-        if events.iter().any(|e| e["reason"] == "NoEndpointYet") || std::time::Instant::now() > deadline {
-            break events;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let ev = events
-        .iter()
-        .find(|e| e["reason"] == "NoEndpointYet")
-        .unwrap_or_else(|| panic!("a Normal Event for the outcome: {events:?}"));
+    let ev = node_event(&api, NODE, "NoEndpointYet").await;
     assert_eq!(ev["type"], "Normal");
-    assert_eq!(ev["involvedObject"]["name"], NODE);
     assert!(ev["message"].as_str().unwrap().contains("ml/llm-e2e"), "{ev}");
     wait_until("the agent's watches to close", Duration::from_secs(30), || {
         open_watches_on(&api, "/pods").is_empty() && open_watches_on(&api, "/endpointslices").is_empty()

@@ -113,6 +113,40 @@ fn agent_log(api: &ApiServer, pod: &Value) -> String {
         .collect()
 }
 
+/// The agent's timeline annotation on Node `node`, parsed (`None` while absent).
+fn timeline_annotation(api: &ApiServer, node: &str) -> Option<Value> {
+    let node = api.get_object("nodes", node).ok()??;
+    serde_json::from_str(node["metadata"]["annotations"]["taintgate.io/timeline"].as_str()?).ok()
+}
+
+/// The chain's stamps after the release (`post`) of a timeline annotation: (name, Unix ms).
+fn post_stamps(doc: &Value) -> Vec<(String, i64)> {
+    doc["post"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e[0].as_str().unwrap().to_string(), e[1].as_i64().unwrap()))
+        .collect()
+}
+
+/// `taintgate timeline NODE` against the cluster, as a user runs it; its table (the
+/// command must succeed).
+fn timeline_table(api: &ApiServer, node: &str) -> String {
+    let out = Command::new(taintgate_bin().unwrap())
+        .args(["timeline", "--color", "never", "--kubeconfig"])
+        .arg(api.kubeconfig_path())
+        .arg(node)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "taintgate timeline: {table}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    table
+}
+
 /// The EndpointSlice of the `gpu-web` Service.
 fn endpoint_slice(api: &ApiServer) -> Option<Value> {
     api.list_objects("endpointslices")
@@ -373,10 +407,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
         })
     });
     let timeline = wait_until("the agent's chain ending in WorkloadReady", || {
-        let node = api.get_object("nodes", node_name).ok()??;
-        let doc: Value =
-            serde_json::from_str(node["metadata"]["annotations"]["taintgate.io/timeline"].as_str()?).ok()?;
-        (doc["workload"]["outcome"] == "WorkloadReady").then_some(doc)
+        timeline_annotation(&api, node_name).filter(|doc| doc["workload"]["outcome"] == "WorkloadReady")
     });
     assert_eq!(
         timeline["workload"]["pods"],
@@ -394,12 +425,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
             .unwrap_or_else(|| panic!("no {stage} record in {timeline:#}"));
         assert_eq!(rec[3], "passed", "{stage}: {rec}");
     }
-    let post: Vec<(String, i64)> = timeline["post"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| (e[0].as_str().unwrap().to_string(), e[1].as_i64().unwrap()))
-        .collect();
+    let post = post_stamps(&timeline);
     let stamp = |name: &str| {
         post.iter()
             .find(|(n, _)| n == name)
@@ -457,18 +483,7 @@ fn deploy_and_observe(node_name: &str, how: Deploy) {
     );
 
     // `taintgate timeline` shows the whole chain; `kubectl events` the agent's Events.
-    let out = Command::new(taintgate_bin().unwrap())
-        .args(["timeline", "--color", "never", "--kubeconfig"])
-        .arg(api.kubeconfig_path())
-        .arg(node_name)
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "taintgate timeline: {table}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let table = timeline_table(&api, node_name);
     // Every link is in the table, and the workload's steps after the release: the Pod's and
     // the slice's stamps have one-second resolution, and one written in the release's
     // second sorts at the release, not before it (docs/readiness-chain.md).
@@ -807,10 +822,7 @@ fn an_agent_pod_deleted_mid_download_resumes_and_a_never_ready_workload_ends_the
 
     // 2. The workload that never gets Ready: the chain's honest end.
     let doc = wait_until("the chain ending at readiness.deadline", || {
-        let node = api.get_object("nodes", node_name).ok()??;
-        let doc: Value =
-            serde_json::from_str(node["metadata"]["annotations"]["taintgate.io/timeline"].as_str()?).ok()?;
-        doc["workload"]["outcome"].is_string().then_some(doc)
+        timeline_annotation(&api, node_name).filter(|doc| doc["workload"]["outcome"].is_string())
     });
     assert_eq!(doc["workload"]["outcome"], "WorkloadNotReady", "{doc:#}");
     let pods = pods_labelled(&api, "app", "never-ready").unwrap();
@@ -824,12 +836,7 @@ fn an_agent_pod_deleted_mid_download_resumes_and_a_never_ready_workload_ends_the
         pod_condition(&pod, "Ready").map(|c| c["status"].clone()),
         Some(json!("False"))
     );
-    let post: Vec<(String, i64)> = doc["post"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| (e[0].as_str().unwrap().to_string(), e[1].as_i64().unwrap()))
-        .collect();
+    let post = post_stamps(&doc);
     let reached = reached_pod_stamps(&pod);
     assert_eq!(post, reached, "the chain's steps are not the Pod's own");
     let names: Vec<&str> = reached.iter().map(|(n, _)| n.as_str()).collect();
@@ -861,13 +868,7 @@ fn an_agent_pod_deleted_mid_download_resumes_and_a_never_ready_workload_ends_the
         text.contains("WorkloadNotReady") && text.contains(&name),
         "kubectl events --types Warning:\n{text}"
     );
-    let out = Command::new(taintgate_bin().unwrap())
-        .args(["timeline", "--color", "never", "--kubeconfig"])
-        .arg(api.kubeconfig_path())
-        .arg(node_name)
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    let table = timeline_table(&api, node_name);
     assert!(table.contains("workload: WorkloadNotReady"), "{table}");
     assert!(!table.contains(" pod-ready "), "{table}");
     // Not a failure of the node: still released, its condition untouched.

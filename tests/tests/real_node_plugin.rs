@@ -41,7 +41,7 @@ use serde_json::{Value, json};
 use taintgate::timeline::Outcome;
 use taintgate_tests::agent::{TAINT, taint_keys};
 use taintgate_tests::cluster::ApiServer;
-use taintgate_tests::faults::RunningAgent;
+use taintgate_tests::faults::{AgentRun, RunningAgent};
 use taintgate_tests::nvidia::DriverRoot;
 use taintgate_tests::real_node::{
     agent_on_node, restart_kubelet, restart_plugin, start_plugin_no_wait, stop_plugin, wait_until,
@@ -119,10 +119,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
         (published(&api) == (Some(gpus * REPLICAS - 1), Some(gpus * REPLICAS))).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e:#}: {:?}\n{}", published(&api), log_tail(&api, "device-plugin.log")));
-    let held = RunningAgent::spawn(agent_on_node(&api, &driver, tmp.path(), &overlay).unwrap())
-        .unwrap()
-        .wait(T)
-        .unwrap();
+    let held = run_agent(&api, &driver, tmp.path(), &overlay);
     let timeline = held.timeline().expect("no JSON timeline");
     let verdict = timeline.verdict.clone().expect("no verdict");
     assert!(!verdict.released, "{verdict:?}");
@@ -145,10 +142,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
         (published(&api) == (Some(gpus * REPLICAS), Some(gpus * REPLICAS))).then_some(())
     })
     .unwrap();
-    let run = RunningAgent::spawn(agent_on_node(&api, &driver, tmp.path(), &overlay).unwrap())
-        .unwrap()
-        .wait(T)
-        .unwrap();
+    let run = run_agent(&api, &driver, tmp.path(), &overlay);
     assert_eq!(run.code, Some(0), "agent failed:\n{}\n{}", run.stdout, run.stderr);
     let timeline = run.timeline().expect("no JSON timeline");
     assert!(timeline.verdict.as_ref().is_some_and(|v| v.released), "{timeline:?}");
@@ -171,10 +165,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
         (published(&api).0 == Some(gpus - 1)).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e:#}: {:?}\n{}", published(&api), log_tail(&api, "device-plugin.log")));
-    let held = RunningAgent::spawn(agent_on_node(&api, &driver, tmp.path(), &json!({})).unwrap())
-        .unwrap()
-        .wait(T)
-        .unwrap();
+    let held = run_agent(&api, &driver, tmp.path(), &json!({}));
     assert_eq!(held.code, Some(1), "{}\n{}", held.stdout, held.stderr);
     let timeline = held.timeline().expect("no JSON timeline");
     let drv = timeline
@@ -250,10 +241,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
         plugin_log().contains("error waiting for MPS daemon").then_some(())
     })
     .unwrap_or_else(|e| panic!("{e:#}\n{}", plugin_log()));
-    let held = RunningAgent::spawn(agent_on_node(&api, &driver, tmp.path(), &mps_overlay).unwrap())
-        .unwrap()
-        .wait(T)
-        .unwrap();
+    let held = run_agent(&api, &driver, tmp.path(), &mps_overlay);
     let timeline = held.timeline().expect("no JSON timeline");
     assert!(!timeline.verdict.as_ref().is_some_and(|v| v.released), "{timeline:?}");
     let dp = timeline.stage(taintgate::stage::Stage::DevicePlugin).unwrap();
@@ -276,16 +264,21 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
         "the plugin did not check the MPS daemon:\n{}",
         plugin_log()
     );
-    let run = RunningAgent::spawn(agent_on_node(&api, &driver, tmp.path(), &mps_overlay).unwrap())
-        .unwrap()
-        .wait(T)
-        .unwrap();
+    let run = run_agent(&api, &driver, tmp.path(), &mps_overlay);
     assert_eq!(run.code, Some(0), "agent failed:\n{}\n{}", run.stdout, run.stderr);
     let timeline = run.timeline().expect("no JSON timeline");
     let dp = timeline.stage(taintgate::stage::Stage::DevicePlugin).unwrap();
     assert_eq!(devices(&dp.evidence), gpus * REPLICAS, "{:?}", dp.evidence);
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
+}
+
+/// `taintgate run --once` on the node (`agent_on_node` with `overlay`), waited for.
+fn run_agent(api: &ApiServer, driver: &DriverRoot, dir: &Path, overlay: &Value) -> AgentRun {
+    RunningAgent::spawn(agent_on_node(api, driver, dir, overlay).unwrap())
+        .unwrap()
+        .wait(T)
+        .unwrap()
 }
 
 /// Put the startup taint back on the released node (as a re-gate would), so the next agent

@@ -202,13 +202,7 @@ pub fn decide<'a>(
         }
         Some((label, size)) => {
             let size = size.max(1);
-            let mut groups: BTreeMap<String, Vec<(Timestamp, PodRef, &Pod)>> = BTreeMap::new();
-            for e in ready {
-                if let Some(v) = e.2.metadata.labels.as_ref().and_then(|l| l.get(label)) {
-                    groups.entry(v.clone()).or_default().push(e);
-                }
-            }
-            let (value, members) = groups
+            let (value, members) = by_group(ready, label)
                 .into_iter()
                 .filter(|(_, m)| m.len() >= size)
                 .map(|(v, mut m)| {
@@ -258,13 +252,7 @@ pub fn stalled<'a>(
             })
         }
         Some((label, size)) => {
-            let mut groups: BTreeMap<String, Vec<Waiting<'a>>> = BTreeMap::new();
-            for e in waiting {
-                if let Some(v) = e.2.metadata.labels.as_ref().and_then(|l| l.get(label)) {
-                    groups.entry(v.clone()).or_default().push(e);
-                }
-            }
-            let (value, mut members) = groups.into_iter().min_by(|a, b| {
+            let (value, mut members) = by_group(waiting, label).into_iter().min_by(|a, b| {
                 b.1.len()
                     .cmp(&a.1.len())
                     .then_with(|| a.1.first().map(|e| e.0).cmp(&b.1.first().map(|e| e.0)))
@@ -279,6 +267,18 @@ pub fn stalled<'a>(
             })
         }
     }
+}
+
+/// `entries` (a key, the Pod's reference, the Pod) grouped by the value of the Pods' label
+/// `label`, in their order; Pods without the label belong to no group.
+fn by_group<'p, K>(entries: Vec<(K, PodRef, &'p Pod)>, label: &str) -> BTreeMap<String, Vec<(K, PodRef, &'p Pod)>> {
+    let mut groups: BTreeMap<String, Vec<(K, PodRef, &'p Pod)>> = BTreeMap::new();
+    for e in entries {
+        if let Some(v) = e.2.metadata.labels.as_ref().and_then(|l| l.get(label)) {
+            groups.entry(v.clone()).or_default().push(e);
+        }
+    }
+    groups
 }
 
 /// When `slice` lists `pod` as a ready endpoint, the time of this version's write (the
