@@ -452,9 +452,20 @@ CNI
     CONTAINERD_PID=$NS_RUN_PID
     save_state
     node_wait_socket "$CONTAINERD_SOCK" containerd "$nd/containerd.log" "$CONTAINERD_PID"
-    ctr -a "$CONTAINERD_SOCK" -n k8s.io images import --index-name registry.k8s.io/pause:3.10 \
-        "$PAUSE_ARCHIVE" >"$nd/pause-import.log" 2>&1 \
-        || { cat "$nd/pause-import.log" >&2; fail_up "importing the pause image failed"; }
+    # Seen once with three nodes starting side by side, right after containerd's socket
+    # appeared: the import's unpack failed with "content digest ...: not found" (cause not
+    # established). It is tried up to three times; each attempt's output is kept.
+    local attempt imported=""
+    for attempt in 1 2 3; do
+        if ctr -a "$CONTAINERD_SOCK" -n k8s.io images import --index-name registry.k8s.io/pause:3.10 \
+            "$PAUSE_ARCHIVE" >>"$nd/pause-import.log" 2>&1; then
+            imported=1
+            break
+        fi
+        echo "local-cluster: importing the pause image failed (attempt $attempt)" >>"$nd/pause-import.log"
+        sleep 1
+    done
+    [ -n "$imported" ] || { cat "$nd/pause-import.log" >&2; fail_up "importing the pause image failed (3 attempts)"; }
 
     # kubelet.
     local taint=${TAINTGATE_NODE_TAINT:-taintgate.io/unverified:NoSchedule}
