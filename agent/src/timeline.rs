@@ -3,6 +3,7 @@
 //! the stage's tracing span (see [`crate::run::graph`]), so spans and timeline never disagree.
 //! Renders as a table for people and as JSON for the Node annotation and tools.
 
+use crate::reasons::Reason;
 use crate::stage::RecordKind;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
@@ -90,7 +91,7 @@ pub struct StageRecord {
     pub attempts: u32,
     /// Reason code on failure/skip.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
+    pub reason: Option<Reason>,
     /// Human message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
@@ -117,7 +118,7 @@ pub struct Verdict {
     /// Dry-run: nothing was changed.
     pub dry_run: bool,
     /// Reason code: `Released`, `WouldRelease`, or the first blocking failure's code.
-    pub reason: String,
+    pub reason: Reason,
     /// Human message.
     pub message: String,
     /// Milliseconds from agent start when the verdict was reached.
@@ -213,7 +214,7 @@ impl Timeline {
                 fmt_ms(s.start_ms),
                 fmt_ms(s.duration_ms),
                 s.outcome.as_str(),
-                s.reason.as_deref().unwrap_or("-"),
+                s.reason.map(Reason::as_str).unwrap_or("-"),
                 bar
             ));
         }

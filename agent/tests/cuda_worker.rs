@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use taintgate::reasons::Reason;
 use taintgate_validators::gpu::Gpu;
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::reason::ReasonCode;
@@ -114,7 +115,7 @@ fn cuda_runs_in_a_child_and_the_agent_maps_no_cuda_library() {
     let inv = gpu.inventory().unwrap();
     // Smoke: the child loaded the fake driver (its cuInit answered), the agent did not.
     let e = gpu.smoke(&inv.gpus[0], 4096).unwrap_err();
-    assert_eq!(e.reason(), "SmokeFailed", "{e}");
+    assert_eq!(e.reason(), Reason::SmokeFailed, "{e}");
     assert!(e.to_string().contains("CUDA_ERROR_NO_DEVICE"), "{e}");
     assert!(node.cuda_log().contains("cuInit"), "the worker never reached cuInit");
     // Peer-bw: a CUDA failure there is a peer-bw failure.
@@ -124,7 +125,7 @@ fn cuda_runs_in_a_child_and_the_agent_maps_no_cuda_library() {
         require_nccl: false,
     };
     let e = gpu.peer_bandwidth(&inv, &inv.domains[0], &opts).unwrap_err();
-    assert_eq!(e.reason(), "PeerBandwidthFailed", "{e}");
+    assert_eq!(e.reason(), Reason::PeerBandwidthFailed, "{e}");
     assert!(e.to_string().contains("cuInit"), "{e}");
     // After both, the agent process holds no CUDA library, so no context either.
     assert_eq!(cuda_mappings(), Vec::<String>::new());
@@ -142,7 +143,7 @@ fn a_driver_crash_is_cuda_worker_crashed() {
     let gpu = node.open(Duration::from_secs(120));
     let inv = gpu.inventory().unwrap();
     let e = gpu.smoke(&inv.gpus[0], 4096).unwrap_err();
-    assert_eq!(e.reason(), "CudaWorkerCrashed", "{e}");
+    assert_eq!(e.reason(), Reason::CudaWorkerCrashed, "{e}");
     assert!(e.to_string().contains("SIGABRT"), "{e}");
 }
 
@@ -152,7 +153,7 @@ fn a_driver_hang_is_cuda_worker_timeout() {
     let gpu = node.open(Duration::from_secs(2));
     let inv = gpu.inventory().unwrap();
     let e = gpu.smoke(&inv.gpus[0], 4096).unwrap_err();
-    assert_eq!(e.reason(), "CudaWorkerTimeout", "{e}");
+    assert_eq!(e.reason(), Reason::CudaWorkerTimeout, "{e}");
 }
 
 /// issue 34 item 4: on a MIG GPU the smoke worker is restricted to each MIG instance.
@@ -191,7 +192,7 @@ fn no_driver_is_driver_not_loaded_on_every_call() {
         return;
     }
     let err = r.unwrap_err();
-    assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+    assert_eq!(err.reason(), Reason::DriverNotLoaded, "{err}");
     assert!(err.to_string().contains("libcuda"), "{err}");
     assert_eq!(gpu.smoke(&inv.gpus[0], 1 << 20).unwrap_err(), err);
     let bw = gpu.peer_bandwidth(
@@ -203,5 +204,5 @@ fn no_driver_is_driver_not_loaded_on_every_call() {
             require_nccl: true,
         },
     );
-    assert_eq!(bw.unwrap_err().reason(), "DriverNotLoaded");
+    assert_eq!(bw.unwrap_err().reason(), Reason::DriverNotLoaded);
 }

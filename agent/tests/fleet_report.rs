@@ -11,6 +11,7 @@ use taintgate::fleet::TimelineArgs;
 use taintgate::fleet::chain::Chain;
 use taintgate::fleet::stats::{FleetReport, percentile};
 use taintgate::fleet::svg::{fleet_svg, gantt_svg};
+use taintgate::reasons::Reason;
 use taintgate::telemetry::Stamp;
 use taintgate::telemetry::annotation::{decode, encode};
 use taintgate::timeline::{Outcome, StageRecord, Timeline, Verdict};
@@ -64,7 +65,7 @@ fn timeline() -> Timeline {
         outcome: o,
         required: true,
         attempts: 1,
-        reason: reason.map(Into::into),
+        reason: reason.map(|r| r.parse().unwrap()),
         message: None,
         summary: String::new(),
         evidence: serde_json::Value::Null,
@@ -76,14 +77,14 @@ fn timeline() -> Timeline {
         stages: vec![
             rec("register", 0, 30, Outcome::Passed, None),
             rec("driver", 0, 700, Outcome::Passed, None),
-            rec("smoke", 700, 900, Outcome::Failed, Some("<Xid & \"79\">")),
+            rec("smoke", 700, 900, Outcome::Failed, Some("SmokeFailed")),
             rec("peer-bw", 700, 0, Outcome::Skipped, Some("DependencyFailed")),
             rec("images", 1, 4000, Outcome::Passed, None),
         ],
         verdict: Some(Verdict {
             released: false,
             dry_run: false,
-            reason: "SmokeFailed".into(),
+            reason: Reason::SmokeFailed,
             message: "m".into(),
             at_ms: 4002,
             at: start,
@@ -126,7 +127,10 @@ fn gantt_parses_back_with_one_bar_per_stage_that_ran() {
         3
     );
     let texts: String = xml.descendants().filter_map(|n| n.text()).collect();
-    assert!(texts.contains("<Xid & \"79\">"), "reason round-trips through escaping");
+    assert!(
+        texts.contains("failed: SmokeFailed"),
+        "the failed stage's reason is on its bar"
+    );
     assert!(texts.contains("gpu-<odd>&\"node\""));
     // Older annotation (no pre): a chain still renders, starting at the agent.
     let old =

@@ -8,6 +8,7 @@ use jiff::Timestamp;
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use taintgate::reasons::Reason;
 use taintgate::telemetry::metrics::{Metrics, serve};
 use taintgate::timeline::{Outcome, StageRecord, Timeline, Verdict};
 use taintgate_validators::reason::ReasonCode;
@@ -34,7 +35,7 @@ fn rec(stage: &str, start_ms: u64, dur: u64, outcome: Outcome, reason: Option<&s
         outcome,
         required: true,
         attempts: 1,
-        reason: reason.map(Into::into),
+        reason: reason.map(|r| r.parse().unwrap()),
         message: None,
         summary: String::new(),
         evidence: if stage == "models" {
@@ -67,7 +68,11 @@ fn timeline(released: bool) -> Timeline {
         verdict: Some(Verdict {
             released,
             dry_run: false,
-            reason: if released { "Released" } else { "DigestMismatch" }.into(),
+            reason: if released {
+                Reason::Released
+            } else {
+                Reason::DigestMismatch
+            },
             message: String::new(),
             at_ms: 12_041,
             at: Timestamp::UNIX_EPOCH,
@@ -117,7 +122,7 @@ async fn endpoint_serves_health_readiness_and_metrics() {
 
     // The port is taken now: a typed error naming the address.
     let e = serve(addr, metrics, ready).await.unwrap_err();
-    assert_eq!(e.reason(), "MetricsBindFailed");
+    assert_eq!(e.reason(), Reason::MetricsBindFailed);
     assert!(e.to_string().contains(&addr.to_string()), "{e}");
     server.handle.abort();
 }

@@ -902,7 +902,7 @@ pub(crate) mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::manifest::sha256_hex;
-    use taintgate_validators::reason::ReasonCode;
+    use taintgate_validators::reason::{Reason, ReasonCode};
 
     /// Commit `content` as a verified blob; returns its digest.
     pub(crate) fn committed(c: &Cache, content: &[u8]) -> String {
@@ -1082,7 +1082,7 @@ pub(crate) mod tests {
         let outside = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(outside.path(), c.bundles_dir().join("b").join("evil")).unwrap();
         let err = c.link_view("b", "evil/x", &d).unwrap_err();
-        assert_eq!(err.reason(), "ManifestInvalid");
+        assert_eq!(err.reason(), Reason::ManifestInvalid);
         assert!(!outside.path().join("x").exists());
         // No temporary name was ever made inside the view.
         let names: Vec<_> = fs::read_dir(c.bundles_dir().join("b/a/b"))
@@ -1294,7 +1294,7 @@ pub(crate) mod tests {
         }
         // Anything else is an error naming the lock file, not a silent unexcluded run.
         let err = lock_outcome(Err(Errno::IO), file(), &path).unwrap_err();
-        assert_eq!(err.reason(), "CacheIoError");
+        assert_eq!(err.reason(), Reason::CacheIoError);
         assert!(err.to_string().contains(".lock"), "{err}");
     }
 
@@ -1305,12 +1305,12 @@ pub(crate) mod tests {
         fs::create_dir(dir.path().join("verified")).unwrap();
         std::os::unix::fs::symlink(outside.path(), dir.path().join("verified/sha256")).unwrap();
         let err = Cache::open(dir.path()).unwrap_err();
-        assert_eq!(err.reason(), "CacheIoError");
+        assert_eq!(err.reason(), Reason::CacheIoError);
         assert!(err.to_string().contains("verified/sha256"), "{err}");
         // Refused before anything is created through the link.
         let dir = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(outside.path(), dir.path().join("blobs")).unwrap();
-        assert_eq!(Cache::open(dir.path()).unwrap_err().reason(), "CacheIoError");
+        assert_eq!(Cache::open(dir.path()).unwrap_err().reason(), Reason::CacheIoError);
         assert!(
             !outside.path().join("sha256").exists(),
             "created through the planted link"

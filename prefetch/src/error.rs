@@ -3,6 +3,7 @@
 //! metrics and exit codes.
 
 use std::path::PathBuf;
+use taintgate_validators::reason::Reason;
 
 use crate::redact::redact;
 use taintgate_validators::text_bounds::clip_message;
@@ -159,7 +160,9 @@ pub enum PrefetchError {
 impl std::fmt::Debug for PrefetchError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         use taintgate_validators::reason::ReasonCode;
-        f.debug_tuple(self.reason()).field(&format_args!("{self}")).finish()
+        f.debug_tuple(self.reason().as_str())
+            .field(&format_args!("{self}"))
+            .finish()
     }
 }
 
@@ -181,21 +184,21 @@ impl PrefetchError {
 
 impl taintgate_validators::reason::ReasonCode for PrefetchError {
     /// Stable CamelCase reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            Self::DigestMismatch { .. } => "DigestMismatch",
-            Self::SizeMismatch { .. } => "SizeMismatch",
-            Self::ManifestInvalid { .. } => "ManifestInvalid",
-            Self::ManifestDigestMismatch { .. } => "ManifestDigestMismatch",
-            Self::SourceNotFound { .. } => "SourceNotFound",
-            Self::SourceForbidden { .. } => "SourceForbidden",
-            Self::SourceChanged { .. } => "SourceChanged",
-            Self::SourceUnavailable { .. } => "SourceUnavailable",
-            Self::SourceUnsupported { .. } => "SourceUnsupported",
-            Self::DiskInsufficient { .. } => "DiskInsufficient",
-            Self::Io { .. } => "CacheIoError",
-            Self::OptionsInvalid { .. } => "OptionsInvalid",
-            Self::Cancelled => "Cancelled",
+            Self::DigestMismatch { .. } => Reason::DigestMismatch,
+            Self::SizeMismatch { .. } => Reason::SizeMismatch,
+            Self::ManifestInvalid { .. } => Reason::ManifestInvalid,
+            Self::ManifestDigestMismatch { .. } => Reason::ManifestDigestMismatch,
+            Self::SourceNotFound { .. } => Reason::SourceNotFound,
+            Self::SourceForbidden { .. } => Reason::SourceForbidden,
+            Self::SourceChanged { .. } => Reason::SourceChanged,
+            Self::SourceUnavailable { .. } => Reason::SourceUnavailable,
+            Self::SourceUnsupported { .. } => Reason::SourceUnsupported,
+            Self::DiskInsufficient { .. } => Reason::DiskInsufficient,
+            Self::Io { .. } => Reason::CacheIoError,
+            Self::OptionsInvalid { .. } => Reason::OptionsInvalid,
+            Self::Cancelled => Reason::Cancelled,
         }
     }
 }
@@ -211,13 +214,13 @@ mod tests {
             uri: "u".into(),
             detail: "d".into(),
         };
-        assert_eq!(e.reason(), "SourceNotFound");
+        assert_eq!(e.reason(), Reason::SourceNotFound);
         assert!(!e.is_transient());
         let e = PrefetchError::SourceUnavailable {
             uri: "u".into(),
             detail: "d".into(),
         };
         assert!(e.is_transient());
-        assert_eq!(PrefetchError::Cancelled.reason(), "Cancelled");
+        assert_eq!(PrefetchError::Cancelled.reason(), Reason::Cancelled);
     }
 }

@@ -33,6 +33,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+use taintgate_validators::reason::Reason;
 
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
@@ -262,7 +263,7 @@ impl Engine {
                 }
                 Err(AttemptError::Digest(actual)) => {
                     tracing::warn!(file = %job.label, uri = %redact(&job.uri), expected = %job.digest, %actual, attempt = out.attempts, "digest mismatch; discarding download");
-                    self.progress.observer.retry("DigestMismatch");
+                    self.progress.observer.retry(Reason::DigestMismatch);
                     self.discard(&job.digest)?;
                     fetched_here.clear();
                     if out.attempts > self.retries {
@@ -619,7 +620,7 @@ async fn fetch_chunk(ctx: Arc<ChunkCtx>, i: usize) -> Result<(Vec<Bytes>, u64), 
             && want != have
         {
             mismatches += 1;
-            ctx.progress.observer.retry("DigestMismatch");
+            ctx.progress.observer.retry(Reason::DigestMismatch);
             tracing::warn!(file = %ctx.label, uri = %redact(&ctx.src.uri), bytes = ?(start..end), expected = %want, actual = %have, mismatches, "chunk digest mismatch");
             if mismatches > ctx.retries {
                 return Err(PrefetchError::DigestMismatch {

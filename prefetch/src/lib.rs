@@ -901,7 +901,7 @@ fn reserve_for(opts: &PrefetchOptions, total: u64) -> (u64, String) {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use taintgate_validators::reason::ReasonCode;
+    use taintgate_validators::reason::{Reason, ReasonCode};
 
     #[test]
     fn the_reserve_is_the_setting_else_the_largest_rule_else_ten_percent() {
@@ -977,7 +977,7 @@ mod tests {
         o.validate().unwrap();
         o.source_options.insert("aws_regoin".into(), "eu-west-1".into());
         let e = o.validate().unwrap_err();
-        assert_eq!(e.reason(), "OptionsInvalid");
+        assert_eq!(e.reason(), Reason::OptionsInvalid);
         let msg = e.to_string();
         assert!(msg.contains("source_options") && msg.contains("aws_regoin"), "{msg}");
     }

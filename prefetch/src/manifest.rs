@@ -510,7 +510,7 @@ fn list_files(root: &Path) -> Result<Vec<(String, PathBuf)>, PrefetchError> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use taintgate_validators::reason::ReasonCode;
+    use taintgate_validators::reason::{Reason, ReasonCode};
 
     const D: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
@@ -544,7 +544,7 @@ mod tests {
             &["a\\..\\b"],
         ] {
             let err = m(bad).validate("t").unwrap_err();
-            assert_eq!(err.reason(), "ManifestInvalid", "{bad:?}");
+            assert_eq!(err.reason(), Reason::ManifestInvalid, "{bad:?}");
         }
         m(&["a/b", "a/c", "d"]).validate("t").unwrap();
     }
@@ -585,12 +585,12 @@ mod tests {
         let bad = format!("files:\n  - path: a\n    size: 1\n    sha256: {D}\n    extra: 1\n");
         assert_eq!(
             Manifest::parse(bad.as_bytes(), "t").unwrap_err().reason(),
-            "ManifestInvalid"
+            Reason::ManifestInvalid
         );
         let bad_digest = "files:\n  - path: a\n    size: 1\n    sha256: abc\n";
         assert_eq!(
             Manifest::parse(bad_digest.as_bytes(), "t").unwrap_err().reason(),
-            "ManifestInvalid"
+            Reason::ManifestInvalid
         );
     }
 
@@ -661,7 +661,7 @@ mod tests {
         assert_eq!(c.sha256, want);
         assert_eq!(man.files[0].sha256, sha256_hex(&bytes));
         let e = create_manifest(dir.path(), None, Some(1024)).await.unwrap_err();
-        assert_eq!(e.reason(), "OptionsInvalid");
+        assert_eq!(e.reason(), Reason::OptionsInvalid);
     }
 
     #[test]
@@ -710,6 +710,6 @@ mod tests {
         std::fs::write(outside.path().join("secret"), b"s").unwrap();
         std::os::unix::fs::symlink(outside.path().join("secret"), dir.path().join("link")).unwrap();
         let err = create_manifest(dir.path(), None, None).await.unwrap_err();
-        assert_eq!(err.reason(), "ManifestInvalid");
+        assert_eq!(err.reason(), Reason::ManifestInvalid);
     }
 }

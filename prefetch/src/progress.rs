@@ -6,6 +6,7 @@ use std::io::IsTerminal;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use taintgate_validators::reason::Reason;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -24,7 +25,7 @@ pub trait PrefetchObserver: Send + Sync {
     /// A file of a bundle is complete and verified.
     fn file_done(&self, _bundle: &str, _path: &str, _size: u64) {}
     /// A request or file attempt is being retried; `reason` is a reason code.
-    fn retry(&self, _reason: &'static str) {}
+    fn retry(&self, _reason: Reason) {}
 }
 
 /// Observer that ignores everything.

@@ -307,7 +307,7 @@ pub(crate) fn map_store_error(uri: &str, err: object_store::Error) -> PrefetchEr
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use taintgate_validators::reason::ReasonCode;
+    use taintgate_validators::reason::{Reason, ReasonCode};
 
     #[test]
     fn resolves_schemes_and_shares_stores() {
@@ -318,8 +318,8 @@ mod tests {
         assert_eq!(b.path.as_ref(), "y/b.bin");
         let f = s.resolve("file:///tmp/some%20file").unwrap();
         assert_eq!(f.path.as_ref(), "tmp/some file");
-        assert_eq!(s.resolve("ftp://x/y").unwrap_err().reason(), "SourceUnsupported");
-        assert_eq!(s.resolve("not a uri").unwrap_err().reason(), "SourceUnsupported");
+        assert_eq!(s.resolve("ftp://x/y").unwrap_err().reason(), Reason::SourceUnsupported);
+        assert_eq!(s.resolve("not a uri").unwrap_err().reason(), Reason::SourceUnsupported);
     }
 
     #[test]

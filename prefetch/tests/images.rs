@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+use taintgate_validators::reason::Reason;
 
 use async_trait::async_trait;
 use taintgate_prefetch::images::{Auth, ImageError, ImageInfo, ImageRef, ImageRuntime, ImagesConfig, prepull};
@@ -154,7 +155,7 @@ async fn tag_only_reference_is_rejected_unless_allowed() {
     let err = prepull(&cfg(&["reg.example/app:v1"]), &fake, CancellationToken::new())
         .await
         .unwrap_err();
-    assert_eq!(err.reason(), "ImageNotPinned");
+    assert_eq!(err.reason(), Reason::ImageNotPinned);
     assert!(err.to_string().contains("reg.example/app:v1"), "{err}");
     assert_eq!(fake.pulls.load(Ordering::SeqCst), 0);
 
@@ -198,7 +199,7 @@ async fn pulled_image_without_the_pinned_digest_is_a_mismatch() {
     let err = prepull(&cfg(&[&img]), &fake, CancellationToken::new())
         .await
         .unwrap_err();
-    assert_eq!(err.reason(), "ImageDigestMismatch");
+    assert_eq!(err.reason(), Reason::ImageDigestMismatch);
     assert!(err.to_string().contains(D1) && err.to_string().contains(D2), "{err}");
     // A mismatch is not transient: one pull only.
     assert_eq!(fake.pulls.load(Ordering::SeqCst), 1);
@@ -222,7 +223,7 @@ async fn transient_failures_exhaust_retries_into_pull_failed() {
     let mut c = cfg(&[&img]);
     c.retries = 2;
     let err = prepull(&c, &fake, CancellationToken::new()).await.unwrap_err();
-    assert_eq!(err.reason(), "ImagePullFailed");
+    assert_eq!(err.reason(), Reason::ImagePullFailed);
     assert!(err.to_string().contains("connection refused"), "{err}");
     assert_eq!(fake.pulls.load(Ordering::SeqCst), 3, "1 attempt + 2 retries");
 }
@@ -234,7 +235,7 @@ async fn auth_failure_is_not_retried() {
     let err = prepull(&cfg(&[&img]), &fake, CancellationToken::new())
         .await
         .unwrap_err();
-    assert_eq!(err.reason(), "ImageAuthFailed");
+    assert_eq!(err.reason(), Reason::ImageAuthFailed);
     assert_eq!(fake.pulls.load(Ordering::SeqCst), 1);
 }
 
@@ -272,7 +273,7 @@ async fn deadline_ends_a_hung_pull() {
     let mut c = cfg(&[&img]);
     c.image_deadline_secs = 1;
     let err = prepull(&c, &fake, CancellationToken::new()).await.unwrap_err();
-    assert_eq!(err.reason(), "ImagePullTimeout");
+    assert_eq!(err.reason(), Reason::ImagePullTimeout);
     assert!(err.to_string().contains("reg.example/app"), "{err}");
 }
 
@@ -291,7 +292,7 @@ async fn cancellation_stops_the_stage() {
         cancel.cancel();
     };
     let (res, ()) = tokio::join!(run, trigger);
-    assert_eq!(res.unwrap_err().reason(), "Cancelled");
+    assert_eq!(res.unwrap_err().reason(), Reason::Cancelled);
 }
 
 #[tokio::test]
@@ -330,7 +331,7 @@ async fn missing_auth_file_is_a_config_error() {
     let err = prepull(&c, &Fake::default(), CancellationToken::new())
         .await
         .unwrap_err();
-    assert_eq!(err.reason(), "ImageAuthConfigInvalid");
+    assert_eq!(err.reason(), Reason::ImageAuthConfigInvalid);
     assert!(err.to_string().contains("/nonexistent/taintgate/regcred"));
 }
 
@@ -361,6 +362,6 @@ fn config_yaml_defaults_and_unknown_keys() {
         ..Default::default()
     };
     let err = c.validate().unwrap_err();
-    assert_eq!(err.reason(), "ImagesConfigInvalid");
+    assert_eq!(err.reason(), Reason::ImagesConfigInvalid);
     assert!(err.to_string().contains("images.concurrency"));
 }

@@ -540,7 +540,7 @@ pub fn check_verdict(r: &RowRun, expect: Expect) -> Result<(), String> {
     let Some(verdict) = &r.timeline.verdict else {
         return Err("no verdict".into());
     };
-    if verdict.reason != want_reason || verdict.released != expect.released() {
+    if verdict.reason.as_str() != want_reason || verdict.released != expect.released() {
         return Err(format!(
             "verdict {} ({}), expected {want_reason}",
             verdict.reason, verdict.message

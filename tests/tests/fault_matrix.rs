@@ -188,7 +188,7 @@ fn expect_statuses(c: &Ctx, want: &[u16]) -> Result<(), String> {
 
 fn stage_outcome(t: &Timeline, stage: &str) -> Option<(Outcome, Option<String>)> {
     let kind = taintgate::stage::RecordKind::from_name(stage).unwrap_or_else(|| panic!("no record kind {stage}"));
-    t.stage(kind).map(|s| (s.outcome, s.reason.clone()))
+    t.stage(kind).map(|s| (s.outcome, s.reason.map(|r| r.to_string())))
 }
 
 fn reference_with_taints(taints: Value) -> Option<Value> {

@@ -1254,7 +1254,7 @@ fn run_scenario(api: &ApiServer, s: &Scenario) -> RowResult {
         Expect::Released => (Outcome::Passed, None),
         Expect::Held(r) => (Outcome::Failed, Some(r.to_string())),
     };
-    if (rec.outcome, rec.reason.clone()) != want_rec {
+    if (rec.outcome, rec.reason.map(|r| r.to_string())) != want_rec {
         return r.fail(format!(
             "{} stage {:?}/{:?} ({:?}), expected {want_rec:?}",
             s.stage, rec.outcome, rec.reason, rec.message

@@ -8,6 +8,7 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use taintgate::reasons::Reason;
 
 use async_trait::async_trait;
 use taintgate_prefetch::images::{
@@ -193,7 +194,7 @@ async fn registry_down_retries_then_pull_failed() {
         .await
         .unwrap_err();
     eprintln!("[down] {}: {err}", err.reason());
-    assert_eq!(err.reason(), "ImagePullFailed");
+    assert_eq!(err.reason(), Reason::ImagePullFailed);
     assert!(
         err.to_string().contains("connection refused"),
         "the runtime's message is kept: {err}"
@@ -271,7 +272,7 @@ async fn registry_with_htpasswd_auth() {
     let cfg = config(&ctd.socket, vec![pinned.clone()]);
     let err = prepull(&cfg, &rt, CancellationToken::new()).await.unwrap_err();
     eprintln!("[auth] none: {}: {err}", err.reason());
-    assert_eq!(err.reason(), "ImageAuthFailed");
+    assert_eq!(err.reason(), Reason::ImageAuthFailed);
     assert_eq!(rt.pulls(), 1);
 
     // Wrong password.
@@ -295,7 +296,7 @@ async fn registry_with_htpasswd_auth() {
     .await
     .unwrap_err();
     eprintln!("[auth] wrong: {}: {err}", err.reason());
-    assert_eq!(err.reason(), "ImageAuthFailed");
+    assert_eq!(err.reason(), Reason::ImageAuthFailed);
     assert!(!err.to_string().contains("Wr0ngPa55"), "no secret in the error: {err}");
 
     // The right credentials, as `kubectl create secret docker-registry` writes them
@@ -336,7 +337,7 @@ async fn configured_digest_that_does_not_exist() {
         .await
         .unwrap_err();
     eprintln!("[nodigest] {}: {err}", err.reason());
-    assert_eq!(err.reason(), "ImagePullFailed");
+    assert_eq!(err.reason(), Reason::ImagePullFailed);
     assert!(err.to_string().contains("not found"), "{err}");
     assert!(!err.is_transient());
     assert_eq!(rt.pulls(), 1, "a missing digest is not retried");
@@ -352,7 +353,7 @@ async fn containerd_socket_absent_is_runtime_unavailable() {
         .await
         .unwrap_err();
     eprintln!("[nosocket] {}: {err}", err.reason());
-    assert_eq!(err.reason(), "RuntimeUnavailable");
+    assert_eq!(err.reason(), Reason::RuntimeUnavailable);
     assert!(
         err.to_string().contains("no-containerd.sock"),
         "names the socket: {err}"
@@ -411,7 +412,7 @@ async fn unpinned_only_when_allowed() {
     let rt = Counting::new(&ctd.socket);
     let mut cfg = config(&ctd.socket, vec![reg.reference("t/tagged:v1")]);
     let err = prepull(&cfg, &rt, CancellationToken::new()).await.unwrap_err();
-    assert_eq!(err.reason(), "ImageNotPinned");
+    assert_eq!(err.reason(), Reason::ImageNotPinned);
     assert_eq!(rt.pulls(), 0);
     cfg.allow_unpinned = true;
     let report = prepull(&cfg, &rt, CancellationToken::new()).await.unwrap();

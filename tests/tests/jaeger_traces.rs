@@ -23,6 +23,7 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
+use taintgate::reasons::Reason;
 use taintgate::telemetry::Stamp;
 use taintgate::telemetry::annotation::WorkloadEntry;
 use taintgate::telemetry::otlp::bootstrap_ids;
@@ -106,7 +107,7 @@ fn check_trace(trace: &Value, t: &Timeline) {
         );
         assert_eq!(
             tag(s, "taintgate.reason").cloned(),
-            r.reason.clone().map(Value::from),
+            r.reason.map(|r| Value::from(r.as_str())),
             "{}",
             r.stage
         );
@@ -198,7 +199,7 @@ fn traces_read_back_from_jaeger_over_grpc_and_http_equal_the_timeline() {
         Stamp::new("endpoint-ready", after(31)),
     ];
     let workload = WorkloadEntry {
-        outcome: "WorkloadReady".into(),
+        outcome: Reason::WorkloadReady,
         at_ms: after(31).as_millisecond(),
         pods: vec!["ml/llm-0".into()],
         group: String::new(),
@@ -285,7 +286,7 @@ fn a_collector_that_is_gone_or_silent_does_not_stop_the_verdict() {
     );
     assert_eq!(
         run.timeline().and_then(|t| t.verdict).map(|v| v.reason),
-        Some("WouldRelease".into())
+        Some(Reason::WouldRelease)
     );
     assert!(
         run.stderr.contains("OtlpExport"),
@@ -305,7 +306,7 @@ fn a_collector_that_is_gone_or_silent_does_not_stop_the_verdict() {
     );
     assert_eq!(
         run.timeline().and_then(|t| t.verdict).map(|v| v.reason),
-        Some("WouldRelease".into())
+        Some(Reason::WouldRelease)
     );
     assert!(
         run.stderr.contains("OtlpExportTimeout") || run.stderr.contains("OtlpExportFailed"),

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::time::Duration;
+use taintgate::reasons::Reason;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -82,7 +83,7 @@ async fn never_published_is_zero_and_short_stays_short() {
     )
     .await
     .unwrap_err();
-    assert_eq!(e.reason(), "AllocatableZero", "{e}");
+    assert_eq!(e.reason(), Reason::AllocatableZero, "{e}");
     assert!(e.is_waitable());
     // 8 registered, one unhealthy: capacity 8, allocatable 7.
     server
@@ -98,6 +99,6 @@ async fn never_published_is_zero_and_short_stays_short() {
     )
     .await
     .unwrap_err();
-    assert_eq!(e.reason(), "AllocatableShort", "{e}");
+    assert_eq!(e.reason(), Reason::AllocatableShort, "{e}");
     assert!(e.to_string().contains("1 device(s) registered but unhealthy"), "{e}");
 }

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use taintgate::reasons::Reason;
 
 use taintgate_tests::kubelet::{
     FakeDevicePlugin, FakePodResources, PluginBehaviour, UNHEALTHY, allocatable_reply, device, healthy, stale_socket,
@@ -114,7 +115,7 @@ async fn time_slicing_replica_ids() {
     )
     .unwrap();
     let e = check_device_plugin(&k.probe(T), &want, true).await.unwrap_err();
-    assert_eq!(e.reason(), "PluginDevicesMismatch");
+    assert_eq!(e.reason(), Reason::PluginDevicesMismatch);
 }
 
 #[tokio::test]
@@ -122,17 +123,17 @@ async fn socket_absent_and_stale() {
     let k = Kubelet::new();
     let want = expected("{}");
     let e = check_device_plugin(&k.probe(T), &want, true).await.unwrap_err();
-    assert_eq!(e.reason(), "PluginSocketMissing");
+    assert_eq!(e.reason(), Reason::PluginSocketMissing);
     assert!(e.to_string().contains("nvidia-gpu.sock"), "{e}");
     assert!(e.is_transient());
 
     stale_socket(&k.plugin_socket()).unwrap();
     let e = check_device_plugin(&k.probe(T), &want, true).await.unwrap_err();
-    assert_eq!(e.reason(), "PluginUnreachable", "{e}");
+    assert_eq!(e.reason(), Reason::PluginUnreachable, "{e}");
     assert!(e.to_string().contains("nvidia-gpu.sock"), "{e}");
 
     let e = k.probe(T).kubelet_allocatable().await.unwrap_err();
-    assert_eq!(e.reason(), "PodResourcesUnavailable");
+    assert_eq!(e.reason(), Reason::PodResourcesUnavailable);
 }
 
 #[tokio::test]
@@ -154,7 +155,7 @@ async fn slow_first_response() {
         .plugin_devices(GPU)
         .await
         .unwrap_err();
-    assert_eq!(e.reason(), "PluginTimeout");
+    assert_eq!(e.reason(), Reason::PluginTimeout);
     assert!(e.to_string().contains("ListAndWatch"), "{e}");
     // Within the deadline: the answer arrives once the plugin sends it.
     let probe = k.probe(T);
@@ -181,7 +182,7 @@ async fn unhealthy_missing_extra() {
     )
     .unwrap();
     let e = check_device_plugin(&k.probe(T), &want, false).await.unwrap_err();
-    assert_eq!(e.reason(), "PluginDeviceUnhealthy");
+    assert_eq!(e.reason(), Reason::PluginDeviceUnhealthy);
     assert!(e.to_string().contains(&all[4]), "{e}");
 
     // Missing: the plugin later drops a device (fresh calls see the new list).
@@ -198,7 +199,7 @@ async fn unhealthy_missing_extra() {
     more.push("GPU-ffffffff-0000-0000-0000-000000000000".into());
     plugin.set_devices(healthy(&more));
     let e = check_device_plugin(&k.probe(T), &want, false).await.unwrap_err();
-    assert_eq!(e.reason(), "PluginDevicesMismatch");
+    assert_eq!(e.reason(), Reason::PluginDevicesMismatch);
     assert!(e.to_string().contains("1 unexpected device(s): GPU-ffffffff"), "{e}");
 }
 
@@ -217,7 +218,7 @@ async fn kubelet_disagrees() {
     .unwrap();
     let kubelet = FakePodResources::start(&k.paths.pod_resources_socket, allocatable_reply(GPU, &all[1..])).unwrap();
     let e = check_device_plugin(&k.probe(T), &want, true).await.unwrap_err();
-    assert_eq!(e.reason(), "KubeletDevicesMismatch");
+    assert_eq!(e.reason(), Reason::KubeletDevicesMismatch);
     assert!(e.to_string().contains(&all[0]), "{e}");
 
     // Entries grouped by NUMA node, other vendors' resources: fine.
@@ -242,7 +243,7 @@ async fn kubelet_disagrees() {
 
     kubelet.fail_with(tonic::Code::PermissionDenied, "pod-resources access denied");
     let e = check_device_plugin(&k.probe(T), &want, true).await.unwrap_err();
-    assert_eq!(e.reason(), "PluginRpcFailed");
+    assert_eq!(e.reason(), Reason::PluginRpcFailed);
     assert!(
         e.to_string().contains("GetAllocatableResources") && e.to_string().contains("access denied"),
         "{e}"
@@ -299,7 +300,7 @@ async fn malformed_replies_are_clear_errors() {
     for (what, behaviour, msg) in cases {
         let _plugin = FakeDevicePlugin::start(&k.plugin_socket(), behaviour).unwrap();
         let e = check_device_plugin(&k.probe(T), &want, false).await.unwrap_err();
-        assert_eq!(e.reason(), "PluginReplyInvalid", "{what}: {e}");
+        assert_eq!(e.reason(), Reason::PluginReplyInvalid, "{what}: {e}");
         assert!(!e.is_transient(), "{what}");
         assert!(
             e.to_string().contains(msg) && e.to_string().contains("ListAndWatch"),
@@ -315,7 +316,7 @@ async fn malformed_replies_are_clear_errors() {
     )
     .unwrap();
     let e = check_device_plugin(&k.probe(T), &want, false).await.unwrap_err();
-    assert_eq!(e.reason(), "PluginRpcFailed");
+    assert_eq!(e.reason(), Reason::PluginRpcFailed);
     assert!(
         e.to_string().contains("GetDevicePluginOptions") && e.to_string().contains("boom"),
         "{e}"

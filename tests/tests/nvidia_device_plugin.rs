@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
+use taintgate::reasons::Reason;
 
 use taintgate_tests::kubelet::{KubeletStandIn, ResourceView, UNHEALTHY};
 use taintgate_tests::nvidia::{DevicePlugin, DriverRoot, PluginDirs, PluginRun, run_gfd};
@@ -274,7 +275,7 @@ async fn refused_configs_are_refused_by_the_agent() {
         assert!(rig.kubelet.resources().is_empty(), "{what}: nothing registers");
         let err = PluginConfig::parse(Path::new("plugin-config.yaml"), config)
             .expect_err(&format!("{what}: the plugin refuses this config, so must the agent"));
-        assert_eq!(err.reason(), "InvalidInput", "{what}");
+        assert_eq!(err.reason(), Reason::InvalidInput, "{what}");
         eprintln!(
             "{what}: plugin: {}\n  agent: {err}",
             log.lines().find(|l| l.contains("error starting plugins")).unwrap_or("")
@@ -304,7 +305,7 @@ async fn xid_makes_the_device_unhealthy_and_the_agent_holds() {
     let err = check_kubelet_view(&rig.probe(), &want, &capacity(&views))
         .await
         .unwrap_err();
-    assert_eq!(err.reason(), "PluginDeviceUnhealthy", "{err}");
+    assert_eq!(err.reason(), Reason::PluginDeviceUnhealthy, "{err}");
     assert!(err.to_string().contains(&uuid), "{err}");
 }
 

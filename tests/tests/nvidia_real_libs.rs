@@ -402,7 +402,7 @@ fn the_fallbacks_give_the_same_inventory_over_535s_symbols() {
     assert_eq!((id(&full, 0).clique_id, id(&full, 0).health_mask), (7, Some(0xaa)));
     assert_eq!(id(&full, 1).health_mask, Some(0xa9));
     let verdict = taintgate_validators::gpu::fabric::evaluate_fabric(&full.gpus).unwrap_err();
-    assert_eq!(verdict.reason, "FabricDegraded");
+    assert_eq!(verdict.reason.as_str(), "FabricDegraded");
     assert!(verdict.message.contains("GPU 1: degraded bandwidth"), "{verdict}");
     // 535 has only the unversioned call: the same cluster and clique, no mask, so the
     // health is not read and the fabric is ready.

@@ -7,6 +7,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
+use taintgate_validators::reason::Reason;
 
 use taintgate_prefetch::{
     BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchError, PrefetchOptions, prefetch_bundles,
@@ -239,7 +240,7 @@ fn settled_requests(nginx: &Nginx) -> Vec<AccessEntry> {
 }
 
 /// Run a prefetch that must fail; return its reason and the cache dir.
-async fn expect_failure(b: &BundleRef, o: &PrefetchOptions) -> &'static str {
+async fn expect_failure(b: &BundleRef, o: &PrefetchOptions) -> Reason {
     match prefetch_bundles(std::slice::from_ref(b), o, CancellationToken::new()).await {
         Ok(r) => panic!("expected a failure, got {r:?}"),
         Err(e) => {
@@ -265,7 +266,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
         files: vec![missing],
     };
     let b = publish_manifest(origin.path(), "m404.yaml", "m404", nginx.url("m404.yaml"), &m);
-    assert_eq!(expect_failure(&b, &o).await, "SourceNotFound");
+    assert_eq!(expect_failure(&b, &o).await, Reason::SourceNotFound);
 
     // 403 from the origin.
     let mut forbidden = good.clone();
@@ -275,7 +276,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
         files: vec![forbidden],
     };
     let b = publish_manifest(origin.path(), "m403.yaml", "m403", nginx.url("m403.yaml"), &m);
-    assert_eq!(expect_failure(&b, &o).await, "SourceForbidden");
+    assert_eq!(expect_failure(&b, &o).await, Reason::SourceForbidden);
 
     // Manifest bytes do not match the pinned digest.
     let m = Manifest {
@@ -284,7 +285,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
     };
     let mut b = publish_manifest(origin.path(), "mpin.yaml", "mpin", nginx.url("mpin.yaml"), &m);
     b.manifest_sha256 = sha256_hex(b"something else");
-    assert_eq!(expect_failure(&b, &o).await, "ManifestDigestMismatch");
+    assert_eq!(expect_failure(&b, &o).await, Reason::ManifestDigestMismatch);
 
     // Wrong pinned digest for a file: retried, then DigestMismatch, nothing visible.
     let mut wrong = good.clone();
@@ -300,7 +301,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
         .iter()
         .filter(|e| e.uri == "/good.bin")
         .count();
-    assert_eq!(expect_failure(&b, &o).await, "DigestMismatch");
+    assert_eq!(expect_failure(&b, &o).await, Reason::DigestMismatch);
     let after = nginx
         .requests()
         .unwrap()
@@ -319,7 +320,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
         files: vec![sized],
     };
     let b = publish_manifest(origin.path(), "msize.yaml", "msize", nginx.url("msize.yaml"), &m);
-    assert_eq!(expect_failure(&b, &o).await, "SizeMismatch");
+    assert_eq!(expect_failure(&b, &o).await, Reason::SizeMismatch);
 
     // Traversal, absolute and duplicate paths: refused before any data request. Checked
     // from nginx's log: each case adds no request but its manifest's GET (nothing for
@@ -348,7 +349,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
             nginx.url(&format!("{name}.yaml")),
             &m,
         );
-        assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+        assert_eq!(expect_failure(&b, &o).await, Reason::ManifestInvalid);
         assert_only_manifest_requested(&name);
     }
     let m = Manifest {
@@ -356,7 +357,7 @@ async fn bad_sources_and_manifests_fail_with_clear_reasons() {
         files: vec![good.clone(), good.clone()],
     };
     let b = publish_manifest(origin.path(), "mdup.yaml", "mdup", nginx.url("mdup.yaml"), &m);
-    assert_eq!(expect_failure(&b, &o).await, "ManifestInvalid");
+    assert_eq!(expect_failure(&b, &o).await, Reason::ManifestInvalid);
     assert_only_manifest_requested("mdup");
     // Not vacuous: nginx did log each refused bundle's manifest GET.
     let log = settled_requests(&nginx);
@@ -439,7 +440,7 @@ async fn fetch_while_the_object_is_replaced(origin: &Path, nginx: &Nginx, source
     .await
     .expect_err("a replaced object must not verify");
     assert!(trigger.fired());
-    assert_eq!(err.reason(), "SourceChanged", "{err}");
+    assert_eq!(err.reason(), Reason::SourceChanged, "{err}");
     assert_no_blob(cache.path(), &digest);
     assert!(
         !cache.path().join("tmp").join(format!("{digest}.part")).exists(),
@@ -529,7 +530,7 @@ async fn file_source_cases() {
     let e = prefetch_bundles(std::slice::from_ref(&b), &opts(cold.path()), CancellationToken::new())
         .await
         .unwrap_err();
-    assert_eq!(e.reason(), "SourceNotFound", "{e}");
+    assert_eq!(e.reason(), Reason::SourceNotFound, "{e}");
 
     // A flipped byte in chunk 5: that chunk fails on every attempt, nothing is visible.
     let mut bad = data.clone();
@@ -539,7 +540,7 @@ async fn file_source_cases() {
     let e = prefetch_bundles(std::slice::from_ref(&b), &opts(cold.path()), CancellationToken::new())
         .await
         .unwrap_err();
-    assert_eq!(e.reason(), "DigestMismatch", "{e}");
+    assert_eq!(e.reason(), Reason::DigestMismatch, "{e}");
     assert!(e.to_string().contains("bytes 5242880..6291456"), "{e}");
     assert_no_blob(cold.path(), &big.sha256);
     assert!(
@@ -561,7 +562,7 @@ async fn disk_too_small_is_refused_before_the_first_byte() {
     let b = publish_manifest(origin.path(), "manifest.yaml", "m", nginx.url("manifest.yaml"), &m);
     let mut o = opts(&mnt.path().join("cache"));
     o.reserve_bytes = None; // the kubelet-like default: 10% of the filesystem
-    assert_eq!(expect_failure(&b, &o).await, "DiskInsufficient");
+    assert_eq!(expect_failure(&b, &o).await, Reason::DiskInsufficient);
     let data_requests = nginx
         .requests()
         .unwrap()
@@ -621,7 +622,7 @@ async fn s3_source_via_moto() {
     o.source_options = moto.source_options();
     moto.put_file("models", "llm/manifest.yaml", &origin.path().join("manifest.yaml"))
         .unwrap();
-    assert_eq!(expect_failure(&b, &o).await, "SourceNotFound");
+    assert_eq!(expect_failure(&b, &o).await, Reason::SourceNotFound);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,6 +23,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
+use taintgate::reasons::Reason;
 
 use taintgate_prefetch::view::ViewHandle;
 use taintgate_prefetch::{BundleRef, CancellationToken, Manifest, PrefetchOptions, gc, prefetch_bundles, sha256_hex};
@@ -184,7 +185,7 @@ async fn a_configured_bundle_restarts_warm_with_the_origin_gone_after_gc() {
         .unwrap_err();
     assert_eq!(
         taintgate_validators::reason::ReasonCode::reason(&e),
-        "SourceUnavailable",
+        Reason::SourceUnavailable,
         "{e}"
     );
 

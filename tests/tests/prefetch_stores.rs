@@ -18,6 +18,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
+use taintgate::reasons::Reason;
 
 use taintgate_prefetch::{
     BundleRef, CancellationToken, Manifest, ManifestFile, PrefetchError, PrefetchOptions, prefetch_bundles,
@@ -207,7 +208,7 @@ async fn missing_object_is_source_not_found(server: &StoreServer) {
     };
     let cache = tempfile::tempdir().unwrap();
     let e = fetch(&b, &opts(cache.path(), server.options())).await.unwrap_err();
-    assert_eq!(e.reason(), "SourceNotFound", "{}: {e}", server.scheme());
+    assert_eq!(e.reason(), Reason::SourceNotFound, "{}: {e}", server.scheme());
     assert!(e.to_string().contains("gone.bin"), "{e}");
 }
 
@@ -222,7 +223,7 @@ async fn bad_credentials_are_source_forbidden(server: &StoreServer) {
     let p = publish(server, "denied", &[Spec("w.bin", 1000, 2, false)]).await;
     let cache = tempfile::tempdir().unwrap();
     let e = fetch(&p.bundle, &opts(cache.path(), bad)).await.unwrap_err();
-    assert_eq!(e.reason(), "SourceForbidden", "{}: {e}", server.scheme());
+    assert_eq!(e.reason(), Reason::SourceForbidden, "{}: {e}", server.scheme());
 }
 
 async fn flipped_byte_is_a_digest_mismatch_naming_the_chunk(server: &StoreServer) {
@@ -234,7 +235,7 @@ async fn flipped_byte_is_a_digest_mismatch_naming_the_chunk(server: &StoreServer
     let cache = tempfile::tempdir().unwrap();
     let o = opts(cache.path(), server.options());
     let e = fetch(&p.bundle, &o).await.unwrap_err();
-    assert_eq!(e.reason(), "DigestMismatch", "{}: {e}", server.scheme());
+    assert_eq!(e.reason(), Reason::DigestMismatch, "{}: {e}", server.scheme());
     match &e {
         PrefetchError::DigestMismatch { range, attempts, .. } => {
             assert_eq!(range.as_deref(), Some(&(3 * MIB..4 * MIB)), "{e}");
@@ -282,7 +283,7 @@ async fn object_replaced_mid_download_is_source_changed(server: &StoreServer) {
     }
     server.put("replaced/w.bin", pseudo_random(16 * MIB, 40)).await.unwrap();
     let e = run.await.unwrap().unwrap_err();
-    assert_eq!(e.reason(), "SourceChanged", "{} ({pre:?}): {e}", server.scheme());
+    assert_eq!(e.reason(), Reason::SourceChanged, "{} ({pre:?}): {e}", server.scheme());
     eprintln!("{}: replaced mid-download ({pre:?}): {e}", server.scheme());
     assert_nothing_visible(cache.path(), &p, 0);
 }

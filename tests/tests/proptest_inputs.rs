@@ -612,7 +612,7 @@ proptest! {
                 }
             }
             Err(e) => {
-                prop_assert_eq!(e.reason(), "ManifestInvalid");
+                prop_assert_eq!(e.reason().as_str(), "ManifestInvalid");
                 prop_assert!(e.to_string().contains("s3://b/m.yaml"), "{e}");
             }
         }
@@ -622,7 +622,7 @@ proptest! {
     #[test]
     fn manifest_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         if let Err(e) = Manifest::parse(&bytes, "m.json") {
-            prop_assert_eq!(e.reason(), "ManifestInvalid");
+            prop_assert_eq!(e.reason().as_str(), "ManifestInvalid");
         }
     }
 
@@ -1117,7 +1117,7 @@ proptest! {
         let mut doc = raw.clone();
         let node: Node = serde_json::from_value(raw).unwrap();
         let before: Vec<Value> = doc["status"]["conditions"].as_array().cloned().unwrap_or_default();
-        let c = ConditionValue { type_: type_.into(), status, reason: "R".into(), message: msg };
+        let c = ConditionValue { type_: type_.into(), status, reason: taintgate::reasons::Reason::Released, message: msg };
         let now: jiff::Timestamp = "2026-02-02T00:00:00Z".parse().unwrap();
         let p: Patch = condition_patch(&node, &c, now);
         json_patch::patch(&mut doc, &p).unwrap();
@@ -1176,7 +1176,8 @@ proptest! {
                 outcome: if i % 7 == 3 { Outcome::Failed } else { Outcome::Passed },
                 required: true,
                 attempts: 1,
-                reason: Some(msg.clone()),
+                // Reasons are a closed type now; the longest codes are the worst case.
+                reason: Some(taintgate::reasons::Reason::ALL[i % taintgate::reasons::Reason::ALL.len()]),
                 message: Some(msg.clone()),
                 summary: String::new(),
                 evidence: Value::Null,

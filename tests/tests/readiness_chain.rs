@@ -29,6 +29,7 @@ use taintgate::config::Config;
 use taintgate::fleet::{TimelineArgs, timeline_output};
 use taintgate::node::kube::KubeNodeApi;
 use taintgate::readiness;
+use taintgate::reasons::Reason;
 use taintgate::telemetry::annotation::decode;
 use taintgate_tests::agent::{expected_pod_stamps, reached_pod_stamps, timestamp_ms};
 use taintgate_tests::cluster::{ApiServer, NodeBuilder, now_rfc3339};
@@ -300,7 +301,7 @@ async fn first_workload_to_first_ready_endpoint_and_the_fleet_view() {
         .unwrap();
     want.push(("endpoint-ready".into(), slice_time));
     assert_eq!(stamps_of(&rec.stamps), want);
-    assert_eq!(rec.workload.outcome, "WorkloadReady");
+    assert_eq!(rec.workload.outcome, Reason::WorkloadReady);
     assert_eq!(rec.workload.pods, vec![format!("{NS}/llm-0")]);
     let stored = api.get_object("nodes", node).unwrap().unwrap();
     let doc = decode(stored["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
@@ -392,7 +393,7 @@ async fn no_workload_by_the_deadline_is_recorded_and_the_watch_closed() {
         .unwrap()
         .unwrap()
         .unwrap();
-    assert_eq!(rec.workload.outcome, "NoWorkloadYet");
+    assert_eq!(rec.workload.outcome, Reason::NoWorkloadYet);
     assert!(rec.stamps.is_empty());
     assert!(rec.workload.pods.is_empty());
     assert!(
@@ -412,7 +413,7 @@ async fn no_workload_by_the_deadline_is_recorded_and_the_watch_closed() {
     let stored = api.get_object("nodes", node).unwrap().unwrap();
     let doc = decode(stored["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
     let w = doc.workload.unwrap();
-    assert_eq!(w.outcome, "NoWorkloadYet");
+    assert_eq!(w.outcome, Reason::NoWorkloadYet);
     assert!(doc.post.is_empty());
     assert_eq!(api.requests().iter().filter(|r| r.watch).count(), watches_before);
     assert!(open_watches_on(&api, "/pods").is_empty());
@@ -447,7 +448,7 @@ async fn a_workload_never_ready_by_the_deadline_is_named_with_the_steps_it_reach
         .unwrap()
         .unwrap()
         .unwrap();
-    assert_eq!(rec.workload.outcome, "WorkloadNotReady");
+    assert_eq!(rec.workload.outcome, Reason::WorkloadNotReady);
     assert_eq!(rec.workload.pods, [format!("{NS}/stuck-0")]);
     let pod = api.get_object("pods", &format!("{NS}/stuck-0")).unwrap().unwrap();
     let want: Vec<(String, i64)> = reached_pod_stamps(&pod);
@@ -456,7 +457,7 @@ async fn a_workload_never_ready_by_the_deadline_is_named_with_the_steps_it_reach
     assert_eq!(names, ["pod-created", "pod-scheduled", "containers-started"]);
     let stored = api.get_object("nodes", node).unwrap().unwrap();
     let doc = decode(stored["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
-    assert_eq!(doc.workload.unwrap().outcome, "WorkloadNotReady");
+    assert_eq!(doc.workload.unwrap().outcome, Reason::WorkloadNotReady);
     assert_eq!(doc.post.len(), 3, "{:?}", doc.post);
     wait_until("the pod watch to close", Duration::from_secs(30), || {
         open_watches_on(&api, "/pods").is_empty()
@@ -533,7 +534,8 @@ async fn a_serving_group_ends_when_every_member_is_ready() {
         vec![format!("{NS}/tp4-a-0"), format!("{NS}/tp4-a-1")]
     );
     assert_eq!(
-        rec.workload.outcome, "NoEndpointYet",
+        rec.workload.outcome,
+        Reason::NoEndpointYet,
         "no Service: the chain ends at pod-ready"
     );
     let a0 = expected_pod_stamps(&api.get_object("pods", &format!("{NS}/tp4-a-0")).unwrap().unwrap());
@@ -873,7 +875,7 @@ async fn a_pod_watch_that_never_lists_is_named_at_the_deadline() {
         .unwrap()
         .unwrap()
         .unwrap();
-    assert_eq!(rec.workload.outcome, "ReadinessWatchFailed");
+    assert_eq!(rec.workload.outcome, Reason::ReadinessWatchFailed);
     let tries = api
         .requests()
         .iter()
@@ -882,6 +884,6 @@ async fn a_pod_watch_that_never_lists_is_named_at_the_deadline() {
     assert!(tries >= 1, "the list was asked for and refused");
     let stored = api.get_object("nodes", node).unwrap().unwrap();
     let doc = decode(stored["metadata"]["annotations"][KEY].as_str().unwrap()).unwrap();
-    assert_eq!(doc.workload.unwrap().outcome, "ReadinessWatchFailed");
+    assert_eq!(doc.workload.unwrap().outcome, Reason::ReadinessWatchFailed);
     assert!(open_watches_on(&api, "/pods").is_empty());
 }

@@ -127,7 +127,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
         .stage(taintgate::stage::Stage::DevicePlugin)
         .expect("no device-plugin stage");
     assert_eq!(dp.outcome, Outcome::Failed, "{dp:?}");
-    assert_eq!(dp.reason.as_deref(), Some("PluginDeviceUnhealthy"), "{dp:?}");
+    assert_eq!(dp.reason.map(|r| r.as_str()), Some("PluginDeviceUnhealthy"), "{dp:?}");
     let uuid = &profile.gpus[3].uuid;
     assert!(
         dp.message.as_deref().unwrap_or_default().contains(uuid.as_str()),
@@ -172,7 +172,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
         .stage(taintgate::stage::Stage::Driver)
         .expect("no driver stage");
     assert_eq!(drv.outcome, Outcome::Failed, "{drv:?}");
-    assert_eq!(drv.reason.as_deref(), Some("GpuCountMismatch"), "{drv:?}");
+    assert_eq!(drv.reason.map(|r| r.as_str()), Some("GpuCountMismatch"), "{drv:?}");
     let msg = drv.message.clone().unwrap_or_default();
     assert!(msg.contains('7') && msg.contains('8'), "{msg}");
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
@@ -245,7 +245,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
     let timeline = held.timeline().expect("no JSON timeline");
     assert!(!timeline.verdict.as_ref().is_some_and(|v| v.released), "{timeline:?}");
     let dp = timeline.stage(taintgate::stage::Stage::DevicePlugin).unwrap();
-    assert_eq!(dp.reason.as_deref(), Some("PluginSocketMissing"), "{dp:?}");
+    assert_eq!(dp.reason.map(|r| r.as_str()), Some("PluginSocketMissing"), "{dp:?}");
     // The daemon up (its control pipe where it makes it): the plugin serves the replicas.
     let pipe = mps_root.join(GPU).join("pipe");
     std::fs::create_dir_all(&pipe).unwrap();

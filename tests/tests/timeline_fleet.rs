@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
 use taintgate::fleet::{TimelineArgs, timeline_output};
+use taintgate::reasons::Reason;
 use taintgate_tests::cluster::{ApiServer, NodeBuilder};
 use taintgate_tests::require_service;
 use taintgate_validators::reason::ReasonCode;
@@ -463,5 +464,5 @@ async fn one_node_chain_includes_pre_agent_stamps_and_gantt_has_one_bar_per_stag
     let e = timeline_output(&args(Some("gpu-new-0"), false, None), &client)
         .await
         .unwrap_err();
-    assert_eq!((e.reason(), e.exit_code()), ("NoTimeline", 1));
+    assert_eq!((e.reason(), e.exit_code()), (Reason::NoTimeline, 1));
 }

@@ -19,6 +19,7 @@ use jiff::Timestamp;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::Duration;
+use taintgate::reasons::Reason;
 use taintgate::telemetry::Stamp;
 use taintgate::timeline::{Outcome, Timeline};
 use taintgate_tests::agent::{NODE, agent_cmd, output_text, profile, reference_node};
@@ -152,7 +153,10 @@ async fn exporter_sends_the_timelines_spans() {
     let e = taintgate::telemetry::otlp::export_timeline_to(Some(&format!("http://{gone}")), &t, &pre)
         .await
         .unwrap_err();
-    assert!(matches!(e.reason(), "OtlpExportFailed" | "OtlpExportTimeout"), "{e}");
+    assert!(
+        matches!(e.reason(), Reason::OtlpExportFailed | Reason::OtlpExportTimeout),
+        "{e}"
+    );
     // ... and counted where a user's alert reads it.
     let text = taintgate::telemetry::metrics::Metrics::new().encode().unwrap();
     let series = format!("taintgate_otlp_export_failures_total{{reason=\"{}\"}} ", e.reason());

@@ -1,6 +1,7 @@
 //! Loading untrusted YAML/JSON input (config, node profiles, plugin configs, manifests)
 //! with errors that name the file, the line and column, and the key path that was wrong.
 
+use crate::reason::Reason;
 use crate::text_bounds::{MAX_NESTING, check_nesting, clip_message, clip_value, human_bytes};
 use serde::de::DeserializeOwned;
 use std::fmt;
@@ -55,8 +56,8 @@ impl InputError {
 
 impl crate::reason::ReasonCode for InputError {
     /// Stable reason code for bad input.
-    fn reason(&self) -> &'static str {
-        "InvalidInput"
+    fn reason(&self) -> Reason {
+        Reason::InvalidInput
     }
 }
 

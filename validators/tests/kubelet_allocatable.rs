@@ -13,6 +13,7 @@ use taintgate_validators::kubelet::allocatable::{
 };
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_allocatable};
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::Reason;
 use taintgate_validators::reason::ReasonCode;
 
 fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -145,7 +146,7 @@ fn evaluate_table() {
         match (want, got) {
             (None, Ok(())) => {}
             (Some((reason, waitable)), Err(e)) => {
-                assert_eq!(e.reason(), reason, "{what}: {e}");
+                assert_eq!(e.reason().as_str(), reason, "{what}: {e}");
                 assert_eq!(e.is_waitable(), waitable, "{what}");
             }
             (w, g) => panic!("{what}: want {w:?}, got {g:?}"),
@@ -200,7 +201,7 @@ fn each_sharing_mode_end_to_end() {
         let short = map(&[(resource, &(n - 1).to_string())]);
         assert_eq!(
             evaluate_allocatable(&want, &short, &short).unwrap_err().reason(),
-            "AllocatableShort"
+            Reason::AllocatableShort
         );
     }
 }
@@ -250,13 +251,13 @@ async fn wait_reports_the_last_waitable_failure_at_the_deadline() {
     let e = wait_for_allocatable(stream, &expected, Duration::from_millis(50))
         .await
         .unwrap_err();
-    assert_eq!(e.reason(), "AllocatableShort", "{e}");
+    assert_eq!(e.reason(), Reason::AllocatableShort, "{e}");
     let never = futures::stream::pending::<Node>();
     let e = wait_for_allocatable(never, &expected, Duration::from_millis(20))
         .await
         .unwrap_err();
     assert!(matches!(e, AllocatableFailure::NoNodeObserved { .. }), "{e}");
-    assert_eq!(e.reason(), "AllocatableZero");
+    assert_eq!(e.reason(), Reason::AllocatableZero);
 }
 
 #[tokio::test]
@@ -267,7 +268,7 @@ async fn wait_stops_at_once_on_excess() {
     let e = wait_for_allocatable(stream, &expected, Duration::from_secs(30))
         .await
         .unwrap_err();
-    assert_eq!(e.reason(), "AllocatableExcess");
+    assert_eq!(e.reason(), Reason::AllocatableExcess);
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
@@ -313,7 +314,7 @@ fn gfd_labels() {
         let mut labels = good.clone();
         labels.insert(k.into(), v.into());
         let e = check_gfd_labels(&labels, &inv).unwrap_err();
-        assert_eq!(e.reason(), "LabelMismatch");
+        assert_eq!(e.reason(), Reason::LabelMismatch);
         assert_eq!(e.label, k);
         assert!(e.to_string().contains(nvml), "{e}");
     }

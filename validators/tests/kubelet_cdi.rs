@@ -7,6 +7,7 @@ use taintgate_validators::gpu::Inventory;
 use taintgate_validators::kubelet::cdi::{DEFAULT_KIND, check_cdi_dirs, check_cdi_simulated, load_specs, parse_spec};
 use taintgate_validators::kubelet::plugin_config::{ExpectedDevice, PluginConfig, expected_devices};
 use taintgate_validators::profile::{NodeProfile, SimKubelet};
+use taintgate_validators::reason::Reason;
 use taintgate_validators::reason::ReasonCode;
 
 struct Node {
@@ -117,7 +118,7 @@ fn missing_entries_and_absent_nodes_are_named() {
     let n = host();
     std::fs::write(n.run.join("nvidia.yaml"), nvidia_yaml(&[3], Some(5))).unwrap();
     let e = check_cdi_dirs(&devices("{}"), &dirs(&n), DEFAULT_KIND, &n.root).unwrap_err();
-    assert_eq!(e.reason(), "RuntimeInjectionMissing");
+    assert_eq!(e.reason(), Reason::RuntimeInjectionMissing);
     let s = e.to_string();
     assert!(s.starts_with("2 device(s) cannot be injected"), "{s}");
     assert!(
@@ -234,6 +235,6 @@ fn simulated_runtime_stage() {
         ..Default::default()
     };
     let e = check_cdi_simulated(&devs, &sim, DEFAULT_KIND).unwrap_err();
-    assert_eq!(e.reason(), "RuntimeInjectionMissing");
+    assert_eq!(e.reason(), Reason::RuntimeInjectionMissing);
     assert!(e.to_string().contains("000000000006"), "{e}");
 }

@@ -101,7 +101,7 @@ fn reference_worked_example() {
     );
     // A third group is not promised by anyone sane: ask and see GPU bind.
     let e = fit(&reference_node(), &reference_pods(), &tp4(), 3).unwrap_err();
-    assert_eq!(e.reason(), "GroupFitShort");
+    assert_eq!(e.reason().as_str(), "GroupFitShort");
     let FitFailure::GroupFitShort { evidence } = &e else {
         panic!()
     };
@@ -174,7 +174,7 @@ fn each_resource_can_bind_first() {
         assert_eq!(ev.groups, groups, "{what}\n{}", ev.table());
         if groups < 2 {
             assert_eq!(ev.binding, binding, "{what}\n{}", ev.table());
-            assert_eq!(r.unwrap_err().reason(), "GroupFitShort");
+            assert_eq!(r.unwrap_err().reason().as_str(), "GroupFitShort");
         }
     }
 }
@@ -281,7 +281,7 @@ fn bad_quantities_are_named() {
         "Running",
     );
     let e = fit(&reference_node(), &[p], &tp4(), 1).unwrap_err();
-    assert_eq!(e.reason(), "InvalidInput");
+    assert_eq!(e.reason().as_str(), "InvalidInput");
     let s = e.to_string();
     assert!(
         s.contains("pod kube-system/weird") && s.contains("cpu") && s.contains("lots"),

@@ -9,6 +9,7 @@ use taintgate_validators::kubelet::plugin_config::{
     MigStrategy, PluginConfig, expected_allocatable, expected_device_ids, expected_devices,
 };
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::Reason;
 use taintgate_validators::reason::ReasonCode;
 
 fn inventory() -> Inventory {
@@ -172,7 +173,7 @@ fn device_ids_follow_the_plugin() {
 fn mig_layouts_the_plugin_refuses() {
     let mixed = mig_inventory(false);
     let e = expected_allocatable(&mixed, &cfg("flags: {migStrategy: single}\n")).unwrap_err();
-    assert_eq!(e.reason(), "PluginConfigMismatch");
+    assert_eq!(e.reason(), Reason::PluginConfigMismatch);
     assert!(e.to_string().contains("more than one MIG device type"), "{e}");
 
     let mut half = inventory();
@@ -240,7 +241,7 @@ fn malformed_configs_name_the_key() {
         assert!(s.starts_with("dp.yaml"), "{text}: {s}");
         assert!(s.contains(key), "{text}: want key {key}: {s}");
         assert!(s.contains(msg), "{text}: want {msg}: {s}");
-        assert_eq!(e.reason(), "InvalidInput");
+        assert_eq!(e.reason(), Reason::InvalidInput);
     }
 }
 

@@ -9,6 +9,7 @@ use taintgate_validators::kubelet::allocatable::{check_gfd_labels, evaluate_allo
 use taintgate_validators::kubelet::device_plugin::{SimDevicePluginProbe, check_device_plugin};
 use taintgate_validators::kubelet::plugin_config::{PluginConfig, expected_allocatable, expected_device_ids};
 use taintgate_validators::profile::{NodeProfile, SimKubelet};
+use taintgate_validators::reason::Reason;
 use taintgate_validators::reason::ReasonCode;
 
 fn profile(name: &str) -> NodeProfile {
@@ -93,7 +94,7 @@ async fn each_fault_gives_its_reason() {
                     assert_eq!(ev.resources[0].devices, expected["nvidia.com/gpu"].len());
                 }
                 (Some(reason), Err(e)) => {
-                    assert_eq!(e.reason(), *reason, "{what} ({cfg}): {e}");
+                    assert_eq!(e.reason().as_str(), *reason, "{what} ({cfg}): {e}");
                     if *reason != "PluginSocketMissing" {
                         let s = e.to_string();
                         assert!(
@@ -119,12 +120,12 @@ async fn example_profiles() {
     )
     .await
     .unwrap_err();
-    assert_eq!(e.reason(), "PluginDeviceUnhealthy");
+    assert_eq!(e.reason(), Reason::PluginDeviceUnhealthy);
 
     let p = profile("allocatable-short.yaml");
     let want = expected_allocatable(&inv(&p), &PluginConfig::default()).unwrap();
     let e = evaluate_allocatable(&want, &p.node.allocatable, &p.node.capacity).unwrap_err();
-    assert_eq!(e.reason(), "AllocatableShort");
+    assert_eq!(e.reason(), Reason::AllocatableShort);
 
     let p = profile("8gpu-two-domains.yaml");
     evaluate_allocatable(&want, &p.node.allocatable, &p.node.capacity).unwrap();

@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 use taintgate_validators::gpu::decide::{DriverExpectations, evaluate_driver, startup_record};
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::gpu::{Gpu, GpuError, Interconnect, Inventory};
+use taintgate_validators::reason::Reason;
 use taintgate_validators::reason::ReasonCode;
 
 /// Compile the fake once per test process.
@@ -65,7 +66,7 @@ fn h100_8() -> String {
 fn reason(inv: &Inventory) -> &'static str {
     match evaluate_driver(inv, &eight()) {
         Ok(_) => "Ok",
-        Err(f) => f.reason,
+        Err(f) => f.reason.as_str(),
     }
 }
 
@@ -191,7 +192,7 @@ fn inactive_nvlink_is_reported() {
     let d = inv.domains.iter().find(|d| d.gpus.contains(&6)).unwrap();
     assert_eq!(d.interconnect, Interconnect::Nvlink { version: 4, links: 16 });
     let f = evaluate_driver(&inv, &eight()).unwrap_err();
-    assert_eq!(f.reason, "NvlinkInactive");
+    assert_eq!(f.reason, Reason::NvlinkInactive);
     assert!(
         f.message.contains("GPU 6") && f.message.contains("[3, 7]"),
         "{}",
@@ -209,7 +210,7 @@ fn xid_event_arrives_through_the_event_set() {
     let inv = gpu.inventory().unwrap();
     assert_eq!(inv.gpus[2].health.xids, vec![79]);
     let f = evaluate_driver(&inv, &eight()).unwrap_err();
-    assert_eq!(f.reason, "XidFatal");
+    assert_eq!(f.reason, Reason::XidFatal);
     assert!(f.message.contains("GPU 2"), "{}", f.message);
     // A warn-class XID does not hold the node.
     let inv = Node::new(&format!("{}gpu.2.xid_events=92\n", h100_8())).inventory();
@@ -244,7 +245,7 @@ fn xids_before_start_come_from_the_kernel_log() {
     assert_eq!(inv.gpus[1].health.xids, vec![48]);
     assert_eq!(inv.gpus[2].health.xids, vec![13]);
     let f = evaluate_driver(&inv, &eight()).unwrap_err();
-    assert_eq!(f.reason, "XidFatal");
+    assert_eq!(f.reason, Reason::XidFatal);
     assert!(f.message.contains("GPU 1"), "{}", f.message);
     // An unreadable log is a warning at open, not a failure.
     let gpu = RealGpu::open(&RealGpuOptions {
@@ -327,7 +328,7 @@ fn two_nvlink_domains_and_pcie_domains() {
         evaluate_driver(&inv, &DriverExpectations::default())
             .unwrap_err()
             .reason,
-        "GpuCountUnconfigured"
+        Reason::GpuCountUnconfigured
     );
     let four = DriverExpectations {
         gpu_count: Some(4),
@@ -345,7 +346,7 @@ fn two_nvlink_domains_and_pcie_domains() {
         pcie_degraded_fatal: true,
         ..four
     };
-    assert_eq!(evaluate_driver(&inv, &strict).unwrap_err().reason, "PcieDegraded");
+    assert_eq!(evaluate_driver(&inv, &strict).unwrap_err().reason, Reason::PcieDegraded);
 }
 
 /// issue 34 item 8: GPUs under one PCIe switch without P2P are not a peer domain.
@@ -394,7 +395,10 @@ fn inactive_nvlinks_fail_only_where_required() {
         nvlink_required: Some(true),
         ..two
     };
-    assert_eq!(evaluate_driver(&inv, &required).unwrap_err().reason, "NvlinkInactive");
+    assert_eq!(
+        evaluate_driver(&inv, &required).unwrap_err().reason,
+        Reason::NvlinkInactive
+    );
     let sxm = Node::new(&format!("{}gpu.2.nvlink_inactive=5\n", h100_8())).inventory();
     assert_eq!(reason(&sxm), "NvlinkInactive");
 }
@@ -424,7 +428,10 @@ fn mig_devices_and_persistence() {
         persistence_required: true,
         ..eight()
     };
-    assert_eq!(evaluate_driver(&inv, &strict).unwrap_err().reason, "PersistenceModeOff");
+    assert_eq!(
+        evaluate_driver(&inv, &strict).unwrap_err().reason,
+        Reason::PersistenceModeOff
+    );
 }
 
 #[test]
@@ -456,7 +463,7 @@ fn numa_and_nic_from_sysfs_go_into_the_startup_record() {
 fn no_driver_is_driver_not_loaded() {
     let node = Node::new("init=driver_not_loaded\n");
     let err = node.open().unwrap_err();
-    assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+    assert_eq!(err.reason(), Reason::DriverNotLoaded, "{err}");
     // No library at all.
     let dir = tempfile::tempdir().unwrap();
     let opts = RealGpuOptions {
@@ -465,7 +472,7 @@ fn no_driver_is_driver_not_loaded() {
         ..Default::default()
     };
     let err = RealGpu::open(&opts).unwrap_err();
-    assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+    assert_eq!(err.reason(), Reason::DriverNotLoaded, "{err}");
     assert!(err.to_string().contains("libnvidia-ml.so.1"), "{err}");
     // A library that is not NVML.
     let not_nvml = dir.path().join("libnot-nvml.so");
@@ -477,10 +484,10 @@ fn no_driver_is_driver_not_loaded() {
         ..Default::default()
     })
     .unwrap_err();
-    assert_eq!(err.reason(), "NvmlError", "{err}");
+    assert_eq!(err.reason(), Reason::NvmlError, "{err}");
     // Other init failures name the call.
     let err = Node::new("init=no_permission\n").open().unwrap_err();
-    assert_eq!(err.reason(), "NvmlError");
+    assert_eq!(err.reason(), Reason::NvmlError);
     assert!(err.to_string().contains("nvmlInit_v2"), "{err}");
 }
 

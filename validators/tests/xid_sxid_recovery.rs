@@ -12,6 +12,7 @@ use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
 use taintgate_validators::gpu::sim::SimGpu;
 use taintgate_validators::gpu::{FieldError, Gpu, Inventory, RecoveryAction};
 use taintgate_validators::profile::NodeProfile;
+use taintgate_validators::reason::Reason;
 
 include!("../../tests/fake-nvml/compile.rs");
 
@@ -51,7 +52,7 @@ fn real_inventory(extra: &str, kmsg: Option<PathBuf>) -> Inventory {
     gpu.inventory().unwrap()
 }
 
-fn reason(inv: &Inventory, exp: &DriverExpectations) -> Result<Vec<String>, &'static str> {
+fn reason(inv: &Inventory, exp: &DriverExpectations) -> Result<Vec<String>, Reason> {
     evaluate_driver(inv, exp).map(|e| e.warnings).map_err(|f| f.reason)
 }
 
@@ -79,7 +80,7 @@ fn mig_xid_fixture_parses_and_holds_the_parent_gpu() {
     assert_eq!(inv.gpus[1].health.xids, vec![31]);
     assert_eq!(inv.gpus[2].health.xids, vec![79]);
     let f = evaluate_driver(&inv, &eight()).unwrap_err();
-    assert_eq!(f.reason, "XidFatal");
+    assert_eq!(f.reason, Reason::XidFatal);
     assert!(f.message.contains("GPU 2") && f.message.contains("79"), "{}", f.message);
 }
 
@@ -106,7 +107,7 @@ fn sxid_fixtures_parse_and_produce_their_reasons() {
     let exp = eight();
     let inv = real_inventory("", Some(fixture("sxid-fatal.kmsg")));
     assert_eq!(inv.nvswitch_sxids.len(), 2);
-    assert_eq!(reason(&inv, &exp), Err("SxidFatal"));
+    assert_eq!(reason(&inv, &exp), Err(Reason::SxidFatal));
     let f = evaluate_driver(&inv, &exp).unwrap_err();
     assert!(
         f.message.contains("nvidia-nvswitch2") && f.message.contains("24007"),
@@ -146,7 +147,11 @@ fn recovery_action_is_read_from_nvml_and_judged() {
         assert_eq!(inv.gpus[3].health.recovery_action, Some(want), "{value}");
         assert_eq!(inv.gpus[3].health.xids, vec![154], "{value}");
         let r = reason(&inv, &exp).map(|_| ());
-        assert_eq!(r, if held { Err("GpuRecoveryRequired") } else { Ok(()) }, "{value}");
+        assert_eq!(
+            r,
+            if held { Err(Reason::GpuRecoveryRequired) } else { Ok(()) },
+            "{value}"
+        );
     }
     // XID 154 with the field unreadable (no permission): held, and the field is recorded.
     let inv = real_inventory("gpu.3.recovery_action=no_permission\ngpu.3.xid_events=154\n", None);
@@ -160,7 +165,7 @@ fn recovery_action_is_read_from_nvml_and_judged() {
         "{:?}",
         inv.gpus[3].health.unreadable
     );
-    assert_eq!(reason(&inv, &exp), Err("GpuRecoveryRequired"));
+    assert_eq!(reason(&inv, &exp), Err(Reason::GpuRecoveryRequired));
 }
 
 #[test]
@@ -180,7 +185,7 @@ fn a_field_without_permission_warns_unless_required() {
         required_fields: [call].into_iter().collect(),
         ..eight()
     };
-    assert_eq!(reason(&inv, &exp), Err("NvmlFieldUnreadable"));
+    assert_eq!(reason(&inv, &exp), Err(Reason::NvmlFieldUnreadable));
 }
 
 #[test]
@@ -188,11 +193,11 @@ fn simulated_profile_expresses_recovery_action_and_sxids() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/profiles/recovery-reboot.yaml");
     let profile = NodeProfile::load(path.to_str().unwrap()).unwrap();
     let inv = SimGpu::new(profile).inventory().unwrap();
-    assert_eq!(reason(&inv, &eight()), Err("GpuRecoveryRequired"));
+    assert_eq!(reason(&inv, &eight()), Err(Reason::GpuRecoveryRequired));
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/profiles/sxid-fatal.yaml");
     let profile = NodeProfile::load(path.to_str().unwrap()).unwrap();
     let inv = SimGpu::new(profile).inventory().unwrap();
-    assert_eq!(reason(&inv, &eight()), Err("SxidFatal"));
+    assert_eq!(reason(&inv, &eight()), Err(Reason::SxidFatal));
 }
 
 /// The reference node's expectation: 8 GPUs, as its instance type (p5.48xlarge) says; the

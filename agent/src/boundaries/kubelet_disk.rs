@@ -41,7 +41,7 @@ impl KubeletDisk for HostKubelet {
             Some(name) => match process::find(&self.proc_root, name) {
                 Ok(scan) => {
                     for e in &scan.unreadable {
-                        tracing::warn!(reason = e.reason(), error = %e, "a {name} process could not be read; passed over");
+                        tracing::warn!(reason = e.reason().as_str(), error = %e, "a {name} process could not be read; passed over");
                     }
                     for (pid, cgroup) in &scan.in_pods {
                         tracing::info!(pid, cgroup = %cgroup, "a {name} process in a pod's cgroup; not the node's kubelet");
@@ -75,7 +75,7 @@ impl KubeletDisk for HostKubelet {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(reason = e.reason(), error = %e, "kubelet command line unreadable; reading kubelet.config_files");
+                    tracing::warn!(reason = e.reason().as_str(), error = %e, "kubelet command line unreadable; reading kubelet.config_files");
                     None
                 }
             },
@@ -85,7 +85,7 @@ impl KubeletDisk for HostKubelet {
             None => disk_thresholds(&self.config_files),
         };
         for e in &t.errors {
-            tracing::warn!(reason = e.reason(), error = %e, "kubelet config unreadable; skipped for the disk reserve");
+            tracing::warn!(reason = e.reason().as_str(), error = %e, "kubelet config unreadable; skipped for the disk reserve");
         }
         t.found
             .into_iter()

@@ -2,7 +2,7 @@
 //! end, and the verdict, sorted by time; the interval between adjacent stamps is named
 //! after the later stamp, which is what that interval waited on.
 
-use crate::readiness::outcome;
+use crate::reasons::Reason;
 use crate::stage::{Stage, XID_WATCH};
 use crate::telemetry::annotation::TimelineAnnotation;
 use crate::telemetry::otlp::AGENT_START;
@@ -44,7 +44,7 @@ pub struct ChainStamp {
     pub outcome: Option<String>,
     /// Reason code, when the stage failed or the node was held.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
+    pub reason: Option<Reason>,
     /// Order among stamps at the same millisecond (causal order).
     #[serde(skip)]
     pub tie: u32,
@@ -81,7 +81,7 @@ pub struct Chain {
     /// How the readiness chain after release ended: `(outcome, unix ms, pods)`, once
     /// recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub workload: Option<(String, i64, Vec<String>)>,
+    pub workload: Option<(Reason, i64, Vec<String>)>,
 }
 
 /// One stage's bar.
@@ -95,8 +95,8 @@ pub struct StageSpan {
     pub end_ms: i64,
     /// Outcome.
     pub outcome: Outcome,
-    /// Reason code (empty if none).
-    pub reason: String,
+    /// Reason code, if any.
+    pub reason: Option<Reason>,
 }
 
 fn pre_rank(name: &str) -> u32 {
@@ -135,7 +135,7 @@ impl Chain {
         for e in doc.stages.iter().filter(|e| ran(e.outcome)) {
             let start = origin.saturating_add(e.start_ms as i64);
             let end = origin.saturating_add(e.end_ms() as i64);
-            let reason = (!e.reason.is_empty()).then(|| e.reason.clone());
+            let reason = e.reason;
             stamps.push(ChainStamp {
                 name: format!("{}.start", e.name),
                 at_ms: start,
@@ -159,7 +159,7 @@ impl Chain {
                 start_ms: start,
                 end_ms: end,
                 outcome: e.outcome,
-                reason: e.reason.clone(),
+                reason: e.reason,
             });
         }
         if let Some(v) = &doc.verdict {
@@ -172,8 +172,8 @@ impl Chain {
                 name: name.into(),
                 at_ms: origin.saturating_add(v.at_ms as i64),
                 kind: StampKind::Verdict,
-                outcome: Some(v.reason.clone()),
-                reason: (!v.released).then(|| v.reason.clone()),
+                outcome: v.reason.map(|r| r.to_string()),
+                reason: v.reason.filter(|_| !v.released),
                 tie: 40,
             });
         }
@@ -207,10 +207,7 @@ impl Chain {
             stages,
             truncated: doc.truncated,
             pre_read_live: false,
-            workload: doc
-                .workload
-                .as_ref()
-                .map(|w| (w.outcome.clone(), w.at_ms, w.pods.clone())),
+            workload: doc.workload.as_ref().map(|w| (w.outcome, w.at_ms, w.pods.clone())),
         }
     }
 
@@ -296,13 +293,13 @@ impl Chain {
             let at = Timestamp::from_millisecond(*at)
                 .map(|t| format!("{t:.3}"))
                 .unwrap_or_else(|_| at.to_string());
-            let what = match outcome.as_str() {
-                outcome::WORKLOAD_READY => "first workload Ready and its endpoint ready".to_string(),
-                outcome::NO_ENDPOINT_YET => "workload Ready; no EndpointSlice listed it ready in time".to_string(),
-                outcome::NO_WORKLOAD_YET => {
+            let what = match outcome {
+                Reason::WorkloadReady => "first workload Ready and its endpoint ready".to_string(),
+                Reason::NoEndpointYet => "workload Ready; no EndpointSlice listed it ready in time".to_string(),
+                Reason::NoWorkloadYet => {
                     "no workload yet at the readiness deadline; the agent stopped watching".to_string()
                 }
-                outcome::WORKLOAD_NOT_READY => {
+                Reason::WorkloadNotReady => {
                     "the workload came but was not Ready at the readiness deadline; the agent stopped watching"
                         .to_string()
                 }
@@ -392,7 +389,7 @@ pub fn waited_on_name(name: &str) -> String {
 
 fn waited_on(s: &ChainStamp) -> String {
     let base = waited_on_name(&s.name);
-    match (&s.kind, s.outcome.as_deref(), s.reason.as_deref()) {
+    match (&s.kind, s.outcome.as_deref(), s.reason) {
         (StampKind::StageEnd, Some(o), Some(r)) if o != "passed" => format!("{base} [{o}: {r}]"),
         (StampKind::StageEnd, Some(o), None) if o != "passed" => format!("{base} [{o}]"),
         (StampKind::Verdict, _, Some(r)) => format!("{base} ({r})"),
@@ -542,7 +539,7 @@ mod tests {
             "{text}"
         );
         let report = crate::fleet::stats::FleetReport::build(&[c], None, Vec::new());
-        assert_eq!(report.workload.get("WorkloadReady"), Some(&1));
+        assert_eq!(report.workload.get(&Reason::WorkloadReady), Some(&1));
         assert_eq!(report.worst.as_deref(), Some("containers-ready"));
     }
 }

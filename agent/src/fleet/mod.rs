@@ -13,6 +13,7 @@
 //! Exit codes: 0 printed, 1 nothing to show (no annotation / no node matched), 2 bad
 //! input or API failure.
 
+use crate::reasons::Reason;
 pub mod chain;
 pub mod stats;
 pub mod svg;
@@ -105,25 +106,22 @@ pub enum FleetError {
 }
 
 impl FleetError {
-    /// Process exit code for this failure.
+    /// Process exit code for this failure, from its reason's class in the catalogue.
     pub fn exit_code(&self) -> i32 {
-        match self {
-            FleetError::NoTimeline { .. } | FleetError::NoNodes { .. } => 1,
-            _ => 2,
-        }
+        crate::reasons::exit_code(taintgate_validators::reason::ReasonCode::reason(self))
     }
 }
 
 impl taintgate_validators::reason::ReasonCode for FleetError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            FleetError::Client(_) => "KubeconfigInvalid",
-            FleetError::Api { .. } => "ApiError",
-            FleetError::NoTimeline { .. } => "NoTimeline",
-            FleetError::Annotation { .. } => "AnnotationInvalid",
-            FleetError::NoNodes { .. } => "NoNodes",
-            FleetError::Svg { .. } => "SvgWriteFailed",
+            FleetError::Client(_) => Reason::KubeconfigInvalid,
+            FleetError::Api { .. } => Reason::ApiError,
+            FleetError::NoTimeline { .. } => Reason::NoTimeline,
+            FleetError::Annotation { .. } => Reason::AnnotationInvalid,
+            FleetError::NoNodes { .. } => Reason::NoNodes,
+            FleetError::Svg { .. } => Reason::SvgWriteFailed,
         }
     }
 }

@@ -376,11 +376,11 @@ pub fn gantt_svg(c: &Chain) -> String {
         let (x0, x1) = (bx.x(s.start_ms), bx.x(s.end_ms));
         let dur = human_ms((s.end_ms - s.start_ms).max(0) as u64);
         let crit = last_evidence == Some(s.stage.as_str());
-        let note = match (s.outcome.as_str(), s.reason.is_empty(), crit) {
-            ("passed", _, true) => format!("{dur} · last evidence"),
-            ("passed", _, false) => dur.clone(),
-            (o, true, _) => format!("{dur} · {o}"),
-            (o, false, _) => format!("{dur} · {o}: {}", s.reason),
+        let note = match (s.outcome, s.reason, crit) {
+            (Outcome::Passed, _, true) => format!("{dur} · last evidence"),
+            (Outcome::Passed, _, false) => dur.clone(),
+            (o, None, _) => format!("{dur} · {}", o.as_str()),
+            (o, Some(r), _) => format!("{dur} · {}: {r}", o.as_str()),
         };
         let stroke = if crit {
             " stroke=\"#1b1b1b\" stroke-width=\"1.5\""

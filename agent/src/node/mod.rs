@@ -7,6 +7,7 @@
 //! agent does through it: [`untaint`] (taint patches), [`report`] (condition, annotation,
 //! Events), [`regate`] (the reboot re-gate), [`workload`] (what the readiness chain reads).
 
+use crate::reasons::Reason;
 pub mod facts;
 pub mod kube;
 pub mod regate;
@@ -130,15 +131,15 @@ impl ApiError {
 
 impl taintgate_validators::reason::ReasonCode for ApiError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self.kind {
-            ApiErrorKind::Conflict => "ApiConflict",
-            ApiErrorKind::Invalid => "ApiInvalid",
-            ApiErrorKind::Transient => "ApiUnavailable",
-            ApiErrorKind::NotFound => "NodeNotFound",
-            ApiErrorKind::Forbidden => "ApiForbidden",
-            ApiErrorKind::Other => "ApiError",
-            ApiErrorKind::DryRun => "DryRun",
+            ApiErrorKind::Conflict => Reason::ApiConflict,
+            ApiErrorKind::Invalid => Reason::ApiInvalid,
+            ApiErrorKind::Transient => Reason::ApiUnavailable,
+            ApiErrorKind::NotFound => Reason::NodeNotFound,
+            ApiErrorKind::Forbidden => Reason::ApiForbidden,
+            ApiErrorKind::Other => Reason::ApiError,
+            ApiErrorKind::DryRun => Reason::DryRun,
         }
     }
 

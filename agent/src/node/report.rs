@@ -5,6 +5,7 @@
 
 use crate::config::ReportingConfig;
 use crate::node::NodeApi;
+use crate::reasons::Reason;
 use crate::stage::RecordKind;
 use crate::timeline::Timeline;
 use jiff::Timestamp;
@@ -29,7 +30,7 @@ pub struct ConditionValue {
     /// "True" / "False".
     pub status: bool,
     /// Reason code.
-    pub reason: String,
+    pub reason: Reason,
     /// Message.
     pub message: String,
 }
@@ -110,7 +111,7 @@ pub fn truncate(s: &str, max: usize) -> String {
 pub const NODE_EVENT_NAMESPACE: &str = "default";
 
 /// A core/v1 Event about the Node.
-pub fn node_event(node: &Node, warning: bool, reason: &str, message: &str, now: Timestamp) -> Event {
+pub fn node_event(node: &Node, warning: bool, reason: Reason, message: &str, now: Timestamp) -> Event {
     let name = node.metadata.name.clone().unwrap_or_default();
     Event {
         metadata: ObjectMeta {
@@ -287,7 +288,7 @@ pub async fn report_verdict(
     let cond = ConditionValue {
         type_: cfg.condition_type.clone(),
         status: v.released,
-        reason: v.reason.clone(),
+        reason: v.reason,
         message: v.message.clone(),
     };
     match set_condition(api, &cond, latest.take()).await {
@@ -299,7 +300,7 @@ pub async fn report_verdict(
         // hardware (node repair replaces the node on it); the rest holds without condemning.
         let hw_failed = failed_stage
             .is_some_and(|k| k == RecordKind::XidWatch || k.stage().is_some_and(Stage::is_hardware))
-            && crate::reasons::condemns_hardware(&v.reason);
+            && crate::reasons::condemns_hardware(v.reason);
         let hw_passed = Stage::ALL.iter().filter(|s| s.is_hardware()).all(|s| {
             t.stage(*s)
                 .is_some_and(|r| r.outcome == Outcome::Passed || r.outcome == Outcome::Disabled)
@@ -308,11 +309,7 @@ pub async fn report_verdict(
             let c = ConditionValue {
                 type_: cfg.hardware_condition_type.clone(),
                 status: !hw_failed,
-                reason: if hw_failed {
-                    v.reason.clone()
-                } else {
-                    "HardwareVerified".into()
-                },
+                reason: if hw_failed { v.reason } else { Reason::HardwareVerified },
                 message: if hw_failed {
                     v.message.clone()
                 } else {
@@ -341,13 +338,14 @@ pub async fn report_verdict(
             Ok(node) => {
                 // One Event for the verdict (the release, or the first blocking failure),
                 // and one for each other failed stage.
-                let mut list = vec![node_event(&node, !v.released, &v.reason, &v.message, Timestamp::now())];
+                let mut list = vec![node_event(&node, !v.released, v.reason, &v.message, Timestamp::now())];
                 for s in t
                     .stages
                     .iter()
                     .filter(|s| s.outcome == Outcome::Failed && Some(s.stage) != failed_stage)
                 {
-                    let reason = s.reason.as_deref().unwrap_or("StageFailed");
+                    // A failed record always carries its reason; one without is a bug.
+                    let reason = s.reason.unwrap_or(Reason::InternalError);
                     let msg = format!("stage {}: {}", s.stage, s.message.as_deref().unwrap_or(""));
                     list.push(node_event(&node, true, reason, &msg, Timestamp::now()));
                 }
@@ -408,7 +406,7 @@ mod tests {
         let c = ConditionValue {
             type_: "TaintgateVerified".into(),
             status: false,
-            reason: "GpuLost".into(),
+            reason: Reason::GpuLost,
             message: "m".into(),
         };
         let now: Timestamp = "2026-02-02T00:00:00Z".parse().unwrap();

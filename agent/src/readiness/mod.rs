@@ -12,6 +12,7 @@
 //! records `WorkloadNotReady` with the steps it reached (a Warning Event); neither is a
 //! failure of the node. See `docs/readiness-chain.md`.
 
+use crate::reasons::Reason;
 pub mod decide;
 pub mod record;
 pub mod trace;
@@ -29,21 +30,6 @@ use record::Record;
 use std::collections::{BTreeMap, BTreeSet};
 use taintgate_validators::reason::ReasonCode;
 use tokio_util::sync::CancellationToken;
-
-/// Outcome codes (also reason codes in the catalogue).
-pub mod outcome {
-    /// The workload was Ready and an EndpointSlice listed it ready.
-    pub const WORKLOAD_READY: &str = "WorkloadReady";
-    /// The workload was Ready; no EndpointSlice listed it ready within `endpoint_wait`.
-    pub const NO_ENDPOINT_YET: &str = "NoEndpointYet";
-    /// No workload Pod was on the node by `readiness.deadline`.
-    pub const NO_WORKLOAD_YET: &str = "NoWorkloadYet";
-    /// A workload Pod was on the node but not Ready by `readiness.deadline` (its probe or
-    /// its start never passed): recorded with the steps it did reach.
-    pub const WORKLOAD_NOT_READY: &str = "WorkloadNotReady";
-    /// The Pod watch never delivered a list (forbidden, unreachable) by the deadline.
-    pub const WATCH_FAILED: &str = "ReadinessWatchFailed";
-}
 
 /// Follow the workload on `node` until it is Ready and has a ready endpoint, or a bound
 /// ends the wait. Every watch is closed when this returns.
@@ -77,7 +63,7 @@ pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::r
                     listed = true;
                 }
                 Some(Seen::Error(e)) => {
-                    tracing::warn!(error = %e, reason = outcome::WATCH_FAILED, "watching the node's pods failed; retrying with backoff");
+                    tracing::warn!(error = %e, reason = Reason::ReadinessWatchFailed.as_str(), "watching the node's pods failed; retrying with backoff");
                     last_error = Some(e.to_string());
                     continue;
                 }
@@ -102,11 +88,11 @@ pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::r
         // It came but never got Ready: its steps so far, and who it was.
         Err((_, _, Some(stalled))) => {
             let pods: Vec<String> = stalled.pods.iter().map(ToString::to_string).collect();
-            tracing::warn!(reason = outcome::WORKLOAD_NOT_READY, deadline = ?cfg.deadline, ?pods, "the workload was not Ready by readiness.deadline; stopped watching (the node stays released)");
+            tracing::warn!(reason = Reason::WorkloadNotReady.as_str(), deadline = ?cfg.deadline, ?pods, "the workload was not Ready by readiness.deadline; stopped watching (the node stays released)");
             return Record {
                 stamps: stalled.stamps,
                 workload: WorkloadEntry {
-                    outcome: outcome::WORKLOAD_NOT_READY.into(),
+                    outcome: Reason::WorkloadNotReady,
                     at_ms: Timestamp::now().as_millisecond(),
                     pods,
                     group: stalled.group.unwrap_or_default(),
@@ -115,14 +101,14 @@ pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::r
         }
         Err((listed, last_error, None)) => {
             let (code, why) = match (listed, last_error) {
-                (false, Some(e)) => (outcome::WATCH_FAILED, format!("the pod watch never listed: {e}")),
-                _ => (outcome::NO_WORKLOAD_YET, "no workload Pod came".to_string()),
+                (false, Some(e)) => (Reason::ReadinessWatchFailed, format!("the pod watch never listed: {e}")),
+                _ => (Reason::NoWorkloadYet, "no workload Pod came".to_string()),
             };
-            tracing::info!(reason = code, deadline = ?cfg.deadline, "{why} by readiness.deadline; stopped watching (not a failure of the node)");
+            tracing::info!(reason = code.as_str(), deadline = ?cfg.deadline, "{why} by readiness.deadline; stopped watching (not a failure of the node)");
             return Record {
                 stamps: Vec::new(),
                 workload: WorkloadEntry {
-                    outcome: code.into(),
+                    outcome: code,
                     at_ms: Timestamp::now().as_millisecond(),
                     pods: Vec::new(),
                     group: String::new(),
@@ -136,14 +122,14 @@ pub async fn follow(src: &dyn WorkloadSource, node: &str, cfg: &crate::config::r
     let code = match endpoint {
         Some(t) => {
             stamps.push(Stamp::new(names::ENDPOINT_READY, t));
-            outcome::WORKLOAD_READY
+            Reason::WorkloadReady
         }
-        None => outcome::NO_ENDPOINT_YET,
+        None => Reason::NoEndpointYet,
     };
     Record {
         stamps,
         workload: WorkloadEntry {
-            outcome: code.into(),
+            outcome: code,
             at_ms: Timestamp::now().as_millisecond(),
             pods: chosen.pods.iter().map(ToString::to_string).collect(),
             group: chosen.group.unwrap_or_default(),
@@ -217,8 +203,8 @@ pub async fn run(
                 // A workload that never got Ready is a Warning: someone should look at it.
                 let ev = crate::node::report::node_event(
                     &node,
-                    rec.workload.outcome == outcome::WORKLOAD_NOT_READY,
-                    &rec.workload.outcome,
+                    rec.workload.outcome == Reason::WorkloadNotReady,
+                    rec.workload.outcome,
                     &summary(&rec),
                     Timestamp::now(),
                 );
@@ -227,7 +213,7 @@ pub async fn run(
             bootstrap_of(&node, api.node_name(), &config.reporting.annotation_prefix)
         }
         Err(e) => {
-            tracing::warn!(error = %e, reason = e.reason(), "writing the readiness chain to the annotation failed");
+            tracing::warn!(error = %e, reason = e.reason().as_str(), "writing the readiness chain to the annotation failed");
             None
         }
     };
@@ -245,20 +231,20 @@ fn summary(rec: &Record) -> String {
         .iter()
         .find(|s| s.name == names::ENDPOINT_READY)
         .map(|s| s.at);
-    match rec.workload.outcome.as_str() {
-        outcome::WORKLOAD_READY => format!(
+    match rec.workload.outcome {
+        Reason::WorkloadReady => format!(
             "first workload {pods} Ready at {}, endpoint ready at {}",
             ready.map(|t| t.to_string()).unwrap_or_default(),
             endpoint.map(|t| t.to_string()).unwrap_or_default()
         ),
-        outcome::NO_ENDPOINT_YET => format!(
+        Reason::NoEndpointYet => format!(
             "first workload {pods} Ready at {}; no EndpointSlice listed it ready within readiness.endpoint_wait",
             ready.map(|t| t.to_string()).unwrap_or_default()
         ),
-        outcome::NO_WORKLOAD_YET => {
+        Reason::NoWorkloadYet => {
             "no workload Pod on the node by readiness.deadline after release; stopped watching (not a failure)".into()
         }
-        outcome::WORKLOAD_NOT_READY => {
+        Reason::WorkloadNotReady => {
             let step = |name: &str| rec.stamps.iter().find(|s| s.name == name).map(|s| s.at.to_string());
             let reached = [names::POD_SCHEDULED, names::CONTAINERS_STARTED]
                 .into_iter()

@@ -80,6 +80,7 @@ pub async fn write(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::reasons::Reason;
 
     fn rec() -> Record {
         let t = |s: &str| -> Timestamp { s.parse().unwrap() };
@@ -89,7 +90,7 @@ mod tests {
                 Stamp::new("pod-ready", t("2026-01-01T00:07:00Z")),
             ],
             workload: WorkloadEntry {
-                outcome: "NoEndpointYet".into(),
+                outcome: Reason::NoEndpointYet,
                 at_ms: 1_767_226_100_000,
                 pods: vec!["ml/llm-0".into(); 20],
                 group: "g".into(),
@@ -120,7 +121,7 @@ mod tests {
             let s = merge(Some(&boot), &r, fallback, max);
             assert!(s.len() <= max, "{max}: {}", s.len());
             let d = decode(&s).unwrap();
-            assert_eq!(d.workload.as_ref().unwrap().outcome, "NoEndpointYet", "{max}");
+            assert_eq!(d.workload.as_ref().unwrap().outcome, Reason::NoEndpointYet, "{max}");
             assert!(s.len() <= last);
             last = s.len();
             if max >= 300 {

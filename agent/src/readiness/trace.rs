@@ -13,6 +13,7 @@
 //! `k8s.node.name`: a trace UI jumps from one to the other.
 
 use crate::readiness::decide::names;
+use crate::reasons::Reason;
 use crate::telemetry::annotation::WorkloadEntry;
 use crate::telemetry::prestamps::Stamp;
 use jiff::Timestamp;
@@ -78,10 +79,10 @@ pub fn build_spans_with(
     let first = all.first().map(|s| s.at).unwrap_or(released);
     let last = all.last().map(|s| s.at).unwrap_or(released);
     let root_id = next_span_id();
-    let status = match workload.outcome.as_str() {
-        "WorkloadReady" | "NoEndpointYet" => Status::Ok,
+    let status = match workload.outcome {
+        Reason::WorkloadReady | Reason::NoEndpointYet => Status::Ok,
         // The workload failed, not the node: red in the trace view, as it is for the user.
-        "WorkloadNotReady" => Status::error("the workload was not Ready by readiness.deadline"),
+        Reason::WorkloadNotReady => Status::error("the workload was not Ready by readiness.deadline"),
         _ => Status::Unset,
     };
     let mut root = mk(
@@ -92,7 +93,7 @@ pub fn build_spans_with(
         last,
         vec![
             KeyValue::new("k8s.node.name", node.to_string()),
-            KeyValue::new("taintgate.readiness.outcome", workload.outcome.clone()),
+            KeyValue::new("taintgate.readiness.outcome", workload.outcome.as_str()),
             KeyValue::new("taintgate.readiness.pods", workload.pods.join(",")),
             KeyValue::new("taintgate.readiness.group", workload.group.clone()),
         ],
@@ -140,7 +141,7 @@ pub async fn export(
     match export_to(None, node, released, stamps, workload, bootstrap).await {
         Ok(n) => n,
         Err(e) => {
-            tracing::warn!(error = %e, reason = e.reason(), "exporting the readiness trace failed");
+            tracing::warn!(error = %e, reason = e.reason().as_str(), "exporting the readiness trace failed");
             0
         }
     }
@@ -184,7 +185,7 @@ mod tests {
             Stamp::new("endpoint-ready", t("07:31")),
         ];
         let w = WorkloadEntry {
-            outcome: "WorkloadReady".into(),
+            outcome: Reason::WorkloadReady,
             at_ms: 0,
             pods: vec!["ml/llm-0".into()],
             group: String::new(),

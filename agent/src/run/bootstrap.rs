@@ -5,6 +5,7 @@
 
 use crate::node::report::{VerdictReport, report_verdict};
 use crate::node::untaint::remove_startup_taint;
+use crate::reasons::Reason;
 use crate::run::exit;
 use crate::run::graph::run_graph;
 use crate::run::verdict::{decide, xid_gate};
@@ -50,31 +51,31 @@ pub async fn bootstrap(ctx: Arc<Context>, node_name: &str, start_node: Option<No
     // The Node as the untaint left it: reporting starts from it instead of reading again.
     let mut latest: Option<Node> = None;
     let (released, reason, message) = match (&blocked, dry_run, &ctx.boundaries.api) {
-        (Some((stage, reason, msg)), _, _) => (false, reason.clone(), format!("stage {stage}: {msg}")),
+        (Some((stage, reason, msg)), _, _) => (false, *reason, format!("stage {stage}: {msg}")),
         (None, true, _) => (
             true,
-            "WouldRelease".to_string(),
+            Reason::WouldRelease,
             "every required stage has evidence; dry-run: taint left in place".to_string(),
         ),
         (None, false, None) => (
             false,
-            "NoCluster".into(),
+            Reason::NoCluster,
             "no Kubernetes API to remove the taint through".into(),
         ),
         (None, false, Some(api)) => match untaint(&ctx, api.as_ref()).await {
             Ok((record, node, msg)) => {
                 latest = node;
                 timeline.stages.push(record);
-                (true, "Released".into(), msg)
+                (true, Reason::Released, msg)
             }
-            Err(e) => (false, "UntaintFailed".into(), e.to_string()),
+            Err(e) => (false, Reason::UntaintFailed, e.to_string()),
         },
     };
     let now = Instant::now();
     timeline.verdict = Some(Verdict {
         released,
         dry_run,
-        reason: reason.clone(),
+        reason,
         message: message.clone(),
         at_ms: clock.offset(now).as_millis() as u64,
         at: clock.wall(now),
@@ -183,7 +184,7 @@ async fn regate(ctx: &Context, start_node: Option<Node>) -> Option<StageRecord> 
         Err(e) => (Outcome::Failed, "", Some(e.to_string())),
     };
     Some(StageRecord {
-        reason: failure.is_some().then(|| "RegateFailed".to_string()),
+        reason: failure.is_some().then_some(Reason::RegateFailed),
         message: failure,
         ..record(ctx.clock, t0, RecordKind::Regate, outcome, 1, summary.into())
     })

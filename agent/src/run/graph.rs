@@ -5,6 +5,7 @@
 //! cancellation (SIGTERM/SIGINT) stops every stage.
 
 use crate::config::StageSettings;
+use crate::reasons::Reason;
 use crate::stage::{RecordKind, Stage};
 use crate::stages::{Context, Evidence, Progress, StageFailure, run_stage_body};
 use crate::timeline::{Clock, Outcome, StageRecord};
@@ -95,7 +96,7 @@ pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageReco
                 outcome: Outcome::Failed,
                 required: true,
                 attempts: 0,
-                reason: Some("InternalError".into()),
+                reason: Some(Reason::InternalError),
                 message: Some(format!("stage task ended abnormally: {e}")),
                 summary: String::new(),
                 evidence: serde_json::Value::Null,
@@ -122,13 +123,13 @@ async fn run_one(
     let start = Instant::now();
     let mk = |outcome: Outcome,
               attempts: u32,
-              reason: Option<String>,
+              reason: Option<Reason>,
               message: Option<String>,
               ev: Option<Evidence>,
               end: Instant| {
         let (summary, evidence) = ev.map(|e| (e.summary, e.detail)).unwrap_or_default();
         span.record("outcome", outcome.as_str());
-        if let Some(r) = &reason {
+        if let Some(r) = reason {
             span.record("reason", r.as_str());
         }
         StageRecord {
@@ -159,7 +160,7 @@ async fn run_one(
         return mk(
             Outcome::Disabled,
             0,
-            Some("NoCluster".into()),
+            Some(Reason::NoCluster),
             Some("no Kubernetes API configured (dry-run on a machine outside a cluster)".into()),
             None,
             Instant::now(),
@@ -169,7 +170,7 @@ async fn run_one(
         return mk(
             Outcome::Skipped,
             0,
-            Some("DependencyFailed".into()),
+            Some(Reason::DependencyFailed),
             Some(format!("needs evidence from `{dep}`, which {}", outcome.as_str())),
             None,
             Instant::now(),
@@ -196,7 +197,7 @@ async fn run_one(
         None => mk(
             Outcome::Cancelled,
             n,
-            Some("Cancelled".into()),
+            Some(Reason::Cancelled),
             Some("stopped by signal".into()),
             None,
             end,
@@ -211,7 +212,7 @@ async fn run_one(
                     format!("{} (still so at the {:?} deadline)", f.message, settings.deadline),
                 ),
                 None => (
-                    "DeadlineExceeded".to_string(),
+                    Reason::DeadlineExceeded,
                     format!("no evidence within the {:?} deadline", settings.deadline),
                 ),
             };
@@ -221,14 +222,14 @@ async fn run_one(
     crate::systemd::status(&format!(
         "{name}: {}{}",
         rec.outcome.as_str(),
-        rec.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+        rec.reason.map(|r| format!(" ({r})")).unwrap_or_default()
     ));
     match rec.outcome {
         Outcome::Passed => {
             tracing::info!(parent: &span, duration_ms = rec.duration_ms, summary = %rec.summary, "stage passed")
         }
         _ => {
-            tracing::warn!(parent: &span, duration_ms = rec.duration_ms, reason = rec.reason.as_deref().unwrap_or(""), message = rec.message.as_deref().unwrap_or(""), "stage did not pass")
+            tracing::warn!(parent: &span, duration_ms = rec.duration_ms, reason = rec.reason.map(Reason::as_str).unwrap_or(""), message = rec.message.as_deref().unwrap_or(""), "stage did not pass")
         }
     }
     rec
@@ -353,8 +354,10 @@ mod tests {
                         summary: format!("{name} ok"),
                         detail: serde_json::Value::Null,
                     }),
-                    Step::Fail(reason) => Err(StageFailure::permanent(reason, "scripted")),
-                    Step::Transient(reason) => Err(StageFailure::transient(reason, "scripted, transient")),
+                    Step::Fail(reason) => Err(StageFailure::permanent(reason.parse().unwrap(), "scripted")),
+                    Step::Transient(reason) => {
+                        Err(StageFailure::transient(reason.parse().unwrap(), "scripted, transient"))
+                    }
                     Step::Hang => std::future::pending().await,
                 };
                 log.lock().unwrap().push(format!("{name}.end"));
@@ -408,7 +411,7 @@ mod tests {
         .await;
         let r = by_stage(&records);
         assert_eq!(r["peer-bw"].outcome, Outcome::Skipped);
-        assert_eq!(r["peer-bw"].reason.as_deref(), Some("DependencyFailed"));
+        assert_eq!(r["peer-bw"].reason.map(|r| r.as_str()), Some("DependencyFailed"));
         assert!(
             r["peer-bw"].message.as_deref().unwrap_or("").contains("smoke"),
             "{:?}",
@@ -454,7 +457,7 @@ mod tests {
             let got = by_stage(&records);
             for (stage, outcome, reason) in want {
                 assert_eq!(got[stage].outcome, outcome, "{what}: {stage}");
-                assert_eq!(got[stage].reason.as_deref(), reason, "{what}: {stage}");
+                assert_eq!(got[stage].reason.map(|r| r.as_str()), reason, "{what}: {stage}");
             }
             let smoke = got["smoke"];
             if smoke.outcome == Outcome::Skipped {
@@ -526,7 +529,7 @@ mod tests {
         let got = by_stage(&records);
         assert_eq!((got["smoke"].outcome, got["smoke"].attempts), (Outcome::Passed, 3));
         assert_eq!((got["images"].outcome, got["images"].attempts), (Outcome::Failed, 2));
-        assert_eq!(got["images"].reason.as_deref(), Some("ImagePullFailed"));
+        assert_eq!(got["images"].reason.map(|r| r.as_str()), Some("ImagePullFailed"));
         assert_eq!((got["models"].outcome, got["models"].attempts), (Outcome::Failed, 1));
     }
 
@@ -547,13 +550,13 @@ mod tests {
         let records = run_graph_with(ctx, scripted(script, Arc::default())).await;
         let got = by_stage(&records);
         assert_eq!(got["images"].outcome, Outcome::Failed);
-        assert_eq!(got["images"].reason.as_deref(), Some("ImagePullFailed"));
+        assert_eq!(got["images"].reason.map(|r| r.as_str()), Some("ImagePullFailed"));
         assert!(
             got["images"].message.as_deref().unwrap().contains("still so at the"),
             "{:?}",
             got["images"]
         );
-        assert_eq!(got["models"].reason.as_deref(), Some("DeadlineExceeded"));
+        assert_eq!(got["models"].reason.map(|r| r.as_str()), Some("DeadlineExceeded"));
         assert_eq!(got["driver"].outcome, Outcome::Passed, "other stages are not affected");
     }
 
@@ -569,7 +572,7 @@ mod tests {
         let got = by_stage(&records);
         for s in ["driver", "models"] {
             assert_eq!(got[s].outcome, Outcome::Cancelled, "{s}");
-            assert_eq!(got[s].reason.as_deref(), Some("Cancelled"), "{s}");
+            assert_eq!(got[s].reason.map(|r| r.as_str()), Some("Cancelled"), "{s}");
         }
         assert_eq!(got["smoke"].outcome, Outcome::Skipped, "waits on the cancelled driver");
     }

@@ -341,7 +341,7 @@ async fn collect_garbage(ctx: &Context) -> Option<taintgate_prefetch::gc::GcRepo
             Some(r)
         }
         Ok(Err(e)) => {
-            tracing::warn!(reason = taintgate_validators::reason::ReasonCode::reason(&e), error = %e, "cache garbage collection failed; nothing else is affected");
+            tracing::warn!(reason = taintgate_validators::reason::ReasonCode::reason(&e).as_str(), error = %e, "cache garbage collection failed; nothing else is affected");
             None
         }
         Err(f) => {

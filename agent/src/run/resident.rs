@@ -19,6 +19,7 @@ use crate::node::NodeApi;
 use crate::node::is_registered;
 use crate::node::report::{ConditionValue, node_event, set_condition};
 use crate::node::untaint::{add_taint, remove_startup_taint, taint_index};
+use crate::reasons::Reason;
 use crate::telemetry::metrics::Metrics;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Node;
@@ -168,8 +169,8 @@ pub fn spawn_xid_watch_counted(
                     }
                     tracing::warn!(
                         error = %e,
-                        gpu_reason = e.reason(),
-                        reason = "XidWatchError",
+                        gpu_reason = e.reason().as_str(),
+                        reason = Reason::XidWatchError.as_str(),
                         errors,
                         retry_in_ms = backoff.as_millis() as u64,
                         "waiting on the XID subscription failed; retrying"
@@ -228,12 +229,17 @@ pub async fn on_xids(r: &Resident, batch: &[(u32, u32)], evidence_stands: &Atomi
         match policy.classify(xid) {
             XidClass::Fatal => {
                 r.metrics.observe_xid(xid, "fatal");
-                tracing::error!(gpu, xid, reason = "XidFatal", "fatal XID after release");
+                tracing::error!(gpu, xid, reason = Reason::XidFatal.as_str(), "fatal XID after release");
                 fatal.push((gpu, xid));
             }
             XidClass::Warn => {
                 r.metrics.observe_xid(xid, "warn");
-                tracing::warn!(gpu, xid, reason = "XidWarning", "XID after release (warning class)");
+                tracing::warn!(
+                    gpu,
+                    xid,
+                    reason = Reason::XidWarning.as_str(),
+                    "XID after release (warning class)"
+                );
                 warn.push((gpu, xid));
             }
             XidClass::Ignore => {
@@ -244,7 +250,7 @@ pub async fn on_xids(r: &Resident, batch: &[(u32, u32)], evidence_stands: &Atomi
     }
     let mut latest = None;
     if !fatal.is_empty() {
-        r.metrics.observe_failure("XidFatal");
+        r.metrics.observe_failure(Reason::XidFatal);
         latest = if r.config.continuous.enabled {
             mark_unhealthy(r, &fatal, evidence_stands).await
         } else {
@@ -252,7 +258,7 @@ pub async fn on_xids(r: &Resident, batch: &[(u32, u32)], evidence_stands: &Atomi
                 "fatal XID after release: {}; continuous mode is off, so the node was not tainted",
                 describe(&fatal)
             );
-            emit_event(r, None, "XidFatal", &msg).await
+            emit_event(r, None, Reason::XidFatal, &msg).await
         };
     }
     if !warn.is_empty() {
@@ -260,7 +266,7 @@ pub async fn on_xids(r: &Resident, batch: &[(u32, u32)], evidence_stands: &Atomi
             "XID after release: {} (warning class: logged, the node keeps its taints)",
             describe(&warn)
         );
-        emit_event(r, latest, "XidWarning", &msg).await;
+        emit_event(r, latest, Reason::XidWarning, &msg).await;
     }
 }
 
@@ -300,7 +306,7 @@ async fn mark_unhealthy(r: &Resident, fatal: &[(u32, u32)], evidence_stands: &At
         let c = ConditionValue {
             type_,
             status: false,
-            reason: "XidFatal".into(),
+            reason: Reason::XidFatal,
             message: message.clone(),
         };
         match set_condition(r.api.as_ref(), &c, latest.take()).await {
@@ -310,12 +316,12 @@ async fn mark_unhealthy(r: &Resident, fatal: &[(u32, u32)], evidence_stands: &At
             }
         }
     }
-    emit_event(r, latest, "XidFatal", &message).await
+    emit_event(r, latest, Reason::XidFatal, &message).await
 }
 
 /// A Warning Event about the Node (when `reporting.events`); `node`: a copy already held,
 /// else the Node is read for its uid. Returns the Node used.
-async fn emit_event(r: &Resident, node: Option<Node>, reason: &str, message: &str) -> Option<Node> {
+async fn emit_event(r: &Resident, node: Option<Node>, reason: Reason, message: &str) -> Option<Node> {
     let cfg = &r.config.reporting;
     if !cfg.events {
         return node;

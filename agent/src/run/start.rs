@@ -7,11 +7,12 @@
 use crate::config::ReportingConfig;
 use crate::node::NodeApi;
 use crate::node::report::{ConditionValue, set_condition};
+use crate::reasons::Reason;
 use crate::timeline::{Clock, Timeline, Verdict};
 use k8s_openapi::api::core::v1::Node;
 
 /// The verdict's reason and message.
-const REASON: &str = "AlreadyReleased";
+const REASON: Reason = Reason::AlreadyReleased;
 const MESSAGE: &str =
     "the node was released before this start and has not rebooted since: no stage runs on a node that may be serving";
 
@@ -27,7 +28,7 @@ pub fn timeline(node: &str, gpu_backend: &str) -> Timeline {
         verdict: Some(Verdict {
             released: true,
             dry_run: false,
-            reason: REASON.into(),
+            reason: REASON,
             message: MESSAGE.into(),
             at_ms: clock.offset(now).as_millis() as u64,
             at: clock.wall(now),
@@ -47,7 +48,7 @@ pub fn missing_condition(node: &Node, cfg: &ReportingConfig) -> Option<Condition
     (!present).then(|| ConditionValue {
         type_: cfg.condition_type.clone(),
         status: true,
-        reason: REASON.into(),
+        reason: REASON,
         message: format!("{MESSAGE}; no record of that release was found on the Node"),
     })
 }

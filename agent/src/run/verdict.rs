@@ -2,6 +2,7 @@
 //! and the XID gate's record over the XID events that arrived during validation
 //! ([`xid_record`]).
 
+use crate::reasons::Reason;
 use crate::stage::RecordKind;
 use crate::stages::Context;
 use crate::timeline::{Outcome, StageRecord};
@@ -13,7 +14,7 @@ use taintgate_validators::reason::ReasonCode;
 /// did not pass. A stage the environment disabled (the executor gives such a record a
 /// reason: `NoCluster`) blocks outside dry-run; one the config disabled (no reason) never
 /// does.
-pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(RecordKind, String, String)> {
+pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(RecordKind, Reason, String)> {
     let blocking = |r: &&StageRecord| {
         r.required
             && match r.outcome {
@@ -30,7 +31,8 @@ pub fn decide(records: &[StageRecord], dry_run: bool) -> Option<(RecordKind, Str
         .map(|r| {
             (
                 r.stage,
-                r.reason.clone().unwrap_or_else(|| "Unknown".into()),
+                // Every record that is not passed carries its reason; one without is a bug.
+                r.reason.unwrap_or(Reason::InternalError),
                 r.message.clone().unwrap_or_default(),
             )
         })
@@ -70,7 +72,7 @@ fn xid_record(
                 outcome: Outcome::Failed,
                 required: true,
                 attempts: 1,
-                reason: Some(e.reason().into()),
+                reason: Some(e.reason()),
                 message: Some(format!(
                     "could not read the XID events of the validation ({e}); a fatal XID may have gone unseen"
                 )),
@@ -96,7 +98,7 @@ fn xid_record(
         },
         required: true,
         attempts: 1,
-        reason: (!fatal.is_empty()).then(|| "XidFatal".into()),
+        reason: (!fatal.is_empty()).then_some(Reason::XidFatal),
         message: (!fatal.is_empty()).then(|| format!("fatal XID during validation: {}", fatal.join(", "))),
         summary: format!("{} XID events during validation", xids.len()),
         evidence: serde_json::Value::Null,
@@ -121,7 +123,7 @@ mod tests {
         };
         let rec = xid_record(&policy, clock, Instant::now(), Err(err)).expect("a record that holds");
         assert_eq!((rec.outcome, rec.required), (Outcome::Failed, true));
-        assert_eq!(rec.reason.as_deref(), Some("NvmlError"));
+        assert_eq!(rec.reason.map(|r| r.as_str()), Some("NvmlError"));
         assert!(
             rec.message.as_deref().unwrap().contains("nvmlEventSetWait_v2"),
             "{rec:?}"
@@ -129,7 +131,7 @@ mod tests {
         // None read: nothing to record; a fatal one fails, a warning passes.
         assert!(xid_record(&policy, clock, Instant::now(), Ok(vec![])).is_none());
         let fatal = xid_record(&policy, clock, Instant::now(), Ok(vec![(0, 79)])).unwrap();
-        assert_eq!(fatal.reason.as_deref(), Some("XidFatal"));
+        assert_eq!(fatal.reason.map(|r| r.as_str()), Some("XidFatal"));
         let warn = xid_record(&policy, clock, Instant::now(), Ok(vec![(0, 13)])).unwrap();
         assert_eq!(warn.outcome, Outcome::Passed);
     }

@@ -5,6 +5,7 @@
 use super::context::{Context, Evidence, Progress, StageFailure};
 use super::kubelet::expected_allocatable;
 use crate::node::is_registered;
+use crate::reasons::Reason;
 use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
 use taintgate_validators::dra::evidence::{DraFailure, PublicationMode};
@@ -18,7 +19,7 @@ pub async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, St
         if !ok {
             // What the deadline will report if Karpenter never finishes registration.
             progress.set(StageFailure::transient(
-                "NodeNotRegistered",
+                Reason::NodeNotRegistered,
                 "Karpenter has not registered the node (no karpenter.sh/registered=true label, or the karpenter.sh/unregistered taint is still there)",
             ));
         }

@@ -5,6 +5,7 @@
 
 use crate::boundaries::Boundaries;
 use crate::config::{Config, StageSettings};
+use crate::reasons::Reason;
 use crate::stage::Stage;
 use crate::timeline::Clock;
 use k8s_openapi::api::core::v1::Node;
@@ -27,8 +28,8 @@ pub struct Evidence {
 /// waiting/retrying can help.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StageFailure {
-    /// Reason code (CamelCase, stable).
-    pub reason: String,
+    /// Reason code.
+    pub reason: Reason,
     /// Names the object, device or path.
     pub message: String,
     /// Retrying may help.
@@ -37,17 +38,17 @@ pub struct StageFailure {
 
 impl StageFailure {
     /// A permanent failure.
-    pub fn permanent(reason: &str, message: impl Into<String>) -> Self {
+    pub fn permanent(reason: Reason, message: impl Into<String>) -> Self {
         Self {
-            reason: reason.into(),
+            reason,
             message: message.into(),
             transient: false,
         }
     }
     /// A failure that may clear by itself.
-    pub fn transient(reason: &str, message: impl Into<String>) -> Self {
+    pub fn transient(reason: Reason, message: impl Into<String>) -> Self {
         Self {
-            reason: reason.into(),
+            reason,
             message: message.into(),
             transient: true,
         }
@@ -64,7 +65,7 @@ impl StageFailure {
 impl<E: ReasonCode> From<E> for StageFailure {
     fn from(e: E) -> Self {
         Self {
-            reason: e.reason().into(),
+            reason: e.reason(),
             message: e.to_string(),
             transient: e.is_transient(),
         }
@@ -135,7 +136,7 @@ impl Context {
     pub fn inventory(&self) -> Result<&Inventory, StageFailure> {
         self.inventory.get().ok_or_else(|| {
             StageFailure::permanent(
-                "InternalError",
+                Reason::InternalError,
                 "driver inventory missing although the driver stage passed",
             )
         })
@@ -158,7 +159,7 @@ impl Context {
         self.boundaries
             .api
             .as_ref()
-            .ok_or_else(|| StageFailure::permanent("NoCluster", "no Kubernetes API configured"))
+            .ok_or_else(|| StageFailure::permanent(Reason::NoCluster, "no Kubernetes API configured"))
     }
 }
 
@@ -172,5 +173,5 @@ pub async fn blocking<T: Send + 'static>(
     let span = tracing::Span::current();
     tokio::task::spawn_blocking(move || span.in_scope(f))
         .await
-        .map_err(|e| StageFailure::permanent("InternalError", format!("{what} worker thread failed: {e}")))
+        .map_err(|e| StageFailure::permanent(Reason::InternalError, format!("{what} worker thread failed: {e}")))
 }

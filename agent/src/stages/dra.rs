@@ -5,6 +5,7 @@
 //! so the report says what was decided and why.
 
 use super::context::{Context, Evidence, Progress, StageFailure};
+use crate::reasons::Reason;
 use crate::stage::PublicationPath;
 use serde_json::json;
 use taintgate_validators::dra::evidence::{
@@ -54,11 +55,10 @@ pub async fn not_applicable(ctx: &Context, path: PublicationPath) -> Result<Opti
 /// devices equal NVML's, and the driver's kubelet plugin answers registration.
 pub async fn dra(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFailure> {
     let cfg = &ctx.config.publication;
-    let side = ctx
-        .boundaries
-        .dra
-        .as_ref()
-        .ok_or_else(|| StageFailure::permanent("NoCluster", "no Kubernetes API to read ResourceSlices from"))?;
+    let side =
+        ctx.boundaries.dra.as_ref().ok_or_else(|| {
+            StageFailure::permanent(Reason::NoCluster, "no Kubernetes API to read ResourceSlices from")
+        })?;
     let expected = expected_from_inventory(ctx.inventory()?);
     let driver = cfg.driver.as_str();
     // Wait on the field-selected watch until the pools are complete and equal NVML, or a

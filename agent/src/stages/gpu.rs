@@ -2,6 +2,7 @@
 //! `smoke` (a CUDA kernel on every GPU) and `peer-bw` (each peer domain's bandwidth).
 
 use super::context::{Context, Evidence, Progress, StageFailure, blocking};
+use crate::reasons::Reason;
 use serde_json::json;
 use std::time::Duration;
 use taintgate_validators::gpu::PeerBwOptions;
@@ -41,7 +42,7 @@ pub async fn driver(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
     let facts = match &ctx.boundaries.api {
         Some(api) if !ctx.node_facts.node_read && expect.gpu_count.is_none() && expect.instance_type.is_none() => {
             progress.set(StageFailure::transient(
-                "GpuCountUnconfigured",
+                Reason::GpuCountUnconfigured,
                 "waiting for the Node: its instance type gives the expected GPU count (or set gpu.expect.gpu_count)",
             ));
             let node = api.wait_for(&|_| true).await?;
@@ -83,7 +84,7 @@ pub async fn smoke(ctx: &Context) -> Result<Evidence, StageFailure> {
     for h in handles {
         let r = h
             .await
-            .map_err(|e| StageFailure::permanent("InternalError", format!("smoke worker failed: {e}")))??;
+            .map_err(|e| StageFailure::permanent(Reason::InternalError, format!("smoke worker failed: {e}")))??;
         results.push(r);
     }
     let slowest = results.iter().max_by_key(|r| r.duration);
@@ -153,7 +154,7 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
     for h in handles {
         let (d, m) = h
             .await
-            .map_err(|e| StageFailure::permanent("InternalError", format!("peer-bw worker failed: {e}")))??;
+            .map_err(|e| StageFailure::permanent(Reason::InternalError, format!("peer-bw worker failed: {e}")))??;
         let thresholds = PeerThresholds {
             efficiency: cfg.efficiency,
             busbw_efficiency: cfg.busbw_efficiency,

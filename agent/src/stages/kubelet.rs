@@ -3,12 +3,13 @@
 //! specs name every device, through [`crate::boundaries::cdi`]).
 
 use super::context::{Context, Evidence, StageFailure, blocking};
+use crate::reasons::Reason;
 use std::collections::BTreeMap;
 use taintgate_validators::kubelet;
 use taintgate_validators::reason::ReasonCode;
 
 /// A failure of the device plugin's sharing config, with `reason`.
-pub fn plugin_config_failure(e: impl std::fmt::Display, reason: &str) -> StageFailure {
+pub fn plugin_config_failure(e: impl std::fmt::Display, reason: Reason) -> StageFailure {
     StageFailure::permanent(reason, format!("device plugin config: {e}"))
 }
 

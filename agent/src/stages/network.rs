@@ -5,6 +5,7 @@
 //! `taintgate_validators::gpu::fabric` and `taintgate_validators::network::decide`.
 
 use super::context::{Context, Evidence, Progress, StageFailure, blocking};
+use crate::reasons::Reason;
 use serde_json::json;
 use std::time::{Duration, Instant};
 use taintgate_validators::gpu::fabric::{FabricOutcome, evaluate_fabric, evaluate_imex, still_pending};
@@ -29,7 +30,7 @@ pub async fn fabric(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
                     return Err(still_pending(&waiting, cfg.wait).into());
                 }
                 let f = StageFailure::transient(
-                    "FabricNotReady",
+                    Reason::FabricNotReady,
                     format!(
                         "fabric registration in progress on GPUs {waiting:?}; waiting up to {}s",
                         cfg.wait.as_secs()

@@ -4,6 +4,7 @@
 //! ([`crate::run::lifecycle`]), after a bootstrap.
 
 use super::context::{Context, Evidence, StageFailure, blocking};
+use crate::reasons::Reason;
 use serde_json::json;
 
 /// The `models` stage: every configured bundle downloaded and sha256-verified into the
@@ -39,7 +40,7 @@ pub async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
             async move { taintgate_prefetch::prefetch_bundles_observed(&bundles, &opts, token, observer).await },
         )
         .await
-        .map_err(|e| StageFailure::permanent("InternalError", format!("prefetch task failed: {e}")))?
+        .map_err(|e| StageFailure::permanent(Reason::InternalError, format!("prefetch task failed: {e}")))?
         .map_err(|e| StageFailure::permanent_from(&e))?;
     let files: usize = report.bundles.iter().map(|b| b.files.len()).sum();
     let evidence = Evidence {

@@ -27,6 +27,7 @@
 //! explaining a node goes first (Pod names, the verdict message, passed stages); the stamps
 //! stay longest, and the workload's outcome last of all.
 
+use crate::reasons::Reason;
 use crate::telemetry::prestamps::Stamp;
 use crate::timeline::{Outcome, Timeline};
 use jiff::Timestamp;
@@ -53,8 +54,8 @@ impl AnnotationError {
 
 impl taintgate_validators::reason::ReasonCode for AnnotationError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
-        "AnnotationInvalid"
+    fn reason(&self) -> Reason {
+        Reason::AnnotationInvalid
     }
 }
 
@@ -74,25 +75,28 @@ pub struct StageEntry {
     pub duration_ms: u64,
     /// Outcome.
     pub outcome: Outcome,
-    /// Reason code, empty when none.
-    pub reason: String,
+    /// Reason code (stored as an empty string when none).
+    pub reason: Option<Reason>,
 }
 
 impl From<(String, u64, u64, Outcome, String)> for StageEntry {
+    /// A reason this release does not know (written by a newer one) reads as absent, as an
+    /// empty one does: the stage's outcome and times still stand.
     fn from((name, start_ms, duration_ms, outcome, reason): (String, u64, u64, Outcome, String)) -> Self {
         Self {
             name,
             start_ms,
             duration_ms,
             outcome,
-            reason,
+            reason: reason.parse().ok(),
         }
     }
 }
 
 impl From<StageEntry> for (String, u64, u64, Outcome, String) {
     fn from(e: StageEntry) -> Self {
-        (e.name, e.start_ms, e.duration_ms, e.outcome, e.reason)
+        let reason = e.reason.map(|r| r.as_str().to_string()).unwrap_or_default();
+        (e.name, e.start_ms, e.duration_ms, e.outcome, reason)
     }
 }
 
@@ -113,9 +117,14 @@ pub struct VerdictEntry {
     /// Dry-run.
     #[serde(default)]
     pub dry_run: bool,
-    /// Reason code.
-    #[serde(default)]
-    pub reason: String,
+    /// Reason code. A code this release does not know (written by a newer one) reads as
+    /// absent; the rest of the record stands.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_reason"
+    )]
+    pub reason: Option<Reason>,
     /// Milliseconds from agent start.
     pub at_ms: u64,
     /// Wall-clock time of the verdict. Informational (`at_ms` is the offset readers use): a
@@ -125,6 +134,13 @@ pub struct VerdictEntry {
     /// Message (the first thing trimmed when the document is too long).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+}
+
+fn lenient_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Reason>, D::Error> {
+    Ok(Option::<String>::deserialize(d)
+        .ok()
+        .flatten()
+        .and_then(|s| s.parse().ok()))
 }
 
 fn lenient_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Timestamp>, D::Error> {
@@ -137,7 +153,7 @@ fn lenient_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Timesta
 pub struct WorkloadEntry {
     /// Reason code: `WorkloadReady`, `NoEndpointYet`, `NoWorkloadYet`, `WorkloadNotReady`,
     /// `ReadinessWatchFailed`.
-    pub outcome: String,
+    pub outcome: Reason,
     /// Unix ms when the agent recorded it (the deadline, for `NoWorkloadYet` and
     /// `WorkloadNotReady`).
     pub at_ms: i64,
@@ -285,13 +301,13 @@ impl TimelineAnnotation {
                     start_ms: s.start_ms,
                     duration_ms: s.duration_ms,
                     outcome: s.outcome,
-                    reason: s.reason.clone().unwrap_or_default(),
+                    reason: s.reason,
                 })
                 .collect(),
             verdict: t.verdict.as_ref().map(|v| VerdictEntry {
                 released: v.released,
                 dry_run: v.dry_run,
-                reason: v.reason.clone(),
+                reason: Some(v.reason),
                 at_ms: v.at_ms,
                 at: Some(v.at),
                 message: v.message.clone(),
@@ -373,7 +389,7 @@ mod tests {
                     outcome: if i == 3 { Outcome::Failed } else { Outcome::Passed },
                     required: true,
                     attempts: 1,
-                    reason: (i == 3).then(|| "GpuCountMismatch".into()),
+                    reason: (i == 3).then_some(Reason::GpuCountMismatch),
                     message: None,
                     summary: String::new(),
                     evidence: serde_json::Value::Null,
@@ -382,7 +398,7 @@ mod tests {
             verdict: Some(Verdict {
                 released: false,
                 dry_run: false,
-                reason: "GpuCountMismatch".into(),
+                reason: Reason::GpuCountMismatch,
                 message: "m".repeat(200),
                 at_ms: 999,
                 at: start,
@@ -402,7 +418,7 @@ mod tests {
         assert_eq!(d.pre, pre);
         assert_eq!(d.start, t.agent_start);
         assert_eq!(d.stages.len(), 30);
-        assert_eq!(d.stages[3].reason, "GpuCountMismatch");
+        assert_eq!(d.stages[3].reason, Some(Reason::GpuCountMismatch));
         assert_eq!(d.stages[29].end_ms(), 295);
         assert_eq!(d.verdict.as_ref().unwrap().at_ms, 999);
         assert!(!d.truncated);
@@ -443,7 +459,7 @@ mod tests {
             r#"{"v":1,"start":"yesterday"}"#,
         ] {
             let e = decode(bad).unwrap_err();
-            assert_eq!(e.reason(), "AnnotationInvalid", "{bad}: {e}");
+            assert_eq!(e.reason(), Reason::AnnotationInvalid, "{bad}: {e}");
         }
     }
 
@@ -481,7 +497,10 @@ mod tests {
         }
         let held = decode(SAMPLES[2].1).unwrap();
         let smoke = held.stages.iter().find(|s| s.name == "smoke").unwrap();
-        assert_eq!((smoke.outcome, smoke.reason.as_str()), (Outcome::Failed, "SmokeFailed"));
+        assert_eq!(
+            (smoke.outcome, smoke.reason),
+            (Outcome::Failed, Some(Reason::SmokeFailed))
+        );
         assert_eq!(held.verdict.as_ref().map(|v| v.released), Some(false));
         let ready = decode(SAMPLES[1].1).unwrap();
         assert_eq!(ready.post.len(), 3);
@@ -494,7 +513,7 @@ mod tests {
     fn one_shrink_rule_drops_in_order_and_keeps_the_stamps_longest() {
         let mut d = decode(SAMPLES[1].1).unwrap();
         d.stages[5].outcome = Outcome::Failed;
-        d.stages[5].reason = "SmokeFailed".into();
+        d.stages[5].reason = Some(Reason::SmokeFailed);
         let full = d.encode(usize::MAX).len();
         let mut last = full;
         let mut seen = Vec::new();
@@ -517,7 +536,11 @@ mod tests {
                 assert!(!back.post.is_empty(), "{max}: post stamps outlive pre stamps");
             }
             if back.stages.len() == 1 {
-                assert_eq!(back.stages[0].reason, "SmokeFailed", "{max}: the failed stage stays");
+                assert_eq!(
+                    back.stages[0].reason,
+                    Some(Reason::SmokeFailed),
+                    "{max}: the failed stage stays"
+                );
             }
             if back.stages.len() < d.stages.len() || back.pre.is_empty() {
                 assert!(back.truncated, "{max}: dropped entries are marked");

@@ -41,6 +41,7 @@
 //! `/readyz` (200 only once the shared `ready` flag is set, i.e. after release; 503
 //! before).
 
+use crate::reasons::Reason;
 use crate::stage::RecordKind;
 use crate::telemetry::otlp::stage_bytes;
 use crate::timeline::{Outcome, Timeline};
@@ -85,11 +86,18 @@ pub struct StageNameLabels {
     pub stage: String,
 }
 
-/// A reason code label.
+/// A reason code label: the value is always [`Reason::as_str`], so a label can only carry
+/// a catalogued code.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     /// Reason code.
-    pub reason: String,
+    pub reason: &'static str,
+}
+
+impl From<Reason> for ReasonLabels {
+    fn from(r: Reason) -> Self {
+        Self { reason: r.as_str() }
+    }
 }
 
 /// Prefetch byte kind label.
@@ -115,18 +123,11 @@ pub struct BundleLabels {
     pub bundle: String,
 }
 
-/// A reason code label whose value is a static code.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RetryLabels {
-    /// Reason code of the failure that was retried.
-    pub reason: &'static str,
-}
-
 /// Verdict label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct VerdictLabels {
     /// Verdict reason code.
-    pub verdict: String,
+    pub verdict: &'static str,
 }
 
 /// XID labels.
@@ -157,10 +158,10 @@ pub enum MetricsError {
 
 impl taintgate_validators::reason::ReasonCode for MetricsError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            MetricsError::Bind { .. } => "MetricsBindFailed",
-            MetricsError::Encode(_) => "MetricsEncodeFailed",
+            MetricsError::Bind { .. } => Reason::MetricsBindFailed,
+            MetricsError::Encode(_) => Reason::MetricsEncodeFailed,
         }
     }
 }
@@ -184,7 +185,7 @@ pub struct Metrics {
     prefetch_bytes: Family<KindLabels, Counter>,
     bundle_bytes: Family<BundleKindLabels, Counter>,
     bundle_files: Family<BundleLabels, Counter>,
-    prefetch_retries: Family<RetryLabels, Counter>,
+    prefetch_retries: Family<ReasonLabels, Counter>,
     bootstraps: Family<VerdictLabels, Counter>,
     release_duration: Histogram,
     waited_for: Family<StageNameLabels, Counter>,
@@ -225,7 +226,7 @@ impl Metrics {
         let prefetch_bytes = Family::<KindLabels, Counter>::default();
         let bundle_bytes = Family::<BundleKindLabels, Counter>::default();
         let bundle_files = Family::<BundleLabels, Counter>::default();
-        let prefetch_retries = Family::<RetryLabels, Counter>::default();
+        let prefetch_retries = Family::<ReasonLabels, Counter>::default();
         let bootstraps = Family::<VerdictLabels, Counter>::default();
         let release_duration = Histogram::new(RELEASE_BUCKETS);
         let waited_for = Family::<StageNameLabels, Counter>::default();
@@ -364,10 +365,8 @@ impl Metrics {
     }
 
     /// Count a failure found outside a bootstrap pass (a fatal XID after release).
-    pub fn observe_failure(&self, reason: &str) {
-        self.failures
-            .get_or_create(&ReasonLabels { reason: reason.into() })
-            .inc();
+    pub fn observe_failure(&self, reason: Reason) {
+        self.failures.get_or_create(&reason.into()).inc();
     }
 
     /// Record one finished bootstrap pass (call once per pass, after the verdict).
@@ -383,10 +382,9 @@ impl Metrics {
                     .observe(r.duration_ms as f64 / 1000.0);
             }
             if r.outcome == Outcome::Failed {
-                let reason = r.reason.clone().unwrap_or_else(|| "Unknown".into());
-                self.failures
-                    .get_or_create(&ReasonLabels { reason: reason.clone() })
-                    .inc();
+                // A failed record always carries its reason; one without is a bug.
+                let reason = r.reason.unwrap_or(Reason::InternalError);
+                self.failures.get_or_create(&reason.into()).inc();
                 failure_reasons.push(reason);
             }
             let (fetched, cached) = stage_bytes(r);
@@ -401,25 +399,17 @@ impl Metrics {
         let Some(v) = &t.verdict else { return };
         self.bootstraps
             .get_or_create(&VerdictLabels {
-                verdict: v.reason.clone(),
+                verdict: v.reason.as_str(),
             })
             .inc();
         if !v.released && !failure_reasons.contains(&v.reason) {
-            self.failures
-                .get_or_create(&ReasonLabels {
-                    reason: v.reason.clone(),
-                })
-                .inc();
+            self.failures.get_or_create(&v.reason.into()).inc();
         }
         // One held reason at a time: the current one (a re-evaluated node may be held for
         // another reason, or released).
         self.held.clear();
         if !v.released {
-            self.held
-                .get_or_create(&ReasonLabels {
-                    reason: v.reason.clone(),
-                })
-                .set(1);
+            self.held.get_or_create(&v.reason.into()).set(1);
         }
         if v.released && !v.dry_run {
             // The untaint stage's end is the moment the taint went; the verdict follows it.
@@ -563,8 +553,8 @@ impl taintgate_prefetch::PrefetchObserver for Metrics {
             })
             .inc();
     }
-    fn retry(&self, reason: &'static str) {
-        self.prefetch_retries.get_or_create(&RetryLabels { reason }).inc();
+    fn retry(&self, reason: Reason) {
+        self.prefetch_retries.get_or_create(&reason.into()).inc();
     }
 }
 
@@ -626,7 +616,7 @@ mod tests {
             outcome,
             required: true,
             attempts: 1,
-            reason: reason.map(Into::into),
+            reason: reason.map(|r| r.parse().unwrap()),
             message: None,
             summary: String::new(),
             evidence: ev,
@@ -653,7 +643,11 @@ mod tests {
             verdict: Some(Verdict {
                 released,
                 dry_run: false,
-                reason: if released { "Released" } else { "DigestMismatch" }.into(),
+                reason: if released {
+                    Reason::Released
+                } else {
+                    Reason::DigestMismatch
+                },
                 message: String::new(),
                 at_ms: 7200,
                 at: Timestamp::UNIX_EPOCH,
@@ -677,7 +671,7 @@ mod tests {
         m.bytes_verified("llama", 1024);
         m.bytes_from_cache("mistral", 7);
         m.file_done("llama", "a.bin", 1024);
-        m.retry("SourceUnavailable");
+        m.retry(Reason::SourceUnavailable);
         let text = m.encode().unwrap();
         for want in [
             r#"taintgate_bundle_bytes_total{bundle="llama",kind="fetched"} 1024"#,

@@ -20,7 +20,7 @@ pub async fn export_timeline(t: &Timeline, pre: &[Stamp]) -> usize {
         Ok(Some(n)) => n,
         Ok(None) => 0,
         Err(e) => {
-            tracing::warn!(error = %e, reason = e.reason(), "exporting the bootstrap trace failed");
+            tracing::warn!(error = %e, reason = e.reason().as_str(), "exporting the bootstrap trace failed");
             0
         }
     }

@@ -26,6 +26,7 @@
 //! `start + duration_ms`; a pre-agent span runs from one stamp to the next (the last one
 //! ends at the agent start); the root runs from the earliest stamp to the verdict.
 
+use crate::reasons::Reason;
 use crate::telemetry::prestamps::Stamp;
 use crate::timeline::{Outcome, StageRecord, Timeline};
 use jiff::Timestamp;
@@ -85,11 +86,11 @@ pub enum OtlpError {
 
 impl taintgate_validators::reason::ReasonCode for OtlpError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            OtlpError::Config { .. } => "OtlpConfigInvalid",
-            OtlpError::Export { .. } => "OtlpExportFailed",
-            OtlpError::Timeout { .. } => "OtlpExportTimeout",
+            OtlpError::Config { .. } => Reason::OtlpConfigInvalid,
+            OtlpError::Export { .. } => Reason::OtlpExportFailed,
+            OtlpError::Timeout { .. } => Reason::OtlpExportTimeout,
         }
     }
 }
@@ -180,8 +181,8 @@ fn stage_attributes(node: &str, r: &StageRecord) -> Vec<KeyValue> {
         KeyValue::new("taintgate.start_ms", r.start_ms as i64),
         KeyValue::new("taintgate.duration_ms", r.duration_ms as i64),
     ];
-    if let Some(reason) = &r.reason {
-        a.push(KeyValue::new("taintgate.reason", reason.clone()));
+    if let Some(reason) = r.reason {
+        a.push(KeyValue::new("taintgate.reason", reason.as_str()));
     }
     if !r.summary.is_empty() {
         a.push(KeyValue::new("taintgate.summary", r.summary.clone()));
@@ -204,7 +205,7 @@ fn stage_status(r: &StageRecord) -> Status {
         Outcome::Passed => Status::Ok,
         Outcome::Failed | Outcome::Cancelled => Status::error(format!(
             "{}: {}",
-            r.reason.as_deref().unwrap_or("Failed"),
+            r.reason.map(Reason::as_str).unwrap_or("Failed"),
             r.message.as_deref().unwrap_or("")
         )),
         Outcome::Skipped | Outcome::Disabled => Status::Unset,
@@ -335,7 +336,7 @@ pub fn build_spans_with(
     if let Some(v) = &t.verdict {
         root_attrs.push(KeyValue::new("taintgate.released", v.released));
         root_attrs.push(KeyValue::new("taintgate.dry_run", v.dry_run));
-        root_attrs.push(KeyValue::new("taintgate.reason", v.reason.clone()));
+        root_attrs.push(KeyValue::new("taintgate.reason", v.reason.as_str()));
         root_status = if v.released {
             Status::Ok
         } else {
@@ -425,25 +426,19 @@ pub async fn export_spans_to(endpoint: Option<&str>, node: &str, spans: Vec<Span
     export_spans(endpoint, shown, node, spans).await
 }
 
-/// Label of [`EXPORT_FAILURES`].
-#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-pub struct ExportFailureLabels {
-    /// The export error's reason code (`OtlpExportFailed`, `OtlpExportTimeout`, ...).
-    pub reason: &'static str,
-}
-
 /// OTLP exports that failed, by reason code (`taintgate_otlp_export_failures_total`).
 /// Process-wide because both exporters (the bootstrap's trace and the readiness chain's)
 /// run where no metrics handle is passed; `Metrics::new` registers this one family.
 pub static EXPORT_FAILURES: LazyLock<
-    prometheus_client::metrics::family::Family<ExportFailureLabels, prometheus_client::metrics::counter::Counter>,
+    prometheus_client::metrics::family::Family<
+        crate::telemetry::metrics::ReasonLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
 > = LazyLock::new(Default::default);
 
 fn count_export_failure(e: &OtlpError) {
     use taintgate_validators::reason::ReasonCode;
-    EXPORT_FAILURES
-        .get_or_create(&ExportFailureLabels { reason: e.reason() })
-        .inc();
+    EXPORT_FAILURES.get_or_create(&e.reason().into()).inc();
 }
 
 async fn export_spans(
@@ -536,7 +531,7 @@ mod tests {
             outcome,
             required: true,
             attempts: 2,
-            reason: (outcome == Outcome::Failed).then(|| "DigestMismatch".into()),
+            reason: (outcome == Outcome::Failed).then_some(Reason::DigestMismatch),
             message: None,
             summary: "s".into(),
             evidence: ev,
@@ -554,7 +549,7 @@ mod tests {
             verdict: Some(Verdict {
                 released: true,
                 dry_run: false,
-                reason: "Released".into(),
+                reason: Reason::Released,
                 message: String::new(),
                 at_ms: 4120,
                 at: start,
@@ -605,7 +600,7 @@ mod tests {
             verdict: Some(Verdict {
                 released: false,
                 dry_run: false,
-                reason: "DigestMismatch".into(),
+                reason: Reason::DigestMismatch,
                 message: "m".into(),
                 at_ms: 5100,
                 at: ts("2026-01-01T00:02:05.100Z"),
@@ -675,6 +670,6 @@ mod tests {
         let e = export_timeline_to(Some("https://127.0.0.1:1"), &t, &[])
             .await
             .unwrap_err();
-        assert_eq!(e.reason(), "OtlpConfigInvalid", "{e}");
+        assert_eq!(e.reason(), Reason::OtlpConfigInvalid, "{e}");
     }
 }

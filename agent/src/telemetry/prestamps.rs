@@ -12,6 +12,7 @@
 //! agent's millisecond stage times; intervals between them are still minutes-scale
 //! signals (launch, boot, registration) where a second does not matter.
 
+use crate::reasons::Reason;
 use async_trait::async_trait;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Node;
@@ -88,10 +89,10 @@ pub enum StampError {
 
 impl taintgate_validators::reason::ReasonCode for StampError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            StampError::NodeRead { .. } => "NodeReadFailed",
-            StampError::NodeClaimRead { .. } => "NodeClaimReadFailed",
+            StampError::NodeRead { .. } => Reason::NodeReadFailed,
+            StampError::NodeClaimRead { .. } => Reason::NodeClaimReadFailed,
         }
     }
 }
@@ -284,7 +285,7 @@ pub async fn collect_for_node(claims: Option<&dyn StampSource>, node: &Node) -> 
             Ok(Some(c)) => out.extend(nodeclaim_stamps(&c)),
             Ok(None) => tracing::debug!("no nodeclaim found for this node; only node stamps recorded"),
             // A missing NodeClaim never blocks the bootstrap: log and go on without it.
-            Err(e) => tracing::debug!(error = %e, reason = e.reason(), "nodeclaim stamps skipped"),
+            Err(e) => tracing::debug!(error = %e, reason = e.reason().as_str(), "nodeclaim stamps skipped"),
         }
     }
     sort_stamps(&mut out);

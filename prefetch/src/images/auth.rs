@@ -209,7 +209,7 @@ fn normalize_registry_key(key: &str) -> Key {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use taintgate_validators::reason::ReasonCode;
+    use taintgate_validators::reason::{Reason, ReasonCode};
 
     #[test]
     fn a_huge_auth_file_is_refused_by_its_size() {
@@ -290,6 +290,6 @@ mod tests {
         let s = err.to_string();
         assert!(s.contains("/etc/regcred"), "{s}");
         assert!(!s.contains("hunter2"), "{s}");
-        assert_eq!(err.reason(), "ImageAuthConfigInvalid");
+        assert_eq!(err.reason(), Reason::ImageAuthConfigInvalid);
     }
 }

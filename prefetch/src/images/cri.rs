@@ -278,7 +278,7 @@ pub fn classify_pull_status(image: &ImageRef, code: Code, message: &str) -> Imag
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use taintgate_validators::reason::ReasonCode;
+    use taintgate_validators::reason::{Reason, ReasonCode};
 
     fn img() -> ImageRef {
         ImageRef::parse("127.0.0.1:5000/app@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
@@ -312,7 +312,7 @@ mod tests {
         ];
         for (msg, reason, transient) in cases {
             let e = classify_pull_status(&img(), Code::Unknown, msg);
-            assert_eq!(e.reason(), reason, "{msg}");
+            assert_eq!(e.reason().as_str(), reason, "{msg}");
             assert_eq!(e.is_transient(), transient, "{msg}");
             assert!(e.to_string().contains("127.0.0.1:5000/app"), "{e}");
         }
@@ -324,7 +324,7 @@ mod tests {
             Code::Cancelled,
             "failed to pull and unpack image \"127.0.0.1:5000/app@sha256:01\": context canceled",
         );
-        assert_eq!((e.reason(), e.is_transient()), ("ImagePullFailed", true), "{e}");
+        assert_eq!((e.reason(), e.is_transient()), (Reason::ImagePullFailed, true), "{e}");
     }
 
     /// The image's own name is not read as the registry's wording.
@@ -337,7 +337,7 @@ mod tests {
              write /var/lib/containerd/tmp: no space left on device; GET http://127.0.0.1:5000/v2/acme/unauthorized-audit/blobs/x"
         );
         let e = classify_pull_status(&image, Code::Unknown, &msg);
-        assert_eq!(e.reason(), "ImagePullFailed", "{e}");
+        assert_eq!(e.reason(), Reason::ImagePullFailed, "{e}");
         assert!(
             e.to_string().contains("unauthorized-audit"),
             "the message itself is kept: {e}"
@@ -348,6 +348,6 @@ mod tests {
             Code::Unknown,
             "pulling from host 127.0.0.1:5000 failed: 401 Unauthorized",
         );
-        assert_eq!(e.reason(), "ImageAuthFailed", "{e}");
+        assert_eq!(e.reason(), Reason::ImageAuthFailed, "{e}");
     }
 }

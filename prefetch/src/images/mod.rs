@@ -11,6 +11,7 @@
 //! runtime; [`CriImageRuntime`] is the production implementation, tested against a real
 //! containerd and registry in `tests/tests/images_*.rs`.
 
+use taintgate_validators::reason::Reason;
 pub mod auth;
 pub mod cri;
 pub mod reference;
@@ -248,19 +249,19 @@ impl ImageError {
 
 impl taintgate_validators::reason::ReasonCode for ImageError {
     /// Stable CamelCase reason code for conditions, events, metrics and exit codes.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            Self::NotPinned { .. } => "ImageNotPinned",
-            Self::InvalidReference { .. } => "ImageReferenceInvalid",
-            Self::Config { .. } => "ImagesConfigInvalid",
-            Self::AuthFile { .. } => "ImageAuthConfigInvalid",
-            Self::DigestMismatch { .. } => "ImageDigestMismatch",
-            Self::PullFailed { .. } => "ImagePullFailed",
-            Self::AuthFailed { .. } => "ImageAuthFailed",
-            Self::RuntimeUnavailable { .. } => "RuntimeUnavailable",
-            Self::Runtime { .. } => "ImageRuntimeError",
-            Self::Deadline { .. } => "ImagePullTimeout",
-            Self::Cancelled => "Cancelled",
+            Self::NotPinned { .. } => Reason::ImageNotPinned,
+            Self::InvalidReference { .. } => Reason::ImageReferenceInvalid,
+            Self::Config { .. } => Reason::ImagesConfigInvalid,
+            Self::AuthFile { .. } => Reason::ImageAuthConfigInvalid,
+            Self::DigestMismatch { .. } => Reason::ImageDigestMismatch,
+            Self::PullFailed { .. } => Reason::ImagePullFailed,
+            Self::AuthFailed { .. } => Reason::ImageAuthFailed,
+            Self::RuntimeUnavailable { .. } => Reason::RuntimeUnavailable,
+            Self::Runtime { .. } => Reason::ImageRuntimeError,
+            Self::Deadline { .. } => Reason::ImagePullTimeout,
+            Self::Cancelled => Reason::Cancelled,
         }
     }
 }
@@ -422,7 +423,7 @@ async fn ensure_image(
         .retry(backoff)
         .when(ImageError::is_transient)
         .notify(|e: &ImageError, wait: Duration| {
-            warn!(reason = e.reason(), error = %e, ?wait, "transient image failure, retrying");
+            warn!(reason = e.reason().as_str(), error = %e, ?wait, "transient image failure, retrying");
             if let Ok(mut l) = last_error.lock() {
                 *l = e.to_string();
             }

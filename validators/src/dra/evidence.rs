@@ -8,6 +8,7 @@ use super::{Device, Expected, PoolState, Slice, compare_devices, pool_state};
 use crate::gpu::Inventory;
 use crate::kubelet::proto::pluginregistration::InfoRequest;
 use crate::kubelet::proto::pluginregistration::registration_client::RegistrationClient;
+use crate::reason::Reason;
 use crate::reason::ReasonCode;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use std::collections::BTreeMap;
@@ -16,20 +17,6 @@ use std::time::Duration;
 
 /// NVIDIA's DRA driver name.
 pub const DEFAULT_DRIVER: &str = "gpu.nvidia.com";
-
-/// Reason codes of the DRA path.
-pub mod reasons {
-    /// No ResourceSlice of the driver for this node (yet).
-    pub const SLICES_MISSING: &str = "DraSlicesMissing";
-    /// A pool's highest generation lacks some of its `resourceSliceCount` slices.
-    pub const POOL_INCOMPLETE: &str = "DraPoolIncomplete";
-    /// The published devices differ from NVML.
-    pub const DEVICES_MISMATCH: &str = "DraDevicesMismatch";
-    /// No kubelet plugin of the driver answers on the plugins_registry directory.
-    pub const DRIVER_NOT_REGISTERED: &str = "DraDriverNotRegistered";
-    /// Neither a device plugin nor a DRA driver published the GPUs.
-    pub const PUBLICATION_MISSING: &str = "GpuPublicationMissing";
-}
 
 /// A failure of the DRA stage.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -77,13 +64,13 @@ impl DraFailure {
 }
 
 impl ReasonCode for DraFailure {
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            DraFailure::SlicesMissing { .. } => reasons::SLICES_MISSING,
-            DraFailure::PoolIncomplete(_) => reasons::POOL_INCOMPLETE,
-            DraFailure::DevicesMismatch { .. } => reasons::DEVICES_MISMATCH,
-            DraFailure::NotRegistered { .. } => reasons::DRIVER_NOT_REGISTERED,
-            DraFailure::PublicationMissing(_) => reasons::PUBLICATION_MISSING,
+            DraFailure::SlicesMissing { .. } => Reason::DraSlicesMissing,
+            DraFailure::PoolIncomplete(_) => Reason::DraPoolIncomplete,
+            DraFailure::DevicesMismatch { .. } => Reason::DraDevicesMismatch,
+            DraFailure::NotRegistered { .. } => Reason::DraDriverNotRegistered,
+            DraFailure::PublicationMissing(_) => Reason::GpuPublicationMissing,
         }
     }
     fn is_transient(&self) -> bool {

@@ -225,7 +225,7 @@ fn verdict_table() {
     for (what, slices, want) in cases {
         let got = evaluate("gpu.nvidia.com", &slices, &e)
             .map(|ev| ev.devices)
-            .map_err(|f| (f.reason(), f.is_transient()));
+            .map_err(|f| (f.reason().as_str(), f.is_transient()));
         assert_eq!(got, want, "{what}");
     }
 }

@@ -5,6 +5,7 @@
 //! plugin's XID list, nccl-tests formulas, NVLink/PCIe link rates).
 
 use super::{FieldError, GpuInfo, Interconnect, Inventory, PeerDomain, RecoveryAction, Sxid, UnreadableField};
+use crate::reason::Reason;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
@@ -187,13 +188,13 @@ impl Default for DriverExpectations {
 #[error("{message}")]
 pub struct DriverFailure {
     /// Stable reason code.
-    pub reason: &'static str,
+    pub reason: Reason,
     /// Human message naming the GPU(s) involved.
     pub message: String,
 }
 
 impl crate::reason::ReasonCode for DriverFailure {
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         self.reason
     }
 }
@@ -377,7 +378,7 @@ pub fn expected_gpu_count(exp: &DriverExpectations, node: &NodeFacts) -> Expecte
     }
 }
 
-fn fail(reason: &'static str, message: String) -> DriverFailure {
+fn fail(reason: Reason, message: String) -> DriverFailure {
     DriverFailure { reason, message }
 }
 
@@ -399,7 +400,7 @@ pub fn evaluate_driver_with(
 
     if let Some(g) = inv.gpus.iter().find(|g| g.health.lost) {
         return Err(fail(
-            "GpuLost",
+            Reason::GpuLost,
             format!("GPU {} ({}, {}) is lost", g.index, g.uuid, g.pci_bus_id),
         ));
     }
@@ -412,7 +413,7 @@ pub fn evaluate_driver_with(
                 .map(|g| format!("{}@{}", g.index, g.pci_bus_id))
                 .collect();
             return Err(fail(
-                "GpuCountMismatch",
+                Reason::GpuCountMismatch,
                 format!(
                     "expected {want} GPUs (from {source}), NVML reports {n} ({} missing); present: [{}]",
                     want.saturating_sub(n),
@@ -425,7 +426,7 @@ pub fn evaluate_driver_with(
             // Accepting whatever NVML reports would pass a node that lost a GPU off the bus.
             let product = inv.gpus.first().map(|g| g.product.as_str()).unwrap_or("");
             return Err(fail(
-                "GpuCountUnconfigured",
+                Reason::GpuCountUnconfigured,
                 format!(
                     "NVML reports {n} GPUs of product {product:?}, but the expected count is unknown: {tried}; \
                      set gpu.expect.gpu_count, gpu.expect.instance_type or gpu.expect.instance_types"
@@ -437,7 +438,7 @@ pub fn evaluate_driver_with(
         && let Some(g) = inv.gpus.iter().find(|g| !g.product.contains(want.as_str()))
     {
         return Err(fail(
-            "GpuProductMismatch",
+            Reason::GpuProductMismatch,
             format!("GPU {} ({}) is {:?}, expected {:?}", g.index, g.uuid, g.product, want),
         ));
     }
@@ -446,7 +447,7 @@ pub fn evaluate_driver_with(
     let (fatal_sxid, sxid_warnings) = judge_sxids(&inv.nvswitch_sxids);
     if let Some(s) = fatal_sxid {
         return Err(fail(
-            "SxidFatal",
+            Reason::SxidFatal,
             format!("NVSwitch {} ({}): fatal SXid {}: {}", s.switch, s.pci, s.sxid, s.detail),
         ));
     }
@@ -459,7 +460,7 @@ pub fn evaluate_driver_with(
             match judge_unreadable(u, &exp.required_fields) {
                 UnreadableVerdict::Fail => {
                     return Err(fail(
-                        "NvmlFieldUnreadable",
+                        Reason::NvmlFieldUnreadable,
                         format!(
                             "{id}: {} answered {:?}, and gpu.expect.required_fields requires it",
                             u.call, u.error
@@ -475,22 +476,22 @@ pub fn evaluate_driver_with(
         }
         if h.ecc_uncorrectable > 0 {
             return Err(fail(
-                "EccUncorrectable",
+                Reason::EccUncorrectable,
                 format!("{id}: {} volatile uncorrectable ECC errors", h.ecc_uncorrectable),
             ));
         }
         if h.remap_failure {
-            return Err(fail("RowRemapFailed", format!("{id}: a row remap failed")));
+            return Err(fail(Reason::RowRemapFailed, format!("{id}: a row remap failed")));
         }
         if h.remap_pending {
             return Err(fail(
-                "RowRemapPending",
+                Reason::RowRemapPending,
                 format!("{id}: a row remap is pending (GPU reset needed)"),
             ));
         }
         if h.remap_uncorrectable_rows >= exp.remap_uncorrectable_limit {
             return Err(fail(
-                "RowRemapFailed",
+                Reason::RowRemapFailed,
                 format!(
                     "{id}: {} rows remapped for uncorrectable errors (limit {})",
                     h.remap_uncorrectable_rows, exp.remap_uncorrectable_limit
@@ -499,7 +500,7 @@ pub fn evaluate_driver_with(
         }
         if h.retired_pages >= exp.retired_pages_limit || h.pages_pending_retirement {
             return Err(fail(
-                "PagesRetired",
+                Reason::PagesRetired,
                 format!(
                     "{id}: {} retired pages (limit {}), pending retirement: {}",
                     h.retired_pages, exp.retired_pages_limit, h.pages_pending_retirement
@@ -507,11 +508,11 @@ pub fn evaluate_driver_with(
             ));
         }
         if let Some(why) = recovery_hold(h.recovery_action, h.xids.contains(&XID_RECOVERY_ACTION_CHANGED)) {
-            return Err(fail("GpuRecoveryRequired", format!("{id}: {why}")));
+            return Err(fail(Reason::GpuRecoveryRequired, format!("{id}: {why}")));
         }
         for &x in &h.xids {
             match exp.xid.classify(x) {
-                XidClass::Fatal => return Err(fail("XidFatal", format!("{id}: fatal XID {x}"))),
+                XidClass::Fatal => return Err(fail(Reason::XidFatal, format!("{id}: fatal XID {x}"))),
                 XidClass::Warn => warnings.push(format!("{id}: XID {x}")),
                 XidClass::Ignore => {}
             }
@@ -536,7 +537,7 @@ pub fn evaluate_driver_with(
                     down.join(", ")
                 );
                 if required {
-                    return Err(fail("NvlinkInactive", msg));
+                    return Err(fail(Reason::NvlinkInactive, msg));
                 }
                 // A PCIe card with NVLink and no bridge installed: links present, inactive.
                 warnings.push(format!(
@@ -556,14 +557,14 @@ pub fn evaluate_driver_with(
                 p.current_width, p.max_width, p.current_gen, p.max_gen
             );
             if exp.pcie_degraded_fatal {
-                return Err(fail("PcieDegraded", msg));
+                return Err(fail(Reason::PcieDegraded, msg));
             }
             warnings.push(msg);
         }
         if !g.persistence_mode {
             let msg = format!("{id}: persistence mode is off");
             if exp.persistence_required {
-                return Err(fail("PersistenceModeOff", msg));
+                return Err(fail(Reason::PersistenceModeOff, msg));
             }
             warnings.push(msg);
         }
@@ -837,13 +838,13 @@ pub fn allgather_busbw_gbps(bytes: u64, seconds: f64, ranks: u32) -> f64 {
 #[error("{message}")]
 pub struct PeerBwFailure {
     /// Stable reason code (`PeerBandwidthLow`).
-    pub reason: &'static str,
+    pub reason: Reason,
     /// Names the domain, the slowest pair and the figures.
     pub message: String,
 }
 
 impl crate::reason::ReasonCode for PeerBwFailure {
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         self.reason
     }
 }
@@ -872,7 +873,7 @@ pub fn evaluate_peer_bw_with(
 ) -> Result<(), PeerBwFailure> {
     let Some(threshold) = domain_threshold_gbps(&domain.interconnect, busbw_efficiency, explicit_busbw) else {
         return Err(PeerBwFailure {
-            reason: "PeerBandwidthUnknown",
+            reason: Reason::PeerBandwidthUnknown,
             message: format!(
                 "domain {}: no link rate known for {:?}; configure an explicit threshold",
                 domain.id, domain.interconnect
@@ -889,7 +890,7 @@ pub fn evaluate_peer_bw_with(
         .filter(|p| p.gbps < pair_threshold)
     {
         return Err(PeerBwFailure {
-            reason: "PeerBandwidthLow",
+            reason: Reason::PeerBandwidthLow,
             message: format!(
                 "domain {}: slowest pair GPU {} -> GPU {} copies at {:.1} GB/s, below {:.1} GB/s",
                 domain.id, slow.src, slow.dst, slow.gbps, pair_threshold
@@ -901,7 +902,7 @@ pub fn evaluate_peer_bw_with(
     {
         let slow = measured.pairs.iter().min_by(|a, b| a.gbps.total_cmp(&b.gbps));
         return Err(PeerBwFailure {
-            reason: "PeerBandwidthLow",
+            reason: Reason::PeerBandwidthLow,
             message: format!(
                 "domain {}: all-reduce busbw {:.1} GB/s below {:.1} GB/s{}",
                 domain.id,
@@ -984,7 +985,7 @@ pub fn evaluate_domain_pairs(
         .collect();
     if !staged.is_empty() {
         return Err(PeerBwFailure {
-            reason: "PeerNotDirect",
+            reason: Reason::PeerNotDirect,
             message: format!(
                 "domain {}: no direct peer access for [{}] (copied through host memory), although NVML puts them in one peer domain",
                 domain.id,
@@ -994,7 +995,7 @@ pub fn evaluate_domain_pairs(
     }
     if let Some(v) = verdicts.iter().find(|v| v.threshold_gbps.is_none()) {
         return Err(PeerBwFailure {
-            reason: "PeerBandwidthUnknown",
+            reason: Reason::PeerBandwidthUnknown,
             message: format!(
                 "domain {}: no link rate known for GPU {} -> GPU {} ({:?}); set gpu.peer_bw.pair_gbps",
                 domain.id, v.src, v.dst, v.path
@@ -1009,7 +1010,7 @@ pub fn evaluate_domain_pairs(
         .min_by(|a, b| a.1.total_cmp(&b.1));
     if let Some((v, _)) = worst {
         return Err(PeerBwFailure {
-            reason: "PeerBandwidthLow",
+            reason: Reason::PeerBandwidthLow,
             message: format!(
                 "domain {}: pair GPU {} -> GPU {} copies at {:.1} GB/s, below {:.1} GB/s ({})",
                 domain.id,
@@ -1040,7 +1041,7 @@ pub fn evaluate_domain_pairs(
         && bus < th
     {
         return Err(PeerBwFailure {
-            reason: "PeerBandwidthLow",
+            reason: Reason::PeerBandwidthLow,
             message: format!(
                 "domain {}: all-reduce busbw {bus:.1} GB/s below {th:.1} GB/s ({})",
                 domain.id,
@@ -1281,7 +1282,7 @@ mod tests {
         let d = DriverExpectations::default();
         assert!(evaluate_driver_with(&i, &d, &expected_gpu_count(&d, &facts(Some("gpu-h200x1-141gb")))).is_ok());
         let f = evaluate_driver_with(&i, &d, &expected_gpu_count(&d, &facts(Some("p5e.48xlarge")))).unwrap_err();
-        assert_eq!(f.reason, "GpuCountMismatch");
+        assert_eq!(f.reason, Reason::GpuCountMismatch);
         assert!(
             f.message
                 .contains("expected 8 GPUs (from instance type \"p5e.48xlarge\""),
@@ -1289,11 +1290,11 @@ mod tests {
             f.message
         );
         let f = evaluate_driver_with(&i, &d, &expected_gpu_count(&d, &facts(Some("x9.metal")))).unwrap_err();
-        assert_eq!(f.reason, "GpuCountUnconfigured");
+        assert_eq!(f.reason, Reason::GpuCountUnconfigured);
         assert!(f.message.contains("\"x9.metal\""), "{}", f.message);
         // No Node at start (systemd before the kubelet) and nothing configured.
         let f = evaluate_driver(&i, &d).unwrap_err();
-        assert_eq!(f.reason, "GpuCountUnconfigured");
+        assert_eq!(f.reason, Reason::GpuCountUnconfigured);
         assert!(f.message.contains("no Node was readable at start"), "{}", f.message);
     }
 
@@ -1317,7 +1318,7 @@ mod tests {
         g.pcie.current_width = 8;
         assert_eq!(
             evaluate_driver(&inv(vec![g]), &strict).unwrap_err().reason,
-            "PcieDegraded"
+            Reason::PcieDegraded
         );
     }
 
@@ -1350,7 +1351,7 @@ mod tests {
             evaluate_driver(&inv(vec![pcie_card.clone()]), &required)
                 .unwrap_err()
                 .reason,
-            "NvlinkInactive"
+            Reason::NvlinkInactive
         );
         let counted = DriverExpectations {
             nvlink_links: Some(2),
@@ -1358,13 +1359,13 @@ mod tests {
         };
         assert_eq!(
             evaluate_driver(&inv(vec![pcie_card]), &counted).unwrap_err().reason,
-            "NvlinkInactive"
+            Reason::NvlinkInactive
         );
         let mut sxm = gpu("NVIDIA H100 80GB HBM3");
         sxm.nvlinks = links(false);
         assert_eq!(
             evaluate_driver(&inv(vec![sxm.clone()]), &one).unwrap_err().reason,
-            "NvlinkInactive"
+            Reason::NvlinkInactive
         );
         let waived = DriverExpectations {
             nvlink_required: Some(false),
@@ -1396,7 +1397,7 @@ mod tests {
         // Copies 380 >= 450 x 0.75; busbw 300 < 337.5 but >= 450 x 0.6 = 270.
         assert_eq!(
             evaluate_peer_bw(&domain, &m, 0.75, None).unwrap_err().reason,
-            "PeerBandwidthLow"
+            Reason::PeerBandwidthLow
         );
         assert!(evaluate_peer_bw_with(&domain, &m, 0.75, 0.6, None).is_ok());
         let slow = crate::gpu::DomainBandwidth {
@@ -1407,7 +1408,7 @@ mod tests {
             evaluate_peer_bw_with(&domain, &slow, 0.75, 0.6, None)
                 .unwrap_err()
                 .reason,
-            "PeerBandwidthLow"
+            Reason::PeerBandwidthLow
         );
     }
 
@@ -1585,7 +1586,7 @@ mod tests {
         );
         assert_eq!(
             r(&h4, &d4, &measured(&[(0, 1, 100.0, true)], None), &DEFAULT_T),
-            Err("PeerBandwidthLow")
+            Err(Reason::PeerBandwidthLow)
         );
         // NVSwitch: a pair reaches close to the GPU's rate; 130 is far too low there.
         assert_eq!(
@@ -1594,18 +1595,18 @@ mod tests {
         );
         assert_eq!(
             r(&h8, &d8, &measured(&[(0, 1, 130.0, true)], None), &DEFAULT_T),
-            Err("PeerBandwidthLow")
+            Err(Reason::PeerBandwidthLow)
         );
         // PCIe: 40 GB/s is fine across root ports (0.75 x 31.5) but low under one switch.
         assert_eq!(r(&p4, &dp, &measured(&[(1, 2, 40.0, true)], None), &DEFAULT_T), Ok(()));
         assert_eq!(
             r(&p4, &dp, &measured(&[(0, 1, 40.0, true)], None), &DEFAULT_T),
-            Err("PeerBandwidthLow")
+            Err(Reason::PeerBandwidthLow)
         );
         // A host-staged copy is not direct, however fast.
         let staged = measured(&[(0, 1, 380.0, true), (1, 0, 380.0, false)], None);
         let f = evaluate_domain_pairs(&h8, &d8, &staged, &DEFAULT_T).unwrap_err();
-        assert_eq!(f.reason, "PeerNotDirect");
+        assert_eq!(f.reason, Reason::PeerNotDirect);
         assert!(
             f.message.contains("GPU 1 -> GPU 0") && !f.message.contains("GPU 0 -> GPU 1"),
             "{}",
@@ -1619,22 +1620,22 @@ mod tests {
         assert_eq!(r(&h4, &d4, &measured(&[(0, 1, 100.0, true)], None), &over), Ok(()));
         assert_eq!(
             r(&h8, &d8, &measured(&[(0, 1, 85.0, true)], None), &over),
-            Err("PeerBandwidthLow")
+            Err(Reason::PeerBandwidthLow)
         );
         // The all-reduce busbw: 0.6 x the slowest pair path (NVSwitch 450 -> 270; a
         // 4-GPU board's 150 -> 90), or busbw_gbps.
         assert_eq!(
             r(&h8, &d8, &measured(&[(0, 1, 380.0, true)], Some(200.0)), &DEFAULT_T),
-            Err("PeerBandwidthLow")
+            Err(Reason::PeerBandwidthLow)
         );
         let hgx4_bus = |bus: f64, t: &PeerThresholds| r(&h4, &d4, &measured(&[(0, 1, 130.0, true)], Some(bus)), t);
         assert_eq!(hgx4_bus(120.0, &DEFAULT_T), Ok(()));
-        assert_eq!(hgx4_bus(80.0, &DEFAULT_T), Err("PeerBandwidthLow"));
+        assert_eq!(hgx4_bus(80.0, &DEFAULT_T), Err(Reason::PeerBandwidthLow));
         let bus = PeerThresholds {
             busbw_gbps: Some(125.0),
             ..DEFAULT_T
         };
-        assert_eq!(hgx4_bus(120.0, &bus), Err("PeerBandwidthLow"));
+        assert_eq!(hgx4_bus(120.0, &bus), Err(Reason::PeerBandwidthLow));
         // The report names each pair's path, threshold and directness.
         let v = evaluate_domain_pairs(&h4, &d4, &measured(&[(2, 3, 140.0, true)], None), &DEFAULT_T).unwrap();
         assert_eq!(v[0].path, Some(PairPath::NvlinkDirect { version: 4, links: 6 }));
@@ -1649,7 +1650,7 @@ mod tests {
         }
     }
 
-    fn verdict(inv: &Inventory, exp: &DriverExpectations) -> Result<Vec<String>, &'static str> {
+    fn verdict(inv: &Inventory, exp: &DriverExpectations) -> Result<Vec<String>, Reason> {
         evaluate_driver(inv, exp).map(|e| e.warnings).map_err(|f| f.reason)
     }
 
@@ -1678,7 +1679,7 @@ mod tests {
             if xid154 {
                 g.health.xids.push(XID_RECOVERY_ACTION_CHANGED);
             }
-            let want = if hold { Err("GpuRecoveryRequired") } else { Ok(()) };
+            let want = if hold { Err(Reason::GpuRecoveryRequired) } else { Ok(()) };
             assert_eq!(
                 verdict(&inv(vec![g]), &one_gpu()).map(|_| ()),
                 want,
@@ -1731,7 +1732,7 @@ mod tests {
             required_fields: required,
             ..one_gpu()
         };
-        assert_eq!(verdict(&i, &exp), Err("NvmlFieldUnreadable"));
+        assert_eq!(verdict(&i, &exp), Err(Reason::NvmlFieldUnreadable));
     }
 
     /// issue 49 §3: NVSwitch SXids, fatal holds the node, non-fatal warns.
@@ -1749,6 +1750,6 @@ mod tests {
         let w = verdict(&i, &one_gpu()).unwrap();
         assert!(w.iter().any(|w| w.contains("non-fatal SXid 12028")), "{w:?}");
         i.nvswitch_sxids.push(sx(true));
-        assert_eq!(verdict(&i, &one_gpu()), Err("SxidFatal"));
+        assert_eq!(verdict(&i, &one_gpu()), Err(Reason::SxidFatal));
     }
 }

@@ -9,6 +9,7 @@
 
 use super::{FabricIdentity, FabricState, GpuInfo};
 use crate::reason::Hold;
+use crate::reason::Reason;
 use serde::Serialize;
 
 /// What the GPUs' fabric state says, short of a failure.
@@ -91,7 +92,7 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, Hold> {
         .collect();
     if !failed.is_empty() {
         return Err(Hold::permanent(
-            "FabricNotReady",
+            Reason::FabricNotReady,
             format!("fabric registration completed with an error on GPUs {failed:?}"),
         ));
     }
@@ -111,7 +112,7 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, Hold> {
     if !outside.is_empty() {
         let out: Vec<u32> = outside.iter().map(|g| g.index).collect();
         return Err(Hold::permanent(
-            "FabricMismatch",
+            Reason::FabricMismatch,
             format!("GPUs {out:?} are in no fabric while the others registered in one"),
         ));
     }
@@ -149,12 +150,12 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, Hold> {
             .map(|((cluster, clique), gpus)| format!("cluster {cluster} clique {clique}: GPUs {gpus:?}"))
             .collect();
         return Err(Hold::permanent(
-            "FabricMismatch",
+            Reason::FabricMismatch,
             format!("the GPUs disagree on their fabric: {}", parts.join("; ")),
         ));
     }
     if !holds.is_empty() {
-        return Err(Hold::permanent("FabricDegraded", holds.join("; ")));
+        return Err(Hold::permanent(Reason::FabricDegraded, holds.join("; ")));
     }
     let Some(((cluster_uuid, clique_id), members)) = groups.into_iter().next() else {
         return Ok(FabricOutcome::NoFabric);
@@ -171,7 +172,7 @@ pub fn evaluate_fabric(gpus: &[GpuInfo]) -> Result<FabricOutcome, Hold> {
 /// The failure for GPUs still registering when the wait ended.
 pub fn still_pending(gpus: &[u32], waited: std::time::Duration) -> Hold {
     Hold::permanent(
-        "FabricNotReady",
+        Reason::FabricNotReady,
         format!(
             "fabric registration still not completed on GPUs {gpus:?} after waiting {}s (check nvidia-fabricmanager / NVLink5 registration)",
             waited.as_secs()
@@ -186,7 +187,7 @@ pub fn evaluate_imex(present: &[u32], required: u32) -> Result<(), Hold> {
         Ok(())
     } else {
         Err(Hold::permanent(
-            "ImexChannelsMissing",
+            Reason::ImexChannelsMissing,
             format!(
                 "IMEX channel devices missing: {} (want channel0..channel{} under /dev/nvidia-caps-imex-channels; is the IMEX daemon or the DRA driver's channel injection running?)",
                 missing
@@ -302,7 +303,7 @@ mod tests {
                 Ok(FabricOutcome::NoFabric) => Ok("NoFabric"),
                 Ok(FabricOutcome::Pending { .. }) => Ok("Pending"),
                 Ok(FabricOutcome::Ready(_)) => Ok("Ready"),
-                Err(f) => Err(f.reason),
+                Err(f) => Err(f.reason.as_str()),
             };
             assert_eq!(got, want, "{name}");
         }
@@ -332,7 +333,7 @@ mod tests {
         assert!(evaluate_imex(&[], 0).is_ok());
         assert!(evaluate_imex(&[0, 1], 2).is_ok());
         let e = evaluate_imex(&[0], 2).unwrap_err();
-        assert_eq!(e.reason, "ImexChannelsMissing");
+        assert_eq!(e.reason, Reason::ImexChannelsMissing);
         assert!(
             e.message.contains("channel1") && !e.message.contains("channel0,"),
             "{e}"

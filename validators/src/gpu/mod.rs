@@ -5,6 +5,7 @@
 //! [`sim::SimGpu`], driven by a node profile, so the whole agent runs without a GPU.
 //! Decisions over this data live in [`decide`] as pure functions.
 
+use crate::reason::Reason;
 pub mod decide;
 pub mod fabric;
 pub mod real;
@@ -503,19 +504,19 @@ pub enum GpuError {
 
 impl crate::reason::ReasonCode for GpuError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            GpuError::DriverNotLoaded(_) => "DriverNotLoaded",
-            GpuError::GpuLost { .. } => "GpuLost",
-            GpuError::Nvml { .. } => "NvmlError",
-            GpuError::Cuda { .. } => "SmokeFailed",
-            GpuError::SmokeMismatch { .. } => "SmokeFailed",
-            GpuError::NcclMissing(_) => "NcclMissing",
-            GpuError::Nccl { .. } => "PeerBandwidthFailed",
-            GpuError::CudaWorkerCrashed { .. } => "CudaWorkerCrashed",
-            GpuError::CudaWorkerTimeout { .. } => "CudaWorkerTimeout",
-            GpuError::PeerCuda { .. } => "PeerBandwidthFailed",
-            GpuError::PeerCopyMismatch { .. } => "PeerCopyMismatch",
+            GpuError::DriverNotLoaded(_) => Reason::DriverNotLoaded,
+            GpuError::GpuLost { .. } => Reason::GpuLost,
+            GpuError::Nvml { .. } => Reason::NvmlError,
+            GpuError::Cuda { .. } => Reason::SmokeFailed,
+            GpuError::SmokeMismatch { .. } => Reason::SmokeFailed,
+            GpuError::NcclMissing(_) => Reason::NcclMissing,
+            GpuError::Nccl { .. } => Reason::PeerBandwidthFailed,
+            GpuError::CudaWorkerCrashed { .. } => Reason::CudaWorkerCrashed,
+            GpuError::CudaWorkerTimeout { .. } => Reason::CudaWorkerTimeout,
+            GpuError::PeerCuda { .. } => Reason::PeerBandwidthFailed,
+            GpuError::PeerCopyMismatch { .. } => Reason::PeerCopyMismatch,
         }
     }
 }

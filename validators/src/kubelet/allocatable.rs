@@ -15,6 +15,7 @@
 use super::plugin_config::RESOURCE_PREFIX;
 use super::quantity::Quantity;
 use crate::gpu::Inventory;
+use crate::reason::Reason;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity as K8sQuantity;
@@ -121,22 +122,22 @@ impl AllocatableFailure {
 
 impl crate::reason::ReasonCode for AllocatableFailure {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
             AllocatableFailure::Mismatch {
                 kind: AllocatableKind::Zero,
                 ..
-            } => "AllocatableZero",
+            } => Reason::AllocatableZero,
             AllocatableFailure::Mismatch {
                 kind: AllocatableKind::Short,
                 ..
-            } => "AllocatableShort",
+            } => Reason::AllocatableShort,
             AllocatableFailure::Mismatch {
                 kind: AllocatableKind::Excess,
                 ..
-            } => "AllocatableExcess",
-            AllocatableFailure::InvalidQuantity { .. } => "InvalidInput",
-            AllocatableFailure::NoNodeObserved { .. } => "AllocatableZero",
+            } => Reason::AllocatableExcess,
+            AllocatableFailure::InvalidQuantity { .. } => Reason::InvalidInput,
+            AllocatableFailure::NoNodeObserved { .. } => Reason::AllocatableZero,
         }
     }
 
@@ -317,8 +318,8 @@ pub struct LabelMismatch {
 
 impl crate::reason::ReasonCode for LabelMismatch {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
-        "LabelMismatch"
+    fn reason(&self) -> Reason {
+        Reason::LabelMismatch
     }
 }
 

@@ -13,6 +13,7 @@
 use super::plugin_config::ExpectedDevice;
 use crate::input::{InputError, parse_yaml, read_regular_bounded};
 use crate::profile::SimKubelet;
+use crate::reason::Reason;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -218,8 +219,8 @@ fn invalid_note(invalid: &[InputError]) -> String {
 
 impl crate::reason::ReasonCode for CdiFailure {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
-        "RuntimeInjectionMissing"
+    fn reason(&self) -> Reason {
+        Reason::RuntimeInjectionMissing
     }
 }
 

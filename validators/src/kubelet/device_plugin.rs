@@ -12,6 +12,7 @@ use super::plugin_config::nvidia_socket_name;
 use super::proto::deviceplugin_v1beta1 as dp;
 use super::proto::podresources_v1 as pr;
 use crate::profile::SimKubelet;
+use crate::reason::Reason;
 use async_trait::async_trait;
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
@@ -175,14 +176,14 @@ impl ProbeError {
 
 impl crate::reason::ReasonCode for ProbeError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            ProbeError::SocketMissing { .. } => "PluginSocketMissing",
-            ProbeError::Unreachable { .. } => "PluginUnreachable",
-            ProbeError::Timeout { .. } => "PluginTimeout",
-            ProbeError::Rpc { .. } => "PluginRpcFailed",
-            ProbeError::MalformedReply { .. } => "PluginReplyInvalid",
-            ProbeError::PodResourcesMissing { .. } => "PodResourcesUnavailable",
+            ProbeError::SocketMissing { .. } => Reason::PluginSocketMissing,
+            ProbeError::Unreachable { .. } => Reason::PluginUnreachable,
+            ProbeError::Timeout { .. } => Reason::PluginTimeout,
+            ProbeError::Rpc { .. } => Reason::PluginRpcFailed,
+            ProbeError::MalformedReply { .. } => Reason::PluginReplyInvalid,
+            ProbeError::PodResourcesMissing { .. } => Reason::PodResourcesUnavailable,
         }
     }
 
@@ -492,12 +493,12 @@ impl DevicePluginFailure {
 
 impl crate::reason::ReasonCode for DevicePluginFailure {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
             DevicePluginFailure::Probe(p) => p.reason(),
-            DevicePluginFailure::PluginDevicesMismatch { .. } => "PluginDevicesMismatch",
-            DevicePluginFailure::PluginDeviceUnhealthy { .. } => "PluginDeviceUnhealthy",
-            DevicePluginFailure::KubeletDevicesMismatch { .. } => "KubeletDevicesMismatch",
+            DevicePluginFailure::PluginDevicesMismatch { .. } => Reason::PluginDevicesMismatch,
+            DevicePluginFailure::PluginDeviceUnhealthy { .. } => Reason::PluginDeviceUnhealthy,
+            DevicePluginFailure::KubeletDevicesMismatch { .. } => Reason::KubeletDevicesMismatch,
         }
     }
 

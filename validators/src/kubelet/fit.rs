@@ -11,6 +11,7 @@
 
 use super::quantity::{Quantity, QuantityError, from_k8s};
 use crate::profile::SimNode;
+use crate::reason::Reason;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity as K8sQuantity;
 use serde::{Deserialize, Serialize};
@@ -241,10 +242,10 @@ pub enum FitFailure {
 
 impl crate::reason::ReasonCode for FitFailure {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            FitFailure::GroupFitShort { .. } => "GroupFitShort",
-            FitFailure::InvalidQuantity { .. } => "InvalidInput",
+            FitFailure::GroupFitShort { .. } => Reason::GroupFitShort,
+            FitFailure::InvalidQuantity { .. } => Reason::InvalidInput,
         }
     }
 }

@@ -137,6 +137,7 @@ pub async fn check_kubelet_view(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::reason::Reason;
     use crate::reason::ReasonCode;
 
     fn set(ids: &[&str]) -> BTreeSet<String> {
@@ -147,14 +148,14 @@ mod tests {
     fn unhealthy_named_when_capacity_counts_it() {
         let want = set(&["GPU-a", "GPU-b"]);
         let e = compare_kubelet_view("nvidia.com/gpu", &want, &set(&["GPU-a"]), Some(2)).unwrap_err();
-        assert_eq!(e.reason(), "PluginDeviceUnhealthy");
+        assert_eq!(e.reason(), Reason::PluginDeviceUnhealthy);
         assert!(e.to_string().contains("GPU-b"), "{e}");
         let e = compare_kubelet_view("nvidia.com/gpu", &want, &set(&["GPU-a"]), Some(1)).unwrap_err();
-        assert_eq!(e.reason(), "PluginDevicesMismatch");
+        assert_eq!(e.reason(), Reason::PluginDevicesMismatch);
         let e = compare_kubelet_view("nvidia.com/gpu", &want, &set(&["GPU-a"]), None).unwrap_err();
-        assert_eq!(e.reason(), "KubeletDevicesMismatch");
+        assert_eq!(e.reason(), Reason::KubeletDevicesMismatch);
         let e = compare_kubelet_view("nvidia.com/gpu", &want, &set(&["GPU-a", "GPU-b", "GPU-c"]), Some(3)).unwrap_err();
-        assert_eq!(e.reason(), "PluginDevicesMismatch");
+        assert_eq!(e.reason(), Reason::PluginDevicesMismatch);
         compare_kubelet_view("nvidia.com/gpu", &want, &want, Some(2)).unwrap();
     }
 }

@@ -26,6 +26,7 @@
 
 use crate::gpu::Inventory;
 use crate::input::{InputError, load_yaml, parse_yaml};
+use crate::reason::Reason;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -154,10 +155,10 @@ pub enum PluginConfigError {
 
 impl crate::reason::ReasonCode for PluginConfigError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
+    fn reason(&self) -> Reason {
         match self {
-            PluginConfigError::Invalid(_) => "InvalidInput",
-            PluginConfigError::MigLayout { .. } => "PluginConfigMismatch",
+            PluginConfigError::Invalid(_) => Reason::InvalidInput,
+            PluginConfigError::MigLayout { .. } => Reason::PluginConfigMismatch,
         }
     }
 }

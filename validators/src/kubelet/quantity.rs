@@ -17,6 +17,7 @@
 //! Values finer than a milli-unit are rounded up, as Kubernetes' `MilliValue` does, so a
 //! request is never under-counted.
 
+use crate::reason::Reason;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::str::FromStr;
@@ -49,8 +50,8 @@ impl QuantityError {
 
 impl crate::reason::ReasonCode for QuantityError {
     /// Stable reason code.
-    fn reason(&self) -> &'static str {
-        "InvalidQuantity"
+    fn reason(&self) -> Reason {
+        Reason::InvalidInput
     }
 }
 

@@ -9,6 +9,7 @@
 
 use super::{NetworkView, PciPlace, PortCounters, port_key};
 use crate::reason::Hold;
+use crate::reason::Reason;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -115,7 +116,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
     {
         let have: Vec<String> = ports.iter().map(|(d, p)| port_key(&d.name, p.port)).collect();
         return Err(Hold::permanent(
-            "RdmaPortsMissing",
+            Reason::RdmaPortsMissing,
             format!(
                 "{} RDMA ports present, {want} expected (network.expect.ports): {have:?}",
                 ports.len()
@@ -130,7 +131,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
             .collect();
         if !wrong.is_empty() {
             return Err(Hold::permanent(
-                "RdmaLinkLayerMismatch",
+                Reason::RdmaLinkLayerMismatch,
                 format!("ports not on {layer} (network.expect.link_layer): {}", wrong.join(", ")),
             ));
         }
@@ -142,7 +143,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
         .collect();
     if !down.is_empty() {
         return Err(Hold::transient(
-            "RdmaPortDown",
+            Reason::RdmaPortDown,
             format!("RDMA ports not ACTIVE/LinkUp: {}", down.join(", ")),
         ));
     }
@@ -172,7 +173,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
         .collect();
     if !slow.is_empty() {
         return Err(Hold::permanent(
-            "RdmaRateLow",
+            Reason::RdmaRateLow,
             format!("RDMA ports below rate: {}", slow.join(", ")),
         ));
     }
@@ -181,7 +182,7 @@ pub fn evaluate_ports(view: &NetworkView, exp: &NetworkExpect) -> Result<Vec<Str
         let (uverbs, umad) = (count("uverbs"), count("umad"));
         if uverbs < view.rdma.len() || umad < ports.len() {
             return Err(Hold::permanent(
-                "RdmaDevicesMissing",
+                Reason::RdmaDevicesMissing,
                 format!(
                     "/dev/infiniband has {uverbs} uverbs and {umad} umad devices for {} RDMA devices and {} ports (are ib_uverbs and ib_umad loaded, and /dev/infiniband mounted into the agent?)",
                     view.rdma.len(),
@@ -250,7 +251,7 @@ pub fn evaluate_flaps(
         Ok(())
     } else {
         Err(Hold::permanent(
-            "RdmaLinkFlapping",
+            Reason::RdmaLinkFlapping,
             format!("RDMA links flapped during the window: {}", bad.join(", ")),
         ))
     }
@@ -273,7 +274,7 @@ pub fn evaluate_gpudirect(view: &NetworkView, rule: GpuDirectRule) -> Result<Str
         (Some(p), _) => Ok(format!("GPUDirect RDMA via {p}")),
         (None, false) => Ok(format!("GPUDirect RDMA unavailable, not required ({})", g.dmabuf_why)),
         (None, true) => Err(Hold::permanent(
-            "GpuDirectUnavailable",
+            Reason::GpuDirectUnavailable,
             format!(
                 "GPUDirect RDMA is required (network.expect.gpudirect) but nvidia_peermem is not loaded and dma-buf is not possible ({}); CUDA may still claim support",
                 g.dmabuf_why
@@ -369,7 +370,7 @@ pub fn evaluate_affinity(map: &[GpuNic], rule: AffinityRule, nics: usize) -> Res
         Ok(())
     } else {
         Err(Hold::permanent(
-            "NicAffinityBroken",
+            Reason::NicAffinityBroken,
             format!(
                 "GPUs without an RDMA NIC {} (network.expect.affinity): {}",
                 match rule {
@@ -531,7 +532,7 @@ mod tests {
         for (name, change, want) in rows {
             let (mut v, mut e) = (view(), exp.clone());
             change(&mut v, &mut e);
-            let got = evaluate_ports(&checked(&v, &e), &e).err().map(|f| f.reason);
+            let got = evaluate_ports(&checked(&v, &e), &e).err().map(|f| f.reason.as_str());
             assert_eq!(got, want, "{name}");
         }
         let e = evaluate_ports(
@@ -565,7 +566,7 @@ mod tests {
         let mut up = same.clone();
         up.get_mut("mlx5_0/1").unwrap().link_downed = Some(3);
         let e = evaluate_flaps(&v, &up, &lim).unwrap_err();
-        assert_eq!(e.reason, "RdmaLinkFlapping");
+        assert_eq!(e.reason, Reason::RdmaLinkFlapping);
         assert!(e.message.contains("mlx5_0/1 link_downed +2"), "{e}");
         let mut noise = same.clone();
         noise.get_mut("mlx5_0/1").unwrap().symbol_error = Some(10);
@@ -634,7 +635,7 @@ mod tests {
             let r = evaluate_gpudirect(&v, rule);
             assert_eq!(r.is_ok(), ok, "{name}: {r:?}");
             if let Err(e) = r {
-                assert_eq!(e.reason, "GpuDirectUnavailable");
+                assert_eq!(e.reason, Reason::GpuDirectUnavailable);
             }
         }
     }
@@ -656,7 +657,7 @@ mod tests {
         assert_eq!((m[1].nic.as_deref(), m[1].via), (Some("mlx5_0"), Nearness::Numa));
         assert!(evaluate_affinity(&m, AffinityRule::Numa, 2).is_ok());
         let e = evaluate_affinity(&m, AffinityRule::Switch, 2).unwrap_err();
-        assert_eq!(e.reason, "NicAffinityBroken");
+        assert_eq!(e.reason, Reason::NicAffinityBroken);
         assert!(
             e.message.contains("GPU 1 (0000:38:00.0") && !e.message.contains("GPU 0 "),
             "{e}"

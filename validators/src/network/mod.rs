@@ -7,6 +7,7 @@
 //! `proc`), [`sim::SimNetwork`] serves a node profile's. [`decide`] holds the pure
 //! decisions over what either reads.
 
+use crate::reason::Reason;
 pub mod decide;
 pub mod sim;
 pub mod sysfs;
@@ -136,8 +137,8 @@ pub struct NetworkError {
 }
 
 impl crate::reason::ReasonCode for NetworkError {
-    fn reason(&self) -> &'static str {
-        "NetworkUnreadable"
+    fn reason(&self) -> Reason {
+        Reason::NetworkUnreadable
     }
 }
 

@@ -906,6 +906,7 @@ fn enable_peer_access(a: &Loaded, b: &Loaded, id: &str) -> Result<bool, GpuError
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::reason::Reason;
     use crate::reason::ReasonCode;
 
     #[test]
@@ -933,9 +934,9 @@ mod tests {
             gpu: "GPU-x".into(),
             message: "CUDA_ERROR_INVALID_VALUE".into(),
         };
-        assert_eq!(e.reason(), "SmokeFailed");
-        assert_eq!(as_peer(e).reason(), "PeerBandwidthFailed");
-        assert_eq!(as_peer(GpuError::NcclMissing("x".into())).reason(), "NcclMissing");
+        assert_eq!(e.reason(), Reason::SmokeFailed);
+        assert_eq!(as_peer(e).reason(), Reason::PeerBandwidthFailed);
+        assert_eq!(as_peer(GpuError::NcclMissing("x".into())).reason(), Reason::NcclMissing);
     }
 
     #[test]

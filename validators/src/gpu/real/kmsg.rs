@@ -54,13 +54,6 @@ pub struct KmsgError {
     pub source: std::io::Error,
 }
 
-impl crate::reason::ReasonCode for KmsgError {
-    /// Stable reason code.
-    fn reason(&self) -> &'static str {
-        "KernelLogUnreadable"
-    }
-}
-
 /// Parse one kernel log line (a `/dev/kmsg` record `6,123,456,-;NVRM: ...`, a `dmesg`
 /// line, or a bare message). Returns `None` for anything that is not an XID record.
 pub fn parse_xid_line(line: &str) -> Option<KmsgXid> {

@@ -881,6 +881,7 @@ fn pcie_ancestor(level: TopologyLevel) -> PcieAncestor {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::reason::Reason;
     use crate::reason::ReasonCode;
 
     #[test]
@@ -901,7 +902,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let lib = dir.path().join("libnvidia-ml.so.1");
         let err = NvmlBackend::open(&lib, None, dir.path()).err().unwrap();
-        assert_eq!(err.reason(), "DriverNotLoaded", "{err}");
+        assert_eq!(err.reason(), Reason::DriverNotLoaded, "{err}");
         assert!(err.to_string().contains("libnvidia-ml.so.1"), "{err}");
     }
 }

@@ -280,6 +280,7 @@ fn describe_exit(status: &std::process::ExitStatus) -> String {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::reason::Reason;
     use crate::reason::ReasonCode;
 
     fn script(dir: &Path, body: &str) -> PathBuf {
@@ -327,7 +328,7 @@ mod tests {
             timeout: Duration::from_secs(60),
         };
         let e = w.run(&req(), None).unwrap_err();
-        assert_eq!(e.reason(), "CudaWorkerCrashed", "{e}");
+        assert_eq!(e.reason(), Reason::CudaWorkerCrashed, "{e}");
         assert!(e.to_string().contains("SIGSEGV"), "{e}");
     }
 
@@ -339,7 +340,7 @@ mod tests {
             timeout: Duration::from_millis(300),
         };
         let e = w.run(&req(), None).unwrap_err();
-        assert_eq!(e.reason(), "CudaWorkerTimeout", "{e}");
+        assert_eq!(e.reason(), Reason::CudaWorkerTimeout, "{e}");
     }
 
     /// A worker that SIGKILL cannot end (it sits in a frozen cgroup-v1 freezer, as a
@@ -394,7 +395,7 @@ mod tests {
         // Still there: SIGKILL is pending on a frozen process.
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         std::fs::write(&state, "THAWED").unwrap();
-        assert_eq!(e.reason(), "CudaWorkerTimeout", "{e}");
+        assert_eq!(e.reason(), Reason::CudaWorkerTimeout, "{e}");
         assert!(e.to_string().contains("stuck in the driver"), "{e}");
         assert!(
             took < w.timeout + KILL_REAP_GRACE + Duration::from_secs(2),
