@@ -9,7 +9,9 @@
 //!   implementations, taint patches, conditions and Events, the reboot re-gate);
 //! - [`boundaries`]: every other boundary (GPU, device plugin, CDI, image runtime), built
 //!   once at start-up by [`boundaries::build`];
-//! - [`stages`]: the stage bodies, by family, over those boundaries;
+//! - [`stages`]: the stage bodies, by family, over those boundaries; [`evidence`]: what
+//!   each proved, one type per stage;
+//! - [`reasons`], [`timeline`]: the reason catalogue and the timeline record;
 //! - [`run`]: the executor, one bootstrap, and resident mode after release;
 //! - [`readiness`], [`telemetry`], [`fleet`]: the chain after the untaint, the timeline's
 //!   exports, and the fleet view;
@@ -18,6 +20,7 @@
 pub mod boundaries;
 pub mod cli;
 pub mod config;
+pub mod evidence;
 pub mod fleet;
 pub mod node;
 pub mod readiness;

@@ -3,6 +3,7 @@
 //! the stage's tracing span (see [`crate::run::graph`]), so spans and timeline never disagree.
 //! Renders as a table for people and as JSON for the Node annotation and tools.
 
+use crate::evidence::Detail;
 use crate::reasons::Reason;
 use crate::stage::RecordKind;
 use jiff::Timestamp;
@@ -72,8 +73,9 @@ impl Outcome {
     }
 }
 
-/// One stage's entry.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One stage's entry. Read back by [`StageRecord`]'s `Deserialize`, which types the
+/// evidence by the record's stage.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StageRecord {
     /// What the record stands for (written as its name).
     pub stage: RecordKind,
@@ -98,9 +100,72 @@ pub struct StageRecord {
     /// One-line evidence summary.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub summary: String,
-    /// Structured evidence (not written to the Node annotation).
-    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
-    pub evidence: serde_json::Value,
+    /// What the stage proved, typed by its stage (not written to the Node annotation).
+    #[serde(default, skip_serializing_if = "Detail::is_none")]
+    pub evidence: Detail,
+}
+
+/// Reads a record as [`StageRecord`]'s `Serialize` writes it. The evidence's type depends
+/// on the stage, so `stage` must come before `evidence` (the writer's field order).
+impl<'de> Deserialize<'de> for StageRecord {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        /// The evidence of a record of this kind.
+        struct EvidenceOf(RecordKind);
+        impl<'de> serde::de::DeserializeSeed<'de> for EvidenceOf {
+            type Value = Detail;
+            fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Detail, D::Error> {
+                Detail::deserialize_for(self.0, d)
+            }
+        }
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = StageRecord;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a stage record")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<StageRecord, A::Error> {
+                use serde::de::Error;
+                let (mut stage, mut start, mut start_ms, mut duration_ms, mut outcome) = (None, None, None, None, None);
+                let (mut required, mut attempts) = (None, None);
+                let (mut reason, mut message, mut summary, mut evidence) = (None, None, String::new(), Detail::None);
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    match key.as_ref() {
+                        "stage" => stage = Some(map.next_value::<RecordKind>()?),
+                        "start" => start = Some(map.next_value()?),
+                        "start_ms" => start_ms = Some(map.next_value()?),
+                        "duration_ms" => duration_ms = Some(map.next_value()?),
+                        "outcome" => outcome = Some(map.next_value()?),
+                        "required" => required = Some(map.next_value()?),
+                        "attempts" => attempts = Some(map.next_value()?),
+                        "reason" => reason = map.next_value()?,
+                        "message" => message = map.next_value()?,
+                        "summary" => summary = map.next_value()?,
+                        "evidence" => {
+                            let kind = stage.ok_or_else(|| A::Error::custom("`evidence` before `stage`"))?;
+                            evidence = map.next_value_seed(EvidenceOf(kind))?;
+                        }
+                        _ => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(StageRecord {
+                    stage: stage.ok_or_else(|| A::Error::missing_field("stage"))?,
+                    start: start.ok_or_else(|| A::Error::missing_field("start"))?,
+                    start_ms: start_ms.ok_or_else(|| A::Error::missing_field("start_ms"))?,
+                    duration_ms: duration_ms.ok_or_else(|| A::Error::missing_field("duration_ms"))?,
+                    outcome: outcome.ok_or_else(|| A::Error::missing_field("outcome"))?,
+                    required: required.ok_or_else(|| A::Error::missing_field("required"))?,
+                    attempts: attempts.ok_or_else(|| A::Error::missing_field("attempts"))?,
+                    reason,
+                    message,
+                    summary,
+                    evidence,
+                })
+            }
+        }
+        d.deserialize_map(Visit)
+    }
 }
 
 impl StageRecord {
@@ -263,7 +328,7 @@ mod tests {
             reason: None,
             message: None,
             summary: String::new(),
-            evidence: serde_json::Value::Null,
+            evidence: Detail::None,
         }
     }
 

@@ -68,7 +68,7 @@ fn timeline() -> Timeline {
         reason: reason.map(|r| r.parse().unwrap()),
         message: None,
         summary: String::new(),
-        evidence: serde_json::Value::Null,
+        evidence: taintgate::evidence::Detail::None,
     };
     Timeline {
         node: "gpu-<odd>&\"node\"".into(),

@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use jiff::Timestamp;
-use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use taintgate::reasons::Reason;
@@ -39,9 +38,13 @@ fn rec(stage: &str, start_ms: u64, dur: u64, outcome: Outcome, reason: Option<&s
         message: None,
         summary: String::new(),
         evidence: if stage == "models" {
-            json!({"bytesFetched": 5_000_000, "bytesCached": 1_000})
+            taintgate::evidence::Detail::Models(taintgate::evidence::ModelsDetail {
+                bytes_fetched: 5_000_000,
+                bytes_cached: 1_000,
+                report: Default::default(),
+            })
         } else {
-            serde_json::Value::Null
+            taintgate::evidence::Detail::None
         },
     }
 }

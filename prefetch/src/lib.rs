@@ -178,7 +178,7 @@ impl PrefetchOptions {
 }
 
 /// Evidence for one file of a bundle.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
 pub struct FileReport {
     /// Path inside the bundle.
     pub path: String,
@@ -208,7 +208,7 @@ pub struct FileReport {
 }
 
 /// Evidence for one bundle.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
 pub struct BundleReport {
     /// Bundle name.
     pub name: String,
@@ -233,7 +233,7 @@ pub struct BundleReport {
 }
 
 /// Evidence for a whole prefetch run.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
 pub struct PrefetchReport {
     /// Per bundle.
     pub bundles: Vec<BundleReport>,

@@ -817,16 +817,16 @@ fn fired(c: &Ctx) -> usize {
         .unwrap_or(0)
 }
 
-fn models_evidence(t: &Timeline) -> Result<&Value, String> {
-    t.stage(taintgate::stage::Stage::Models)
-        .map(|s| &s.evidence)
-        .ok_or_else(|| "no models stage record".to_string())
+fn models_evidence(t: &Timeline) -> Result<&taintgate::evidence::ModelsDetail, String> {
+    match t.stage(taintgate::stage::Stage::Models).map(|s| &s.evidence) {
+        Some(taintgate::evidence::Detail::Models(m)) => Ok(m),
+        Some(other) => Err(format!("the models stage recorded no download: {other:?}")),
+        None => Err("no models stage record".to_string()),
+    }
 }
 
 fn bytes_fetched(t: &Timeline) -> Result<u64, String> {
-    models_evidence(t)?["bytesFetched"]
-        .as_u64()
-        .ok_or_else(|| format!("no bytesFetched in {}", models_evidence(t).unwrap_or(&Value::Null)))
+    Ok(models_evidence(t)?.bytes_fetched)
 }
 
 /// Requests nginx logged for the bundle's data file (any location).
@@ -1010,7 +1010,7 @@ fn check_no_data_request_if_origin(c: &Ctx) -> Result<(), String> {
 
 fn check_ro_warm(c: &Ctx) -> Result<(), String> {
     let fetched = bytes_fetched(c.timeline)?;
-    let cached = models_evidence(c.timeline)?["bytesCached"].as_u64();
+    let cached = Some(models_evidence(c.timeline)?.bytes_cached);
     let size = c.world.bundle().files[0].size;
     if fetched != 0 || cached != Some(size) {
         return Err(format!("fetched {fetched}, cached {cached:?}; expected 0 and {size}"));

@@ -1180,7 +1180,7 @@ proptest! {
                 reason: Some(taintgate::reasons::Reason::ALL[i % taintgate::reasons::Reason::ALL.len()]),
                 message: Some(msg.clone()),
                 summary: String::new(),
-                evidence: Value::Null,
+                evidence: taintgate::evidence::Detail::None,
             }).collect(),
             verdict: None,
         };

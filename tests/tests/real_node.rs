@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use taintgate::evidence::Detail;
 use taintgate::stage::Stage;
 use taintgate::timeline::Outcome;
 use taintgate_tests::agent::{TAINT, condition, taint_keys};
@@ -214,20 +215,25 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
     // The agent's evidence is the real kubelet's: its pod-resources view was checked, the
     // device count it saw on the plugin's socket (in the kubelet's directory) is the one the
     // kubelet published, and the allocatable it waited for is the kubelet's.
-    let dp = &timeline.stage(Stage::DevicePlugin).unwrap().evidence;
-    assert_eq!(dp["kubelet_checked"], json!(true), "{dp}");
-    let resource = dp["resources"]
-        .as_array()
-        .and_then(|r| r.iter().find(|r| r["resource"] == GPU))
-        .unwrap_or_else(|| panic!("no {GPU} in {dp}"));
-    assert_eq!(resource["devices"], json!(gpus), "{dp}");
+    let Detail::DevicePlugin(dp) = &timeline.stage(Stage::DevicePlugin).unwrap().evidence else {
+        panic!("no device-plugin evidence: {timeline:?}")
+    };
+    assert!(dp.kubelet_checked, "{dp:?}");
+    let resource = dp
+        .resources
+        .iter()
+        .find(|r| r.resource == GPU)
+        .unwrap_or_else(|| panic!("no {GPU} in {dp:?}"));
+    assert_eq!(resource.devices, gpus, "{dp:?}");
     assert_eq!(
-        resource["socket"],
-        json!(var_lib.join("kubelet/device-plugins/nvidia-gpu.sock")),
-        "{dp}"
+        resource.socket,
+        var_lib.join("kubelet/device-plugins/nvidia-gpu.sock"),
+        "{dp:?}"
     );
-    let alloc = &timeline.stage(Stage::Allocatable).unwrap().evidence;
-    assert_eq!(alloc["expected"][GPU], json!(gpus), "{alloc}");
+    let Detail::Allocatable(alloc) = &timeline.stage(Stage::Allocatable).unwrap().evidence else {
+        panic!("no allocatable evidence: {timeline:?}")
+    };
+    assert_eq!(alloc.expected.get(GPU), Some(&(gpus as u64)), "{alloc:?}");
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
     assert_eq!(

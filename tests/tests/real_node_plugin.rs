@@ -147,11 +147,7 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
     let timeline = run.timeline().expect("no JSON timeline");
     assert!(timeline.verdict.as_ref().is_some_and(|v| v.released), "{timeline:?}");
     let dp = &timeline.stage(taintgate::stage::Stage::DevicePlugin).unwrap().evidence;
-    let resource = dp["resources"]
-        .as_array()
-        .and_then(|r| r.iter().find(|r| r["resource"] == GPU))
-        .unwrap_or_else(|| panic!("no {GPU} in {dp}"));
-    assert_eq!(resource["devices"], json!(gpus * REPLICAS), "{dp}");
+    assert_eq!(devices(dp), gpus * REPLICAS, "{dp:?}");
     let node = api.get_object("nodes", NODE).unwrap().unwrap();
     assert!(!taint_keys(&node).contains(&TAINT.to_string()), "{node:#}");
 
@@ -301,10 +297,13 @@ fn condition_true(node: &Value, type_: &str) -> bool {
 }
 
 /// The `nvidia.com/gpu` device count in a device-plugin stage's evidence.
-fn devices(evidence: &Value) -> usize {
-    evidence["resources"]
-        .as_array()
-        .and_then(|r| r.iter().find(|r| r["resource"] == GPU))
-        .and_then(|r| r["devices"].as_u64())
-        .unwrap_or_else(|| panic!("no {GPU} in {evidence}")) as usize
+fn devices(evidence: &taintgate::evidence::Detail) -> usize {
+    let taintgate::evidence::Detail::DevicePlugin(dp) = evidence else {
+        panic!("no device-plugin evidence: {evidence:?}")
+    };
+    dp.resources
+        .iter()
+        .find(|r| r.resource == GPU)
+        .unwrap_or_else(|| panic!("no {GPU} in {dp:?}"))
+        .devices
 }

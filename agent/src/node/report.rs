@@ -363,7 +363,6 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::timeline::Outcome;
-    use serde_json::Value;
 
     /// The release's annotation write (with the boot ID a reboot's re-gate needs) is
     /// retried through a brief outage; a refusal is not.
@@ -459,7 +458,7 @@ mod tests {
             reason: None,
             message: Some("x".repeat(300)),
             summary: String::new(),
-            evidence: Value::Null,
+            evidence: crate::evidence::Detail::None,
         };
         // Every record kind, so the full timeline is long and each name is distinct.
         let kinds: Vec<RecordKind> = crate::stage::Stage::ALL

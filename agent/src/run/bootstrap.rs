@@ -150,7 +150,7 @@ fn record(
         reason: None,
         message: None,
         summary,
-        evidence: serde_json::Value::Null,
+        evidence: crate::evidence::Detail::None,
     }
 }
 

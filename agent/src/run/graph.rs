@@ -99,7 +99,7 @@ pub async fn run_graph_with(ctx: Arc<Context>, body: StageBody) -> Vec<StageReco
                 reason: Some(Reason::InternalError),
                 message: Some(format!("stage task ended abnormally: {e}")),
                 summary: String::new(),
-                evidence: serde_json::Value::Null,
+                evidence: crate::evidence::Detail::None,
             }),
         }
     }
@@ -279,6 +279,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::config::Config;
+    use crate::evidence::Detail;
     use std::sync::{Mutex, OnceLock};
     use taintgate_validators::profile::NodeProfile;
     use tokio_util::sync::CancellationToken;
@@ -352,7 +353,7 @@ mod tests {
                 let r = match step {
                     Step::Pass => Ok(Evidence {
                         summary: format!("{name} ok"),
-                        detail: serde_json::Value::Null,
+                        detail: crate::evidence::Detail::None,
                     }),
                     Step::Fail(reason) => Err(StageFailure::permanent(reason.parse().unwrap(), "scripted")),
                     Step::Transient(reason) => {
@@ -391,6 +392,57 @@ mod tests {
                     "{name} before {d}: {log:?}"
                 );
             }
+        }
+    }
+
+    /// The real stage bodies on the simulated node: every record's typed evidence is read
+    /// back from its own JSON as the same value (the timeline's `--output json` is readable).
+    #[tokio::test]
+    async fn every_stages_evidence_reads_back_from_its_json() {
+        // The simulated node publishes through the device plugin: dra passes as not
+        // applicable (its own evidence is read back in the second half).
+        let records = run_graph(
+            context(|c| {
+                c.publication.mode = taintgate_validators::dra::evidence::PublicationMode::DevicePlugin;
+                c.images.images = vec![format!("registry.local/app@sha256:{}", "ab".repeat(32))];
+                c.fit = Some(
+                    serde_json::from_value(serde_json::json!({
+                        "serving_group": {"name": "TP4", "gpus": 4, "cpu": "4", "memory": "8Gi"},
+                        "promised_groups": 1
+                    }))
+                    .unwrap(),
+                );
+            })
+            .await,
+        )
+        .await;
+        let with_evidence: Vec<&str> = records
+            .iter()
+            .filter(|r| !r.evidence.is_none())
+            .map(|r| r.stage.name())
+            .collect();
+        assert!(records.iter().all(|r| r.outcome == Outcome::Passed), "{records:#?}");
+        assert!(with_evidence.len() >= 11, "{with_evidence:?} {records:#?}");
+        let dra = records.iter().find(|r| r.stage.name() == "dra").unwrap();
+        assert!(matches!(dra.evidence, Detail::NotApplicable(_)), "{dra:?}");
+        let mut own = dra.clone();
+        own.evidence = Detail::Dra(crate::evidence::DraDetail {
+            dra: taintgate_validators::dra::evidence::DraEvidence {
+                driver: "gpu.nvidia.com".into(),
+                slices: 1,
+                devices: 8,
+            },
+            registration: None,
+            publication: taintgate_validators::dra::evidence::Publication {
+                device_plugin: false,
+                dra: true,
+                why: "label".into(),
+            },
+        });
+        for r in records.iter().chain([&own]) {
+            let json = serde_json::to_string(r).unwrap();
+            let back: StageRecord = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+            assert_eq!(&back, r, "{json}");
         }
     }
 

@@ -77,7 +77,7 @@ fn xid_record(
                     "could not read the XID events of the validation ({e}); a fatal XID may have gone unseen"
                 )),
                 summary: "XID events unreadable".into(),
-                evidence: serde_json::Value::Null,
+                evidence: crate::evidence::Detail::None,
             });
         }
     };
@@ -101,7 +101,7 @@ fn xid_record(
         reason: (!fatal.is_empty()).then_some(Reason::XidFatal),
         message: (!fatal.is_empty()).then(|| format!("fatal XID during validation: {}", fatal.join(", "))),
         summary: format!("{} XID events during validation", xids.len()),
-        evidence: serde_json::Value::Null,
+        evidence: crate::evidence::Detail::None,
     })
 }
 

@@ -4,10 +4,10 @@
 
 use super::context::{Context, Evidence, Progress, StageFailure};
 use super::kubelet::expected_allocatable;
+use crate::evidence::{AllocatableDetail, Detail, FitDetail, RegisterDetail};
 use crate::node::is_registered;
 use crate::reasons::Reason;
 use k8s_openapi::api::core::v1::Node;
-use serde_json::json;
 use taintgate_validators::dra::evidence::{DraFailure, PublicationMode};
 use taintgate_validators::kubelet;
 
@@ -29,7 +29,9 @@ pub async fn register(ctx: &Context, progress: &Progress) -> Result<Evidence, St
     ctx.remember(&node);
     Ok(Evidence {
         summary: "karpenter.sh/registered=true, no unregistered taint".into(),
-        detail: json!({"resourceVersion": node.metadata.resource_version}),
+        detail: Detail::Register(RegisterDetail {
+            resource_version: node.metadata.resource_version.clone(),
+        }),
     })
 }
 
@@ -67,12 +69,12 @@ pub async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence,
         .await?;
     ctx.remember(&node);
     evaluate_node(&expected, &node)?;
-    let mut detail = json!({"expected": expected, "matchedAfterMs": t0.elapsed().as_millis() as u64, "resourceVersion": node.metadata.resource_version});
-    if ctx.config.kubelet.check_gfd_labels {
+    let gfd = if ctx.config.kubelet.check_gfd_labels {
         let labels = node.metadata.labels.clone().unwrap_or_default();
-        let gfd = kubelet::allocatable::check_gfd_labels(&labels, inv)?;
-        detail["gfd"] = serde_json::to_value(&gfd).unwrap_or_default();
-    }
+        Some(kubelet::allocatable::check_gfd_labels(&labels, inv)?)
+    } else {
+        None
+    };
     let summary = expected
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -80,7 +82,12 @@ pub async fn allocatable(ctx: &Context, progress: &Progress) -> Result<Evidence,
         .join(", ");
     Ok(Evidence {
         summary: format!("allocatable {summary} as expected"),
-        detail,
+        detail: Detail::Allocatable(AllocatableDetail {
+            expected,
+            matched_after_ms: t0.elapsed().as_millis() as u64,
+            resource_version: node.metadata.resource_version.clone(),
+            gfd,
+        }),
     })
 }
 
@@ -102,7 +109,7 @@ pub async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
     let Some(fc) = &ctx.config.fit else {
         return Ok(Evidence {
             summary: "no serving group configured".into(),
-            detail: json!(null),
+            detail: Detail::None,
         });
     };
     let api = ctx.api()?;
@@ -121,6 +128,9 @@ pub async fn fit(ctx: &Context) -> Result<Evidence, StageFailure> {
     }
     Ok(Evidence {
         summary: ev.summary(),
-        detail: json!({"table": table, "promised": fc.promised_groups}),
+        detail: Detail::Fit(FitDetail {
+            table,
+            promised: fc.promised_groups,
+        }),
     })
 }

@@ -5,6 +5,7 @@
 
 use crate::boundaries::Boundaries;
 use crate::config::{Config, StageSettings};
+use crate::evidence::Detail;
 use crate::reasons::Reason;
 use crate::stage::Stage;
 use crate::timeline::Clock;
@@ -20,8 +21,8 @@ use tokio_util::sync::CancellationToken;
 pub struct Evidence {
     /// One line for the timeline table.
     pub summary: String,
-    /// Structured detail for the JSON timeline.
-    pub detail: serde_json::Value,
+    /// What the stage proved, typed per stage.
+    pub detail: Detail,
 }
 
 /// A stage failure: a stable reason code, a message naming what failed, and whether

@@ -5,9 +5,9 @@
 //! so the report says what was decided and why.
 
 use super::context::{Context, Evidence, Progress, StageFailure};
+use crate::evidence::{Detail, DraDetail, NotApplicable};
 use crate::reasons::Reason;
 use crate::stage::PublicationPath;
-use serde_json::json;
 use taintgate_validators::dra::evidence::{
     Publication, PublicationMode, decide_publication, evaluate, expected_from_inventory,
 };
@@ -47,7 +47,10 @@ pub async fn not_applicable(ctx: &Context, path: PublicationPath) -> Result<Opti
     };
     Ok((!used).then(|| Evidence {
         summary: format!("not applicable: {}", p.why),
-        detail: json!({"notApplicable": true, "publication": p}),
+        detail: Detail::NotApplicable(NotApplicable {
+            not_applicable: true,
+            publication: p.clone(),
+        }),
     }))
 }
 
@@ -90,6 +93,10 @@ pub async fn dra(ctx: &Context, progress: &Progress) -> Result<Evidence, StageFa
             },
             p.why
         ),
-        detail: json!({"dra": ev, "registration": registration, "publication": p}),
+        detail: Detail::Dra(DraDetail {
+            dra: ev,
+            registration,
+            publication: p.clone(),
+        }),
     })
 }

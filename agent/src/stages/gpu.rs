@@ -2,8 +2,8 @@
 //! `smoke` (a CUDA kernel on every GPU) and `peer-bw` (each peer domain's bandwidth).
 
 use super::context::{Context, Evidence, Progress, StageFailure, blocking};
+use crate::evidence::{Detail, DriverDetail, PeerDomain, SmokeGpu};
 use crate::reasons::Reason;
-use serde_json::json;
 use std::time::Duration;
 use taintgate_validators::gpu::PeerBwOptions;
 use taintgate_validators::gpu::decide::{
@@ -63,7 +63,12 @@ pub async fn driver(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
         ev.gpu_count,
         inv.domains.len()
     );
-    let detail = json!({"gpus": ev.gpu_count, "expectedCountFrom": count_source, "warnings": ev.warnings, "startupRecord": startup_record(&inv)});
+    let detail = Detail::Driver(DriverDetail {
+        gpus: ev.gpu_count,
+        expected_count_from: count_source,
+        warnings: ev.warnings.clone(),
+        startup_record: startup_record(&inv),
+    });
     for w in &ev.warnings {
         tracing::warn!(warning = %w, "driver stage warning");
     }
@@ -96,11 +101,16 @@ pub async fn smoke(ctx: &Context) -> Result<Evidence, StageFailure> {
             .map(|s| format!(", slowest GPU {} {} ms", s.index, s.duration.as_millis()))
             .unwrap_or_default()
     );
-    let detail = json!(
+    let detail = Detail::Smoke(
         results
             .iter()
-            .map(|r| json!({"gpu": r.index, "uuid": r.uuid, "bytes": r.bytes, "ms": r.duration.as_millis() as u64}))
-            .collect::<Vec<_>>()
+            .map(|r| SmokeGpu {
+                gpu: r.index,
+                uuid: r.uuid.clone(),
+                bytes: r.bytes,
+                ms: r.duration.as_millis() as u64,
+            })
+            .collect(),
     );
     Ok(Evidence { summary, detail })
 }
@@ -124,7 +134,10 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         // to: a named outcome, not a measurement that would divide by nothing.
         if d.gpus.len() < 2 {
             lines.push(format!("domain {} is a single GPU: no peer to measure", d.id));
-            detail.push(json!({"domain": d.id, "gpus": d.gpus, "singleGpu": true}));
+            detail.push(PeerDomain {
+                single_gpu: true,
+                ..PeerDomain::new(d.id, d.gpus.clone())
+            });
             continue;
         }
         // MIG instances have no CUDA peer access to each other or to other GPUs: a domain
@@ -141,7 +154,10 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
                 "domain {} not measured: MIG enabled on GPUs {mig:?} (no peer access between MIG instances)",
                 d.id
             ));
-            detail.push(json!({"domain": d.id, "gpus": d.gpus, "migEnabled": mig}));
+            detail.push(PeerDomain {
+                mig_enabled: mig,
+                ..PeerDomain::new(d.id, d.gpus.clone())
+            });
             continue;
         }
         let gpu = ctx.boundaries.gpu.clone();
@@ -163,6 +179,7 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         };
         let verdicts = evaluate_domain_pairs(&inv, &d, &m, &thresholds)?;
         let min_pair = m.pairs.iter().map(|p| p.gbps).fold(f64::INFINITY, f64::min);
+        let measured_min = m.pairs.iter().map(|p| p.gbps).reduce(f64::min);
         let direct = verdicts.iter().filter(|v| v.direct).count();
         lines.push(match m.allreduce_busbw_gbps {
             Some(b) => format!(
@@ -179,10 +196,16 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         if let Some(why) = &m.allreduce_skipped {
             tracing::warn!(domain = d.id, why = %why, "all-reduce not measured");
         }
-        detail.push(json!({"domain": d.id, "gpus": d.gpus, "busbwGbps": m.allreduce_busbw_gbps, "minPairGbps": min_pair, "skipped": m.allreduce_skipped, "pairs": verdicts}));
+        detail.push(PeerDomain {
+            busbw_gbps: m.allreduce_busbw_gbps,
+            min_pair_gbps: measured_min,
+            skipped: m.allreduce_skipped.clone(),
+            pairs: verdicts,
+            ..PeerDomain::new(d.id, d.gpus.clone())
+        });
     }
     Ok(Evidence {
         summary: lines.join(", "),
-        detail: json!(detail),
+        detail: Detail::PeerBw(detail),
     })
 }

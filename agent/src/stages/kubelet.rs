@@ -3,6 +3,7 @@
 //! specs name every device, through [`crate::boundaries::cdi`]).
 
 use super::context::{Context, Evidence, StageFailure, blocking};
+use crate::evidence::Detail;
 use crate::reasons::Reason;
 use std::collections::BTreeMap;
 use taintgate_validators::kubelet;
@@ -34,7 +35,7 @@ pub async fn device_plugin(ctx: &Context) -> Result<Evidence, StageFailure> {
     let (ev, summary) = side.check(&expected, &capacity).await?;
     Ok(Evidence {
         summary,
-        detail: serde_json::to_value(&ev).unwrap_or_default(),
+        detail: Detail::DevicePlugin(ev),
     })
 }
 
@@ -73,6 +74,6 @@ pub async fn cdi(ctx: &Context) -> Result<Evidence, StageFailure> {
     let ev = blocking("CDI spec", move || cdi.check(&all2)).await??;
     Ok(Evidence {
         summary: format!("CDI entries with device nodes for {} devices", all.len()),
-        detail: serde_json::to_value(&ev).unwrap_or_default(),
+        detail: Detail::Cdi(ev),
     })
 }

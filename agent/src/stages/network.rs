@@ -5,8 +5,8 @@
 //! `taintgate_validators::gpu::fabric` and `taintgate_validators::network::decide`.
 
 use super::context::{Context, Evidence, Progress, StageFailure, blocking};
+use crate::evidence::{Detail, FabricDetail, NetworkDetail};
 use crate::reasons::Reason;
-use serde_json::json;
 use std::time::{Duration, Instant};
 use taintgate_validators::gpu::fabric::{FabricOutcome, evaluate_fabric, evaluate_imex, still_pending};
 use taintgate_validators::network::decide::{
@@ -70,7 +70,11 @@ pub async fn fabric(ctx: &Context, progress: &Progress) -> Result<Evidence, Stag
     }
     Ok(Evidence {
         summary,
-        detail: json!({"fabric": outcome, "imexChannels": channels, "waitedMs": started.elapsed().as_millis() as u64}),
+        detail: Detail::Fabric(FabricDetail {
+            fabric: outcome,
+            imex_channels: channels,
+            waited_ms: started.elapsed().as_millis() as u64,
+        }),
     })
 }
 
@@ -128,12 +132,12 @@ pub async fn network(ctx: &Context) -> Result<Evidence, StageFailure> {
     };
     Ok(Evidence {
         summary,
-        detail: json!({
-            "ports": ports,
-            "flapWindowS": if flaps_counted { cfg.flap_window.as_secs() } else { 0 },
-            "gpudirect": view.gpudirect,
-            "affinity": map,
-            "devInfiniband": view.dev_infiniband,
+        detail: Detail::Network(NetworkDetail {
+            ports,
+            flap_window_s: if flaps_counted { cfg.flap_window.as_secs() } else { 0 },
+            gpudirect: view.gpudirect.clone(),
+            affinity: map,
+            dev_infiniband: view.dev_infiniband.clone(),
         }),
     })
 }

@@ -4,8 +4,8 @@
 //! ([`crate::run::lifecycle`]), after a bootstrap.
 
 use super::context::{Context, Evidence, StageFailure, blocking};
+use crate::evidence::{Detail, ImagesDetail, ModelsDetail};
 use crate::reasons::Reason;
-use serde_json::json;
 
 /// The `models` stage: every configured bundle downloaded and sha256-verified into the
 /// cache, keeping free the reserve the kubelet's disk thresholds ask for (read through the
@@ -18,7 +18,7 @@ pub async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
         let _ = ctx.prefetched.set(taintgate_prefetch::PrefetchReport::default());
         return Ok(Evidence {
             summary: "no bundles configured".into(),
-            detail: json!(null),
+            detail: Detail::None,
         });
     }
     let mut opts = m.fetch.clone();
@@ -50,10 +50,10 @@ pub async fn models(ctx: &Context) -> Result<Evidence, StageFailure> {
             report.bytes_fetched as f64 / 1e6,
             report.bytes_from_cache as f64 / 1e6,
         ),
-        detail: json!({
-            "bytesFetched": report.bytes_fetched,
-            "bytesCached": report.bytes_from_cache,
-            "report": serde_json::to_value(&report).unwrap_or_default(),
+        detail: Detail::Models(ModelsDetail {
+            bytes_fetched: report.bytes_fetched,
+            bytes_cached: report.bytes_from_cache,
+            report: report.clone(),
         }),
     };
     let _ = ctx.prefetched.set(report);
@@ -68,7 +68,7 @@ pub async fn images(ctx: &Context) -> Result<Evidence, StageFailure> {
     if cfg.images.is_empty() {
         return Ok(Evidence {
             summary: "no images configured".into(),
-            detail: json!(null),
+            detail: Detail::None,
         });
     }
     // prepull retries transient errors itself, within each image's deadline.
@@ -91,6 +91,6 @@ pub async fn images(ctx: &Context) -> Result<Evidence, StageFailure> {
             bytes as f64 / 1e6,
             if simulated { " (simulated runtime)" } else { "" }
         ),
-        detail: json!({"bytes": bytes, "report": serde_json::to_value(&report).unwrap_or_default()}),
+        detail: Detail::Images(ImagesDetail { bytes, report }),
     })
 }

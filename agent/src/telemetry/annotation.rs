@@ -392,7 +392,7 @@ mod tests {
                     reason: (i == 3).then_some(Reason::GpuCountMismatch),
                     message: None,
                     summary: String::new(),
-                    evidence: serde_json::Value::Null,
+                    evidence: crate::evidence::Detail::None,
                 })
                 .collect(),
             verdict: Some(Verdict {

@@ -605,9 +605,8 @@ mod tests {
     use super::*;
     use crate::timeline::{StageRecord, Verdict};
     use jiff::Timestamp;
-    use serde_json::{Value, json};
 
-    fn rec(stage: &str, dur: u64, outcome: Outcome, reason: Option<&str>, ev: Value) -> StageRecord {
+    fn rec(stage: &str, dur: u64, outcome: Outcome, reason: Option<&str>, ev: crate::evidence::Detail) -> StageRecord {
         StageRecord {
             stage: crate::stage::RecordKind::from_name(stage).unwrap(),
             start: Timestamp::UNIX_EPOCH,
@@ -629,16 +628,37 @@ mod tests {
             agent_start: Timestamp::UNIX_EPOCH,
             gpu_backend: "simulated".into(),
             stages: vec![
-                rec("driver", 300, Outcome::Passed, None, json!({"gpus": 8})),
+                rec(
+                    "driver",
+                    300,
+                    Outcome::Passed,
+                    None,
+                    crate::evidence::Detail::Driver(crate::evidence::DriverDetail {
+                        gpus: 8,
+                        expected_count_from: String::new(),
+                        warnings: Vec::new(),
+                        startup_record: Vec::new(),
+                    }),
+                ),
                 rec(
                     "models",
                     7000,
                     if released { Outcome::Passed } else { Outcome::Failed },
                     (!released).then_some("DigestMismatch"),
-                    json!({"bytesFetched": 1000, "bytesCached": 24}),
+                    crate::evidence::Detail::Models(crate::evidence::ModelsDetail {
+                        bytes_fetched: 1000,
+                        bytes_cached: 24,
+                        report: Default::default(),
+                    }),
                 ),
-                rec("fit", 0, Outcome::Skipped, Some("DependencyFailed"), Value::Null),
-                rec("untaint", 20, Outcome::Passed, None, Value::Null),
+                rec(
+                    "fit",
+                    0,
+                    Outcome::Skipped,
+                    Some("DependencyFailed"),
+                    crate::evidence::Detail::None,
+                ),
+                rec("untaint", 20, Outcome::Passed, None, crate::evidence::Detail::None),
             ],
             verdict: Some(Verdict {
                 released,

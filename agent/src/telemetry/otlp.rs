@@ -35,7 +35,6 @@ use opentelemetry::{InstrumentationScope, KeyValue};
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanExporter, SpanLinks};
-use serde_json::Value;
 use std::borrow::Cow;
 use std::sync::LazyLock;
 use std::time::{Duration, SystemTime};
@@ -154,21 +153,15 @@ pub fn stage_end(r: &StageRecord) -> Timestamp {
         .unwrap_or(r.start)
 }
 
-fn evidence_u64(ev: &Value, key: &str) -> Option<u64> {
-    ev.get(key).and_then(Value::as_u64)
-}
-
-/// GPU count from the driver stage's evidence (`gpus`), when it ran.
+/// GPU count from the driver stage's evidence, when it ran.
 pub fn gpu_count(t: &Timeline) -> Option<u64> {
-    t.stage(crate::stage::Stage::Driver)
-        .and_then(|r| evidence_u64(&r.evidence, "gpus"))
+    t.stage(crate::stage::Stage::Driver).and_then(|r| r.evidence.gpus())
 }
 
-/// Bytes a stage moved, from its evidence: `(bytesFetched, bytesCached)`; a plain
-/// `bytes` counts as fetched. Absent keys are `None`.
+/// Bytes a stage moved, from its evidence: `(fetched, cached)`; `None` where the stage
+/// moves no bytes or did not say.
 pub fn stage_bytes(r: &StageRecord) -> (Option<u64>, Option<u64>) {
-    let fetched = evidence_u64(&r.evidence, "bytesFetched").or_else(|| evidence_u64(&r.evidence, "bytes"));
-    (fetched, evidence_u64(&r.evidence, "bytesCached"))
+    r.evidence.bytes()
 }
 
 fn stage_attributes(node: &str, r: &StageRecord) -> Vec<KeyValue> {
@@ -187,7 +180,7 @@ fn stage_attributes(node: &str, r: &StageRecord) -> Vec<KeyValue> {
     if !r.summary.is_empty() {
         a.push(KeyValue::new("taintgate.summary", r.summary.clone()));
     }
-    if let Some(n) = evidence_u64(&r.evidence, "gpus") {
+    if let Some(n) = r.evidence.gpus() {
         a.push(KeyValue::new("taintgate.gpu.count", n as i64));
     }
     let (fetched, cached) = stage_bytes(r);
@@ -500,7 +493,6 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::timeline::Verdict;
-    use serde_json::json;
 
     #[test]
     fn protocol_values() {
@@ -522,7 +514,14 @@ mod tests {
         s.parse().unwrap()
     }
 
-    fn rec(stage: &str, start: &str, start_ms: u64, dur: u64, outcome: Outcome, ev: Value) -> StageRecord {
+    fn rec(
+        stage: &str,
+        start: &str,
+        start_ms: u64,
+        dur: u64,
+        outcome: Outcome,
+        ev: crate::evidence::Detail,
+    ) -> StageRecord {
         StageRecord {
             stage: crate::stage::RecordKind::from_name(stage).unwrap(),
             start: ts(start),
@@ -586,7 +585,12 @@ mod tests {
                     10,
                     800,
                     Outcome::Passed,
-                    json!({"gpus": 8}),
+                    crate::evidence::Detail::Driver(crate::evidence::DriverDetail {
+                        gpus: 8,
+                        expected_count_from: String::new(),
+                        warnings: Vec::new(),
+                        startup_record: Vec::new(),
+                    }),
                 ),
                 rec(
                     "models",
@@ -594,7 +598,11 @@ mod tests {
                     20,
                     5000,
                     Outcome::Failed,
-                    json!({"bytesFetched": 100, "bytesCached": 50}),
+                    crate::evidence::Detail::Models(crate::evidence::ModelsDetail {
+                        bytes_fetched: 100,
+                        bytes_cached: 50,
+                        report: Default::default(),
+                    }),
                 ),
             ],
             verdict: Some(Verdict {

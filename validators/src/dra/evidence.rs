@@ -136,7 +136,7 @@ pub fn expected_from_inventory(inv: &Inventory) -> Expected {
 }
 
 /// What a complete, equal publication proved.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DraEvidence {
     /// Driver name.
     pub driver: String,
@@ -196,7 +196,7 @@ pub enum PublicationMode {
 }
 
 /// What the agent checks on this node, and why.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Publication {
     /// Check the device-plugin path (allocatable, plugin, CDI, fit).
     pub device_plugin: bool,
@@ -235,7 +235,7 @@ pub fn decide_publication(mode: PublicationMode, labels: &BTreeMap<String, Strin
 }
 
 /// What the driver's kubelet plugin said at registration.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Registration {
     /// The socket that answered.
     pub socket: PathBuf,

@@ -930,7 +930,7 @@ pub struct PeerThresholds {
 }
 
 /// One measured pair beside what its path should carry (the stage's evidence).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PairVerdict {
     /// Source GPU index.

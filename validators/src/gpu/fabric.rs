@@ -13,7 +13,7 @@ use crate::reason::Reason;
 use serde::Serialize;
 
 /// What the GPUs' fabric state says, short of a failure.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase", tag = "outcome")]
 pub enum FabricOutcome {
     /// No GPU is part of a fabric (PCIe or NVLink-bridge systems, drivers before R525).
@@ -28,7 +28,7 @@ pub enum FabricOutcome {
 }
 
 /// A registered, healthy fabric.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct FabricEvidence {
     /// The cluster every GPU belongs to.

@@ -331,7 +331,7 @@ pub const LABEL_COUNT: &str = "nvidia.com/gpu.count";
 pub const LABEL_MEMORY: &str = "nvidia.com/gpu.memory";
 
 /// Which labels were present and agreed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GfdEvidence {
     /// Labels checked (absent ones are skipped: GFD is optional).
     pub checked: Vec<String>,

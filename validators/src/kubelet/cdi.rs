@@ -225,7 +225,7 @@ impl crate::reason::ReasonCode for CdiFailure {
 }
 
 /// Evidence of the runtime stage.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CdiEvidence {
     /// Advertised device → the fully qualified CDI name that injects it.
     pub devices: BTreeMap<String, String>,

@@ -77,7 +77,7 @@ pub struct PluginDevice {
 }
 
 /// `GetDevicePluginOptions`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PluginOptions {
     /// PreStartContainer must be called before each container start.
     pub pre_start_required: bool,
@@ -566,7 +566,7 @@ pub fn compare_kubelet_devices(
 }
 
 /// Evidence for one resource's plugin.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PluginResourceEvidence {
     /// Resource name.
     pub resource: String,
@@ -581,10 +581,10 @@ pub struct PluginResourceEvidence {
 }
 
 /// Evidence of the device-plugin stage.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DevicePluginEvidence {
     /// Which probe produced it.
-    pub backend: &'static str,
+    pub backend: std::borrow::Cow<'static, str>,
     /// Per resource.
     pub resources: Vec<PluginResourceEvidence>,
     /// The kubelet's pod-resources view was checked and agreed.
@@ -615,7 +615,7 @@ pub async fn check_device_plugin(
         compare_kubelet_devices(expected, &kubelet)?;
     }
     Ok(DevicePluginEvidence {
-        backend: probe.backend(),
+        backend: probe.backend().into(),
         resources,
         kubelet_checked: check_kubelet,
     })

@@ -127,7 +127,7 @@ pub async fn check_kubelet_view(
         r.devices = kubelet.devices.get(&r.resource).map_or(0, BTreeSet::len);
     }
     Ok(DevicePluginEvidence {
-        backend: "kubelet-view",
+        backend: "kubelet-view".into(),
         resources,
         kubelet_checked: true,
     })

@@ -284,7 +284,7 @@ pub fn evaluate_gpudirect(view: &NetworkView, rule: GpuDirectRule) -> Result<Str
 }
 
 /// How near a GPU's NIC is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Nearness {
     /// No RDMA NIC on its NUMA node or switch.
@@ -296,7 +296,7 @@ pub enum Nearness {
 }
 
 /// One GPU's nearest NIC.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuNic {
     /// NVML index.
