@@ -29,6 +29,38 @@ pub enum StampKind {
     Post,
 }
 
+/// How a bootstrap ended, as the chain names its verdict stamp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Ending {
+    /// The startup taint was removed.
+    Released,
+    /// Dry-run: every required stage had evidence.
+    WouldRelease,
+    /// A required stage lacked evidence.
+    Held,
+}
+
+impl Ending {
+    /// The verdict stamp's name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Ending::Released => "released",
+            Ending::WouldRelease => "would-release",
+            Ending::Held => "held",
+        }
+    }
+
+    /// The ending of a verdict.
+    pub const fn of(released: bool, dry_run: bool) -> Self {
+        match (released, dry_run) {
+            (true, false) => Ending::Released,
+            (true, true) => Ending::WouldRelease,
+            (false, _) => Ending::Held,
+        }
+    }
+}
+
 /// One stamp in a chain.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ChainStamp {
@@ -39,10 +71,13 @@ pub struct ChainStamp {
     pub at_ms: i64,
     /// Kind.
     pub kind: StampKind,
-    /// Stage outcome (stage stamps) or verdict reason.
+    /// How the stage ended (stage-end stamps).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub outcome: Option<String>,
-    /// Reason code, when the stage failed or the node was held.
+    pub outcome: Option<Outcome>,
+    /// How the bootstrap ended (the verdict stamp).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ending: Option<Ending>,
+    /// Reason code: a stage's failure, or the verdict's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<Reason>,
     /// Order among stamps at the same millisecond (causal order).
@@ -119,6 +154,7 @@ impl Chain {
                 at_ms: s.at.as_millisecond(),
                 kind: StampKind::Pre,
                 outcome: None,
+                ending: None,
                 reason: None,
                 tie: pre_rank(&s.name),
             });
@@ -128,6 +164,7 @@ impl Chain {
             at_ms: origin,
             kind: StampKind::AgentStart,
             outcome: None,
+            ending: None,
             reason: None,
             tie: 10,
         });
@@ -141,6 +178,7 @@ impl Chain {
                 at_ms: start,
                 kind: StampKind::StageStart,
                 outcome: None,
+                ending: None,
                 reason: None,
                 tie: 30,
             });
@@ -150,7 +188,8 @@ impl Chain {
                 name: format!("{}.end", e.name),
                 at_ms: end,
                 kind: StampKind::StageEnd,
-                outcome: Some(e.outcome.as_str().to_string()),
+                outcome: Some(e.outcome),
+                ending: None,
                 reason,
                 tie: if e.duration_ms == 0 { 35 } else { 20 },
             });
@@ -163,17 +202,14 @@ impl Chain {
             });
         }
         if let Some(v) = &doc.verdict {
-            let name = match (v.released, v.dry_run) {
-                (true, false) => "released",
-                (true, true) => "would-release",
-                (false, _) => "held",
-            };
+            let ending = Ending::of(v.released, v.dry_run);
             stamps.push(ChainStamp {
-                name: name.into(),
+                name: ending.name().into(),
                 at_ms: origin.saturating_add(v.at_ms as i64),
                 kind: StampKind::Verdict,
-                outcome: v.reason.map(|r| r.to_string()),
-                reason: v.reason.filter(|_| !v.released),
+                outcome: None,
+                ending: Some(ending),
+                reason: v.reason,
                 tie: 40,
             });
         }
@@ -187,6 +223,7 @@ impl Chain {
                 at_ms: s.at.as_millisecond(),
                 kind: StampKind::Post,
                 outcome: None,
+                ending: None,
                 reason: None,
                 tie: 50 + rank,
             });
@@ -242,7 +279,7 @@ impl Chain {
         let first = self.stamps.first().map(|s| s.at_ms).unwrap_or(0);
         let total = self.stamps.last().map(|s| s.at_ms - first).unwrap_or(0).max(0) as u64;
         let verdict = match self.verdict() {
-            Some(v) => format!("{} ({})", v.name, v.outcome.as_deref().unwrap_or("")),
+            Some(v) => format!("{} ({})", v.name, v.reason.map(Reason::as_str).unwrap_or("")),
             None => "no verdict recorded".into(),
         };
         out.push_str(&format!(
@@ -389,10 +426,10 @@ pub fn waited_on_name(name: &str) -> String {
 
 fn waited_on(s: &ChainStamp) -> String {
     let base = waited_on_name(&s.name);
-    match (&s.kind, s.outcome.as_deref(), s.reason) {
-        (StampKind::StageEnd, Some(o), Some(r)) if o != "passed" => format!("{base} [{o}: {r}]"),
-        (StampKind::StageEnd, Some(o), None) if o != "passed" => format!("{base} [{o}]"),
-        (StampKind::Verdict, _, Some(r)) => format!("{base} ({r})"),
+    match (s.outcome, s.ending, s.reason) {
+        (Some(o), _, Some(r)) if o != Outcome::Passed => format!("{base} [{}: {r}]", o.as_str()),
+        (Some(o), _, None) if o != Outcome::Passed => format!("{base} [{}]", o.as_str()),
+        (None, Some(Ending::Held), Some(r)) => format!("{base} ({r})"),
         _ => base,
     }
 }
@@ -491,6 +528,7 @@ mod tests {
             at_ms: 1767225725001,
             kind: StampKind::Post,
             outcome: None,
+            ending: None,
             reason: None,
             tie: 51,
         };

@@ -7,7 +7,7 @@
 //! interpolation), so "p90 = 42.1s" means at least 90% of nodes waited 42.1s or less and
 //! some node waited exactly that long.
 
-use crate::fleet::chain::{Chain, ran, waited_on_name};
+use crate::fleet::chain::{Chain, Ending, ran, waited_on_name};
 use crate::reasons::Reason;
 use crate::timeline::{Outcome, fmt_ms};
 use serde::Serialize;
@@ -122,10 +122,10 @@ impl FleetReport {
                     e.1 += 1;
                 }
             }
-            match c.verdict().map(|v| v.name.as_str()) {
-                Some("released") | Some("would-release") => released += 1,
-                Some("held") => held += 1,
-                _ => {}
+            match c.verdict().and_then(|v| v.ending) {
+                Some(Ending::Released | Ending::WouldRelease) => released += 1,
+                Some(Ending::Held) => held += 1,
+                None => {}
             }
         }
         // Order rows by where the interval usually sits in a chain (median position).
@@ -295,6 +295,7 @@ mod tests {
             at_ms,
             kind,
             outcome: None,
+            ending: None,
             reason: None,
             tie: 0,
         }
@@ -315,7 +316,13 @@ mod tests {
                 reason: None,
             });
         }
-        stamps.push(stamp(verdict.0, verdict.1, StampKind::Verdict));
+        let mut v = stamp(verdict.0, verdict.1, StampKind::Verdict);
+        v.ending = Some(match verdict.0 {
+            "held" => Ending::Held,
+            "would-release" => Ending::WouldRelease,
+            _ => Ending::Released,
+        });
+        stamps.push(v);
         stamps.sort_by_key(|s| s.at_ms);
         Chain {
             node: node.into(),

@@ -253,7 +253,7 @@ pub fn gantt_svg(c: &Chain) -> String {
         Some(v) => format!(
             "{} ({}) {} after {}",
             v.name,
-            v.outcome.as_deref().unwrap_or(""),
+            v.reason.map(crate::reasons::Reason::as_str).unwrap_or(""),
             fmt_ms((v.at_ms - first).max(0) as u64),
             c.stamps.first().map(|s| s.name.as_str()).unwrap_or("-")
         ),
