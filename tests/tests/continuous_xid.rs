@@ -13,7 +13,7 @@
 
 use serde_json::json;
 use std::time::Duration;
-use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::agent::{Agent, NODE, TAINT, condition};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::*;
 use taintgate_tests::faults::*;
@@ -35,10 +35,10 @@ impl Scenario {
         let profile = write_profile(dir.path(), "profile.yaml", "8gpu-two-domains", &overlay).unwrap();
         let config = write_config(dir.path(), "config.yaml", config).unwrap();
         let port = taintgate_tests::services::free_port().unwrap();
-        let mut args = agent_args(&profile, &config, &api, false);
-        args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let agent = RunningAgent::spawn(agent_command(&args).unwrap()).unwrap();
+        let agent = Agent::run_against(&api, &profile, &config)
+            .metrics_addr(format!("127.0.0.1:{port}"))
+            .running()
+            .unwrap();
         Self {
             api,
             agent: ResidentAgent::new(agent),

@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::agent::{Agent, NODE, TAINT, condition};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::*;
 use taintgate_tests::faults::*;
@@ -103,27 +103,17 @@ impl Scenario {
         });
         let config = write_config(dir.path(), "config.yaml", &overlay.to_string()).unwrap();
         let port = taintgate_tests::services::free_port().unwrap();
-        let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
-        let config = config.to_string_lossy().into_owned();
-        let metrics_addr = format!("127.0.0.1:{port}");
-        let args = [
-            "run",
-            "--kubeconfig",
-            &kubeconfig,
-            "--node-name",
-            NODE,
-            "--config",
-            &config,
-            "--output",
-            "json",
-            "--log-format",
-            "json",
-            "--metrics-addr",
-            &metrics_addr,
-        ];
-        let mut cmd = agent_command(&args).unwrap();
-        cmd.env_remove("TAINTGATE_NVML_LIBRARY").env_remove("FAKE_NVML_PROFILE");
-        let agent = RunningAgent::spawn(cmd).unwrap();
+        let agent = Agent::run()
+            .api(&api)
+            .node(NODE)
+            .config(&config)
+            .json()
+            .log_json()
+            .metrics_addr(format!("127.0.0.1:{port}"))
+            .env_remove("TAINTGATE_NVML_LIBRARY")
+            .env_remove("FAKE_NVML_PROFILE")
+            .running()
+            .unwrap();
         Self {
             api,
             agent: ResidentAgent::new(agent),
