@@ -1,8 +1,10 @@
 //! Helpers for end-to-end tests that run the real `taintgate` binary against the real API
-//! server: the reference node as Kubernetes serves it, and a bounded agent run.
+//! server: [`Agent`], the one builder every test launches the binary with, and the
+//! reference node as Kubernetes serves it.
 
 use crate::cluster::{ApiServer, NodeBuilder};
 use crate::faults::RunningAgent;
+use k8s_openapi::api::core::v1::Node;
 use serde_json::Value;
 use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
@@ -53,14 +55,16 @@ pub fn reference_node(registered: bool) -> NodeBuilder {
 }
 
 /// Do what Karpenter's registration does to `node` (label `karpenter.sh/registered=true`,
-/// the `karpenter.sh/unregistered` taint removed), as a real write to the server.
-pub fn register_like_karpenter(api: &ApiServer, node: &str) -> anyhow::Result<Value> {
-    api.mutate_object("nodes", node, |n| {
+/// the `karpenter.sh/unregistered` taint removed), as a real write to the server; the Node
+/// as the server stored it.
+pub fn register_like_karpenter(api: &ApiServer, node: &str) -> anyhow::Result<Node> {
+    let stored = api.mutate_object("nodes", node, |n| {
         n["metadata"]["labels"]["karpenter.sh/registered"] = serde_json::json!("true");
         if let Some(t) = n["spec"]["taints"].as_array_mut() {
             t.retain(|t| t["key"] != "karpenter.sh/unregistered");
         }
-    })
+    })?;
+    Ok(serde_json::from_value(stored)?)
 }
 
 /// What the builder removes from the agent's environment: whatever would point it at a

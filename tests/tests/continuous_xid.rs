@@ -79,7 +79,7 @@ fn continuous_mode_taints_the_node_on_a_fatal_xid_after_release() {
     );
     wait_for_event(&s.api, "XidFatal");
     let ev = &events_with_reason(&s.api, "XidFatal")[0];
-    assert_eq!(ev["type"], "Warning");
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
     // The release happened first: one removal, and it precedes the taint's addition.
     let reqs = s.api.requests();
     let removal = reqs.iter().position(|r| is_taint_removal(r, NODE)).expect("removal");
@@ -157,8 +157,8 @@ fn without_continuous_mode_a_fatal_xid_is_reported_but_not_tainted() {
     assert_condition(&after, "AcceleratedHardwareReady", "True", "HardwareVerified");
     let ev = &events_with_reason(&s.api, "XidFatal")[0];
     assert!(
-        ev["message"].as_str().unwrap().contains("continuous mode is off"),
-        "{ev}"
+        ev.message.as_deref().unwrap().contains("continuous mode is off"),
+        "{ev:?}"
     );
     assert_eq!(log_count(&run.stderr, "fatal XID after release"), 1);
     // No add patch was ever sent.

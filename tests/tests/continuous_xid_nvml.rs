@@ -227,9 +227,9 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
     let stop_took = t1.elapsed();
     let events = events_with_reason(&s.api, "XidFatal");
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["type"], "Warning");
-    assert_eq!(events[0]["involvedObject"]["kind"], "Node");
-    let msg = events[0]["message"].as_str().unwrap();
+    assert_eq!(events[0].type_.as_deref(), Some("Warning"));
+    assert_eq!(events[0].involved_object.kind.as_deref(), Some("Node"));
+    let msg = events[0].message.as_deref().unwrap();
     assert!(msg.contains("GPU 1: XID 79"), "{msg}");
 
     // Exactly once: one add patch, one entry; the startup taint was removed once and
@@ -293,8 +293,8 @@ fn warning_xid_through_nvml_is_only_reported() {
     let run = s.stop();
     let events = events_with_reason(&s.api, "XidWarning");
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["type"], "Warning");
-    let msg = events[0]["message"].as_str().unwrap();
+    assert_eq!(events[0].type_.as_deref(), Some("Warning"));
+    let msg = events[0].message.as_deref().unwrap();
     assert!(msg.contains("GPU 3: XID 92") && !msg.contains("XID 13"), "{msg}");
     assert!(events_with_reason(&s.api, "XidFatal").is_empty());
 
