@@ -3,9 +3,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The built binary with nothing of this machine's cluster, node or config in its
+/// environment: the start of every launch here ([`Cli::command`]).
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_taintgate"));
     c.env_remove("KUBECONFIG")
@@ -13,6 +16,81 @@ fn bin() -> Command {
         .env_remove("NODE_NAME")
         .env_remove("TAINTGATE_CONFIG");
     c
+}
+
+/// One launch of the agent in this file: a subcommand and its flags, named once. (This
+/// crate's tests cannot use the tests crate's `Agent` builder: that crate depends on this
+/// one.)
+#[derive(Clone)]
+struct Cli {
+    args: Vec<OsString>,
+}
+
+impl Cli {
+    /// `taintgate ARGS…` (a subcommand, or global flags before it).
+    fn new<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(args: I) -> Self {
+        Self {
+            args: args.into_iter().map(|a| a.as_ref().to_owned()).collect(),
+        }
+    }
+
+    fn run() -> Self {
+        Self::new(["run"])
+    }
+
+    fn check() -> Self {
+        Self::new(["check"])
+    }
+
+    /// `--simulate PROFILE` (`builtin` or a path).
+    fn simulate(self, profile: impl AsRef<OsStr>) -> Self {
+        self.arg("--simulate").arg(profile)
+    }
+
+    /// `--config PATH`.
+    fn config(self, path: impl AsRef<OsStr>) -> Self {
+        self.arg("--config").arg(path)
+    }
+
+    /// `--stages LIST`.
+    fn stages(self, list: &str) -> Self {
+        self.arg("--stages").arg(list)
+    }
+
+    /// `--node-name NAME`.
+    fn node(self, name: &str) -> Self {
+        self.arg("--node-name").arg(name)
+    }
+
+    fn once(self) -> Self {
+        self.arg("--once")
+    }
+
+    fn dry_run(self) -> Self {
+        self.arg("--dry-run")
+    }
+
+    /// `--output json`.
+    fn json(self) -> Self {
+        self.arg("--output").arg("json")
+    }
+
+    fn arg(mut self, a: impl AsRef<OsStr>) -> Self {
+        self.args.push(a.as_ref().to_owned());
+        self
+    }
+
+    /// [`bin`] with these arguments, for what else a test sets (environment, pipes).
+    fn command(&self) -> Command {
+        let mut c = bin();
+        c.args(&self.args);
+        c
+    }
+
+    /// Run to completion.
+    fn output(&self) -> Output {
+        self.command().output().unwrap()
+    }
 }
 
 fn profile(name: &str) -> String {
@@ -33,7 +111,7 @@ fn text(o: &Output) -> String {
 
 #[test]
 fn check_on_builtin_profile_prints_every_stage_and_would_release() {
-    let o = bin().args(["check", "--simulate", "builtin"]).output().unwrap();
+    let o = Cli::check().simulate("builtin").output();
     let out = text(&o);
     assert_eq!(o.status.code(), Some(0), "{out}");
     for stage in [
@@ -58,8 +136,9 @@ fn check_on_builtin_profile_prints_every_stage_and_would_release() {
 
 #[test]
 fn first_run_shows_every_boundary_with_the_demo_config() {
-    let child = bin()
-        .args(["check", "--simulate", "builtin"])
+    let child = Cli::check()
+        .simulate("builtin")
+        .command()
         .env_remove("TAINTGATE_CONFIG")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -99,11 +178,7 @@ fn first_run_shows_every_boundary_with_the_demo_config() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("c.yaml");
     std::fs::write(&cfg, "{}\n").unwrap();
-    let o = bin()
-        .args(["check", "--simulate", "builtin", "--config"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
+    let o = Cli::check().simulate("builtin").config(&cfg).output();
     let out = text(&o);
     assert!(
         out.contains("no bundles configured") && !out.contains("demo config"),
@@ -268,11 +343,11 @@ fn malformed_config_exits_2_naming_file_line_and_key() {
         "taint:\n  key: taintgate.io/unverified\nstages:\n  smoke:\n    deadline: soonish\n",
     )
     .unwrap();
-    for sub in [
-        vec!["check", "--simulate", "builtin", "--config"],
-        vec!["config", "validate"],
+    for launch in [
+        Cli::check().simulate("builtin").arg("--config"),
+        Cli::new(["config", "validate"]),
     ] {
-        let o = bin().args(&sub).arg(&cfg).output().unwrap();
+        let o = launch.arg(&cfg).output();
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(
@@ -299,22 +374,19 @@ fn malformed_profile_exits_2_naming_the_key() {
         ),
     )
     .unwrap();
-    let o = bin().args(["check", "--simulate"]).arg(&p).output().unwrap();
+    let o = Cli::check().simulate(&p).output();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("gpus[0].index"), "{err}");
     std::fs::write(&p, "node: {name: x}\ngpus:\n  - index: 0\n    uuid: GPU-a\n    pci_bus_id: 0\n    product: p\n    memory_bytes: lots\ndomains: []\n").unwrap();
-    let o = bin().args(["check", "--simulate"]).arg(&p).output().unwrap();
+    let o = Cli::check().simulate(&p).output();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
         err.contains("p.yaml:7:") && err.contains("gpus[0].memory_bytes"),
         "{err}"
     );
-    let o = bin()
-        .args(["check", "--simulate", "/nonexistent/profile.yaml"])
-        .output()
-        .unwrap();
+    let o = Cli::check().simulate("/nonexistent/profile.yaml").output();
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/profile.yaml"));
 }
@@ -354,37 +426,24 @@ include!("../../tests/fake-nvml/compile.rs");
 /// takes it.
 #[test]
 fn stages_flag_is_refused_on_a_run_that_could_release_the_node() {
-    let o = bin()
-        .args([
-            "run",
-            "--once",
-            "--stages",
-            "driver",
-            "--simulate",
-            "builtin",
-            "--node-name",
-            "n",
-        ])
-        .output()
-        .unwrap();
+    let o = Cli::run()
+        .once()
+        .stages("driver")
+        .simulate("builtin")
+        .node("n")
+        .output();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
         err.contains("--stages is for `check` and `run --dry-run` only"),
         "{err}"
     );
-    let o = bin()
-        .args([
-            "run",
-            "--dry-run",
-            "--once",
-            "--stages",
-            "driver",
-            "--simulate",
-            "builtin",
-        ])
-        .output()
-        .unwrap();
+    let o = Cli::run()
+        .dry_run()
+        .once()
+        .stages("driver")
+        .simulate("builtin")
+        .output();
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
@@ -491,8 +550,10 @@ fn systemd_notify_ready_when_gated_then_status_per_stage_and_verdict() {
         }
         msgs
     });
-    let o = bin()
-        .args(["run", "--simulate", "builtin", "--once"])
+    let o = Cli::run()
+        .simulate("builtin")
+        .once()
+        .command()
         .env("NOTIFY_SOCKET", &sock_path)
         .output()
         .unwrap();
@@ -568,13 +629,7 @@ fn each_kubelet_side_fault_holds_with_its_reason() {
     for (reason, body) in cases {
         let p = dir.path().join(format!("{reason}.yaml"));
         std::fs::write(&p, format!("extends: {}\n{body}", profile("8gpu-two-domains"))).unwrap();
-        let o = bin()
-            .args(["run", "--once", "--output", "json", "--simulate"])
-            .arg(&p)
-            .arg("--config")
-            .arg(&cfg)
-            .output()
-            .unwrap();
+        let o = Cli::run().once().json().simulate(&p).config(&cfg).output();
         assert_eq!(o.status.code(), Some(1), "{reason}: {}", text(&o));
         let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(t["verdict"]["reason"], reason, "{}", t["verdict"]);
@@ -807,13 +862,11 @@ fn bundle_fetch_draws_a_progress_bar_on_a_terminal_only() {
 
 /// `run --simulate PROFILE --once --output json` (plus `extra` args): exit code and timeline.
 fn run_json(profile: &Path, extra: &[&str]) -> (Option<i32>, serde_json::Value, String) {
-    let o = bin()
-        .args(["run", "--simulate"])
-        .arg(profile)
-        .args(["--once", "--output", "json"])
-        .args(extra)
-        .output()
-        .unwrap();
+    let mut launch = Cli::run().simulate(profile).once().json();
+    for a in extra {
+        launch = launch.arg(a);
+    }
+    let o = launch.output();
     let t = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
     (o.status.code(), t, text(&o))
 }
@@ -934,18 +987,11 @@ fn peer_bw_judges_each_pair_by_its_own_links_after_smoke() {
         "peer-bw {peer} before smoke ended {smoke}"
     );
     // Without smoke (not selected), peer-bw still runs: the edge orders, it does not require.
-    let o = bin()
-        .args([
-            "check",
-            "--simulate",
-            &profile("hgx-h100-4gpu"),
-            "--stages",
-            "driver,peer-bw",
-            "--output",
-            "json",
-        ])
-        .output()
-        .unwrap();
+    let o = Cli::check()
+        .simulate(profile("hgx-h100-4gpu"))
+        .stages("driver,peer-bw")
+        .json()
+        .output();
     let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(stage(&t, "peer-bw")["outcome"], "passed", "{}", text(&o));
 }
@@ -967,14 +1013,11 @@ fn a_single_gpu_domain_is_a_named_peer_bw_outcome() {
     .unwrap();
     let cfg = dir.path().join("c.yaml");
     std::fs::write(&cfg, "gpu:\n  expect:\n    gpu_count: 1\n").unwrap();
-    let o = bin()
-        .args(["check", "--simulate"])
-        .arg(&p)
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--stages", "driver,smoke,peer-bw"])
-        .output()
-        .unwrap();
+    let o = Cli::check()
+        .simulate(&p)
+        .config(&cfg)
+        .stages("driver,smoke,peer-bw")
+        .output();
     let t = text(&o);
     assert!(t.contains("domain 0 is a single GPU: no peer to measure"), "{t}");
     assert!(!t.contains("inf GB/s"), "{t}");
@@ -984,17 +1027,17 @@ fn a_single_gpu_domain_is_a_named_peer_bw_outcome() {
 /// Output through a pipe (a file, a CI log) carries no escape sequence unless asked for.
 #[test]
 fn no_escape_sequences_through_a_pipe_unless_color_always() {
-    let esc = |args: &[&str]| -> bool {
-        let o = bin().args(args).output().unwrap();
+    let esc = |launch: Cli| -> bool {
+        let o = launch.output();
         o.stdout.contains(&0x1b) || o.stderr.contains(&0x1b)
     };
-    let run = ["run", "--simulate", "builtin", "--dry-run", "--once"];
-    assert!(!esc(&run), "default (auto) through a pipe");
-    assert!(!esc(&[&["--color", "auto"][..], &run].concat()));
-    assert!(!esc(&["check", "--simulate", "builtin"]));
-    assert!(!esc(&[&["--color", "never"][..], &run].concat()));
+    let run = |color: &[&str]| Cli::new(color).arg("run").simulate("builtin").dry_run().once();
+    assert!(!esc(run(&[])), "default (auto) through a pipe");
+    assert!(!esc(run(&["--color", "auto"])));
+    assert!(!esc(Cli::check().simulate("builtin")));
+    assert!(!esc(run(&["--color", "never"])));
     assert!(
-        esc(&[&["--color", "always"][..], &run].concat()),
+        esc(run(&["--color", "always"])),
         "--color always colours the log lines (so the checks above can fail)"
     );
 }
@@ -1016,12 +1059,7 @@ fn dra_profiles_release_or_hold_with_their_reason() {
     ];
     for (name, code, reason) in cases {
         let p = profile(name);
-        let o = bin()
-            .args(["check", "--simulate", &p, "--config"])
-            .arg(&cfg)
-            .args(["--output", "json"])
-            .output()
-            .unwrap();
+        let o = Cli::check().simulate(&p).config(&cfg).json().output();
         assert_eq!(o.status.code(), Some(code), "{name}: {}", text(&o));
         let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let stage = |s: &str| {
@@ -1097,17 +1135,15 @@ fn a_bundle_that_left_the_config_leaves_the_cache() {
     let old_view = cache.join("bundles/llm-v1/old.bin");
     assert!(old_view.exists());
     // A dry-run changes nothing in the cache.
-    let o = bin()
-        .args(["check", "--simulate", "builtin", "--config"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
+    let o = Cli::check().simulate("builtin").config(&cfg).output();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(old_view.exists(), "check removed a view");
     // A run does, and says so.
-    let o = bin()
-        .args(["run", "--simulate", "builtin", "--once", "--config"])
-        .arg(&cfg)
+    let o = Cli::run()
+        .simulate("builtin")
+        .once()
+        .config(&cfg)
+        .command()
         .env("RUST_LOG", "info")
         .output()
         .unwrap();
@@ -1162,11 +1198,10 @@ fn under_simulate_the_reserve_comes_from_the_simulated_kubelet() {
     let check = |config: &str| {
         let cfg = dir.path().join("c.yaml");
         std::fs::write(&cfg, config).unwrap();
-        let o = bin()
-            .args(["check", "--simulate"])
-            .arg(&profile)
-            .arg("--config")
-            .arg(&cfg)
+        let o = Cli::check()
+            .simulate(&profile)
+            .config(&cfg)
+            .command()
             .env("RUST_LOG", "info")
             .output()
             .unwrap();

@@ -1,8 +1,12 @@
 //! Helpers for end-to-end tests that run the real `taintgate` binary against the real API
-//! server: the reference node as Kubernetes serves it, and a bounded agent run.
+//! server: [`Agent`], the one builder every test launches the binary with, and the
+//! reference node as Kubernetes serves it.
 
-use crate::cluster::NodeBuilder;
+use crate::cluster::{ApiServer, NodeBuilder};
+use crate::faults::RunningAgent;
+use k8s_openapi::api::core::v1::Node;
 use serde_json::Value;
+use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 
@@ -51,59 +55,284 @@ pub fn reference_node(registered: bool) -> NodeBuilder {
 }
 
 /// Do what Karpenter's registration does to `node` (label `karpenter.sh/registered=true`,
-/// the `karpenter.sh/unregistered` taint removed), as a real write to the server.
-pub fn register_like_karpenter(api: &crate::cluster::ApiServer, node: &str) -> anyhow::Result<Value> {
-    api.mutate_object("nodes", node, |n| {
+/// the `karpenter.sh/unregistered` taint removed), as a real write to the server; the Node
+/// as the server stored it.
+pub fn register_like_karpenter(api: &ApiServer, node: &str) -> anyhow::Result<Node> {
+    let stored = api.mutate_object("nodes", node, |n| {
         n["metadata"]["labels"]["karpenter.sh/registered"] = serde_json::json!("true");
         if let Some(t) = n["spec"]["taints"].as_array_mut() {
             t.retain(|t| t["key"] != "karpenter.sh/unregistered");
         }
-    })
+    })?;
+    Ok(serde_json::from_value(stored)?)
 }
 
-/// Remove from `c`'s environment what would point the agent at a cluster, a node, a
-/// config, systemd or a trace collector of the machine running the tests, or change its
-/// log format: the one clean-environment list every launcher uses.
-pub fn clean_env(c: &mut Command) {
-    for v in [
-        "KUBECONFIG",
-        "KUBERNETES_SERVICE_HOST",
-        "NODE_NAME",
-        "TAINTGATE_CONFIG",
-        "NOTIFY_SOCKET",
-        "TAINTGATE_LOG_FORMAT",
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_PROTOCOL",
-    ] {
-        c.env_remove(v);
+/// What the builder removes from the agent's environment: whatever would point it at a
+/// cluster, a node, a config, systemd or a trace collector of the machine running the
+/// tests, or change its log format. The one clean-environment list of every launch.
+pub const UNSET_ENV: [&str; 9] = [
+    "KUBECONFIG",
+    "KUBERNETES_SERVICE_HOST",
+    "NODE_NAME",
+    "TAINTGATE_CONFIG",
+    "NOTIFY_SOCKET",
+    "TAINTGATE_LOG_FORMAT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+];
+
+/// How long a launch may run before coreutils `timeout` kills it, unless
+/// [`Agent::timeout`] or [`Agent::no_timeout`] says otherwise.
+pub const DEFAULT_TIMEOUT_SECS: u32 = 120;
+
+/// One launch of the real `taintgate` binary in a test: the subcommand, its flags, its
+/// environment (always cleaned of [`UNSET_ENV`], `RUST_LOG=info`), and how long it may run.
+/// Every test that starts the agent goes through it:
+///
+/// ```no_run
+/// # use taintgate_tests::agent::{Agent, profile};
+/// let o = Agent::check().simulate(profile("8gpu-two-domains")).json().output().unwrap();
+/// ```
+///
+/// Terminal methods: [`output`](Agent::output) (run to completion), [`spawn`](Agent::spawn)
+/// (in the background, piped), [`running`](Agent::running) (a
+/// [`RunningAgent`](crate::faults::RunningAgent), started without the `timeout` wrapper so
+/// a signal reaches the agent itself), [`command`](Agent::command) (a `Command` for callers
+/// that need one), [`command_via`](Agent::command_via) (behind another program: `unshare`,
+/// GNU `time`) and [`cli_args`](Agent::cli_args) (the arguments alone, for a binary
+/// elsewhere, e.g. in an image).
+#[derive(Debug, Clone)]
+pub struct Agent {
+    args: Vec<OsString>,
+    env: Vec<(OsString, Option<OsString>)>,
+    timeout: Option<u32>,
+}
+
+impl Agent {
+    /// `taintgate ARGS…`: any subcommand (`["bundle", "fetch"]`, `["config", "validate"]`,
+    /// `["timeline", NODE]`), or global flags before it.
+    pub fn new<I, S>(args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        Self {
+            args: args.into_iter().map(|a| a.as_ref().to_owned()).collect(),
+            env: vec![("RUST_LOG".into(), Some("info".into()))],
+            timeout: Some(DEFAULT_TIMEOUT_SECS),
+        }
     }
-}
 
-/// A `taintgate` command with a clean environment, bounded by coreutils `timeout` so a
-/// hung agent fails the test instead of hanging it.
-pub fn agent_cmd(timeout_secs: u32) -> anyhow::Result<Command> {
-    let bin = crate::services::taintgate_bin()?;
-    let mut c = Command::new("timeout");
-    c.arg("--signal=KILL").arg(timeout_secs.to_string()).arg(bin);
-    clean_env(&mut c);
-    c.env("RUST_LOG", "info");
-    Ok(c)
-}
+    /// `taintgate run`.
+    pub fn run() -> Self {
+        Self::new(["run"])
+    }
 
-/// Run the agent to completion and return its output.
-pub fn run_agent(args: &[&str]) -> anyhow::Result<Output> {
-    Ok(agent_cmd(120)?.args(args).stdin(Stdio::null()).output()?)
-}
+    /// `taintgate check`.
+    pub fn check() -> Self {
+        Self::new(["check"])
+    }
 
-/// Start the agent in the background.
-pub fn spawn_agent(args: &[&str]) -> anyhow::Result<Child> {
-    Ok(agent_cmd(120)?
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?)
+    /// The run of the reliability tests: `run --simulate PROFILE --kubeconfig (api's)
+    /// --config CONFIG --output json --log-format json` (add [`once`](Agent::once) to exit
+    /// after the verdict).
+    pub fn run_against(api: &ApiServer, profile: impl AsRef<OsStr>, config: impl AsRef<OsStr>) -> Self {
+        Self::run().simulate(profile).api(api).config(config).json().log_json()
+    }
+
+    /// `--simulate PROFILE` (`builtin` or a YAML path, see [`profile`]).
+    pub fn simulate(self, profile: impl AsRef<OsStr>) -> Self {
+        self.flag("--simulate", profile)
+    }
+
+    /// `--config PATH`.
+    pub fn config(self, path: impl AsRef<OsStr>) -> Self {
+        self.flag("--config", path)
+    }
+
+    /// `--kubeconfig PATH`.
+    pub fn kubeconfig(self, path: impl AsRef<OsStr>) -> Self {
+        self.flag("--kubeconfig", path)
+    }
+
+    /// `--kubeconfig` of `api` (the test's API server).
+    pub fn api(self, api: &ApiServer) -> Self {
+        self.kubeconfig(api.kubeconfig_path())
+    }
+
+    /// `--node-name NAME`.
+    pub fn node(self, name: impl AsRef<OsStr>) -> Self {
+        self.flag("--node-name", name)
+    }
+
+    /// `--once`: exit after the first verdict.
+    pub fn once(self) -> Self {
+        self.arg("--once")
+    }
+
+    /// `--dry-run`.
+    pub fn dry_run(self) -> Self {
+        self.arg("--dry-run")
+    }
+
+    /// `--output json`: the timeline as JSON on stdout.
+    pub fn json(self) -> Self {
+        self.flag("--output", "json")
+    }
+
+    /// `--log-format json`: one JSON object per log line on stderr.
+    pub fn log_json(self) -> Self {
+        self.flag("--log-format", "json")
+    }
+
+    /// `--stages LIST` (comma-separated).
+    pub fn stages(self, list: &str) -> Self {
+        self.flag("--stages", list)
+    }
+
+    /// `--metrics-addr ADDR`.
+    pub fn metrics_addr(self, addr: impl AsRef<OsStr>) -> Self {
+        self.flag("--metrics-addr", addr)
+    }
+
+    /// One more argument, as is (the escape hatch for flags without a method).
+    pub fn arg(mut self, a: impl AsRef<OsStr>) -> Self {
+        self.args.push(a.as_ref().to_owned());
+        self
+    }
+
+    /// More arguments, as they are.
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        self.args.extend(args.into_iter().map(|a| a.as_ref().to_owned()));
+        self
+    }
+
+    fn flag(self, name: &str, value: impl AsRef<OsStr>) -> Self {
+        self.arg(name).arg(value)
+    }
+
+    /// Set `k=v` in the agent's environment (after the clean-up, so a test may set a
+    /// variable of [`UNSET_ENV`] on purpose).
+    pub fn env(mut self, k: impl AsRef<OsStr>, v: impl AsRef<OsStr>) -> Self {
+        self.env.push((k.as_ref().to_owned(), Some(v.as_ref().to_owned())));
+        self
+    }
+
+    /// Remove `k` from the agent's environment too.
+    pub fn env_remove(mut self, k: impl AsRef<OsStr>) -> Self {
+        self.env.push((k.as_ref().to_owned(), None));
+        self
+    }
+
+    /// Kill the agent (SIGKILL, coreutils `timeout`) after `secs` seconds, so a hung agent
+    /// fails the test instead of hanging it; [`DEFAULT_TIMEOUT_SECS`] unless set.
+    pub fn timeout(mut self, secs: u32) -> Self {
+        self.timeout = Some(secs);
+        self
+    }
+
+    /// Start the binary itself, without the `timeout` wrapper (a signal sent to the child
+    /// then reaches the agent; the test bounds the run itself).
+    pub fn no_timeout(mut self) -> Self {
+        self.timeout = None;
+        self
+    }
+
+    /// The arguments after the binary's name, as text: for a `taintgate` elsewhere (the
+    /// image's entrypoint run by `ctr`).
+    pub fn cli_args(&self) -> Vec<String> {
+        self.args.iter().map(|a| a.to_string_lossy().into_owned()).collect()
+    }
+
+    /// The argument vector of the launch: `[timeout --signal=KILL SECS] BIN ARGS…`.
+    pub fn argv(&self) -> anyhow::Result<Vec<OsString>> {
+        let mut v: Vec<OsString> = Vec::new();
+        if let Some(secs) = self.timeout {
+            v.extend(["timeout".into(), "--signal=KILL".into(), secs.to_string().into()]);
+        }
+        v.push(crate::services::taintgate_bin()?.into());
+        v.extend(self.args.iter().cloned());
+        Ok(v)
+    }
+
+    /// `program ARGS… [timeout --signal=KILL SECS] BIN ARGS…` with the agent's environment and
+    /// stdin from `/dev/null`: the launch behind a wrapper (`unshare … sh -c 'exec "$0"
+    /// "$@"'`, GNU `time`).
+    pub fn command_via<I, S>(&self, wrapper: I) -> anyhow::Result<Command>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut wrapper = wrapper.into_iter();
+        let program = wrapper
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("command_via: no wrapper program"))?;
+        let mut c = Command::new(program);
+        c.args(wrapper).args(self.argv()?);
+        self.apply_env(&mut c);
+        c.stdin(Stdio::null());
+        Ok(c)
+    }
+
+    /// The launch as one line for `sh` (each argument single-quoted), for a wrapper that
+    /// takes a command line (`script -qec LINE`); pair it with [`apply_env`](Agent::apply_env).
+    pub fn shell_line(&self) -> anyhow::Result<String> {
+        let quoted: Vec<String> = self
+            .argv()?
+            .iter()
+            .map(|a| format!("'{}'", a.to_string_lossy().replace('\'', r"'\''")))
+            .collect();
+        Ok(quoted.join(" "))
+    }
+
+    /// Give `c` the agent's environment: [`UNSET_ENV`] removed, then what
+    /// [`env`](Agent::env) and [`env_remove`](Agent::env_remove) said.
+    pub fn apply_env(&self, c: &mut Command) {
+        for v in UNSET_ENV {
+            c.env_remove(v);
+        }
+        for (k, v) in &self.env {
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
+        }
+    }
+
+    /// The launch as a `Command` (stdin from `/dev/null`; a caller may change that).
+    pub fn command(&self) -> anyhow::Result<Command> {
+        let mut argv = self.argv()?.into_iter();
+        let program = argv.next().ok_or_else(|| anyhow::anyhow!("empty argv"))?;
+        let mut c = Command::new(program);
+        c.args(argv);
+        self.apply_env(&mut c);
+        c.stdin(Stdio::null());
+        Ok(c)
+    }
+
+    /// Run to completion; stdout and stderr captured.
+    pub fn output(&self) -> anyhow::Result<Output> {
+        Ok(self.command()?.output()?)
+    }
+
+    /// Start in the background with stdout and stderr piped.
+    pub fn spawn(&self) -> anyhow::Result<Child> {
+        Ok(self.command()?.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?)
+    }
+
+    /// Start the binary itself (no `timeout` wrapper: `kill -9` reaches the agent), its
+    /// output collected in the background; bound it with
+    /// [`RunningAgent::wait`](crate::faults::RunningAgent::wait).
+    pub fn running(&self) -> anyhow::Result<RunningAgent> {
+        let mut c = self.clone().no_timeout().command()?;
+        c.stdout(Stdio::piped()).stderr(Stdio::piped());
+        RunningAgent::spawn(c)
+    }
 }
 
 /// stdout + stderr as text.

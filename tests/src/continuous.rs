@@ -8,6 +8,7 @@
 use crate::agent::{NODE, condition, reference_node};
 use crate::cluster::{ApiServer, RecordedRequest};
 use crate::faults::{AgentRun, RunningAgent, has_startup_taint, taints, wait_until};
+use k8s_openapi::api::core::v1::Event;
 use serde_json::{Value, json};
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -30,12 +31,15 @@ pub fn node_with_foreign_taint() -> Value {
     n
 }
 
-/// The Events about the reference node with `reason`.
-pub fn events_with_reason(api: &ApiServer, reason: &str) -> Vec<Value> {
+/// The Events about the reference node with `reason`, typed.
+pub fn events_with_reason(api: &ApiServer, reason: &str) -> Vec<Event> {
     api.list_objects("events")
         .unwrap_or_else(|e| panic!("listing events: {e}"))
         .into_iter()
         .filter(|e| e["reason"] == reason && e["involvedObject"]["name"] == NODE)
+        .map(|e| {
+            serde_json::from_value(e.clone()).unwrap_or_else(|err| panic!("an Event the server returned: {err}: {e}"))
+        })
         .collect()
 }
 

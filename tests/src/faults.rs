@@ -115,20 +115,8 @@ pub fn parse_timeline(stdout: &str) -> Option<Timeline> {
     it.next()?.ok()
 }
 
-/// A `taintgate` process started directly (no `timeout` wrapper, so `kill -9` reaches the
-/// agent itself), with a clean environment and piped output.
-pub fn agent_command(args: &[&str]) -> anyhow::Result<Command> {
-    let mut c = Command::new(crate::services::taintgate_bin()?);
-    crate::agent::clean_env(&mut c);
-    c.env("RUST_LOG", "info")
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    Ok(c)
-}
-
-/// A running agent whose output is collected on background threads.
+/// A running agent whose output is collected on background threads (started by
+/// [`Agent::running`](crate::agent::Agent::running)).
 pub struct RunningAgent {
     pid: u32,
     started: Instant,
@@ -232,31 +220,6 @@ impl RunningAgent {
             elapsed: self.started.elapsed(),
         })
     }
-}
-
-/// Standard agent arguments against the API server: `run --simulate P --kubeconfig K
-/// --config C --output json --log-format json` (plus `--once` when `once`).
-pub fn agent_args(profile: &Path, config: &Path, api: &ApiServer, once: bool) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "run",
-        "--simulate",
-        &profile.to_string_lossy(),
-        "--kubeconfig",
-        &api.kubeconfig_path().to_string_lossy(),
-        "--config",
-        &config.to_string_lossy(),
-        "--output",
-        "json",
-        "--log-format",
-        "json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    if once {
-        a.push("--once".into());
-    }
-    a
 }
 
 /// Poll `cond` with a growing interval (1 ms up to 50 ms) until it holds or `timeout`
@@ -509,9 +472,11 @@ pub fn run_row_agent(
     once: bool,
     actions: impl FnOnce(&RunningAgent) -> anyhow::Result<()>,
 ) -> Result<RowRun, String> {
-    let args = agent_args(profile, config, api, once);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let agent = RunningAgent::spawn(agent_command(&args).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let mut launch = crate::agent::Agent::run_against(api, profile, config);
+    if once {
+        launch = launch.once();
+    }
+    let agent = launch.running().map_err(|e| e.to_string())?;
     let during = actions(&agent);
     let run = agent.wait(Duration::from_secs(60)).map_err(|e| e.to_string())?;
     let fail = |m: String| Err(format!("{m}\n{}", run.text()));

@@ -1,8 +1,8 @@
 //! Test harness for taintgate: a real Kubernetes control plane per test (etcd and
 //! kube-apiserver built from their Go modules, behind a recording fault proxy, and real
 //! Karpenter), launchers for the other real programs the end-to-end tests use
-//! (containerd, docker-registry, skopeo, nginx, moto), and helpers to run the `taintgate`
-//! binary itself.
+//! (containerd, docker-registry, skopeo, nginx, moto), and the builder that runs the
+//! `taintgate` binary itself ([`agent::Agent`]).
 //!
 //! End-to-end tests drive the real binary, so what they prove is what ships. The harness
 //! links the agent library only for its types (the timeline a test reads back), never to

@@ -12,15 +12,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
+use crate::agent::Agent;
 use crate::cluster::{ApiServer, repo_root};
 use crate::nvidia::DriverRoot;
 
-/// `taintgate run --once --output json` on the node `api` runs, with the fake NVML of
-/// `driver` and the kubelet's sockets under the node's private `/var/lib`; `overlay` (a
-/// JSON merge patch) goes on top of the fast test config. The CUDA stages are off (no GPU
+/// `taintgate run --once --output json` on the node `api` runs (start it with
+/// [`Agent::running`]), with the fake NVML of `driver` and the kubelet's sockets under the
+/// node's private `/var/lib`; `overlay` (a JSON merge patch) goes on top of the fast test
+/// config. The CUDA stages are off (no GPU
 /// here: the fake NVML has no CUDA behind it), and so are the runtime, fit, models and
 /// images stages, which this node is not for.
-pub fn agent_on_node(api: &ApiServer, driver: &DriverRoot, dir: &Path, overlay: &Value) -> anyhow::Result<Command> {
+pub fn agent_on_node(api: &ApiServer, driver: &DriverRoot, dir: &Path, overlay: &Value) -> anyhow::Result<Agent> {
     let plane = api.control_plane();
     let var_lib = Path::new(plane.var("NODE_VAR_LIB")?);
     let node = plane.var("NODE_NAME")?.to_string();
@@ -35,22 +37,14 @@ pub fn agent_on_node(api: &ApiServer, driver: &DriverRoot, dir: &Path, overlay: 
     });
     json_patch::merge(&mut doc, overlay);
     let config = crate::faults::write_config(dir, "config.yaml", &doc.to_string())?;
-    let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
-    let config = config.to_string_lossy().into_owned();
-    let mut cmd = crate::faults::agent_command(&[
-        "run",
-        "--once",
-        "--kubeconfig",
-        &kubeconfig,
-        "--node-name",
-        &node,
-        "--config",
-        &config,
-        "--output",
-        "json",
-    ])?;
-    cmd.env_remove("TAINTGATE_NVML_LIBRARY").env_remove("FAKE_NVML_PROFILE");
-    Ok(cmd)
+    Ok(Agent::run()
+        .once()
+        .api(api)
+        .node(node)
+        .config(config)
+        .json()
+        .env_remove("TAINTGATE_NVML_LIBRARY")
+        .env_remove("FAKE_NVML_PROFILE"))
 }
 
 /// Restart (or start, when stopped) the node's device plugin with `config` as its

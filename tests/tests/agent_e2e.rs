@@ -18,10 +18,6 @@ fn node(api: &ApiServer) -> Value {
     api.get_object("nodes", NODE).unwrap().unwrap()
 }
 
-fn kubeconfig(api: &ApiServer) -> String {
-    api.kubeconfig_path().to_string_lossy().into_owned()
-}
-
 /// Everything but what the agent may change: our taint, our annotations, our conditions,
 /// and the resourceVersion.
 fn without_our_changes(mut n: Value) -> Value {
@@ -46,15 +42,12 @@ fn without_our_changes(mut n: Value) -> Value {
 fn healthy_node_is_released_and_nothing_else_changes() {
     let api = start(true);
     let before = node(&api);
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let after = node(&api);
     assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
@@ -158,15 +151,7 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
         ("plugin-unhealthy", "PluginDeviceUnhealthy", Some("True")),
     ] {
         let api = start(true);
-        let o = run_agent(&[
-            "run",
-            "--simulate",
-            &profile(p),
-            "--kubeconfig",
-            &kubeconfig(&api),
-            "--once",
-        ])
-        .unwrap();
+        let o = Agent::run().simulate(profile(p)).api(&api).once().output().unwrap();
         assert_eq!(o.status.code(), Some(1), "{p}: {}", output_text(&o));
         let after = node(&api);
         assert!(taint_keys(&after).contains(&TAINT.to_string()), "{p}: taint must stay");
@@ -202,15 +187,12 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
 #[test]
 fn waits_for_karpenter_registration_before_removing_the_taint() {
     let api = start(false);
-    let child = spawn_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-    ])
-    .unwrap();
+    let child = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .spawn()
+        .unwrap();
     // The agent is watching its node: registration has not happened, it must not untaint.
     api.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     std::thread::sleep(Duration::from_millis(2500)); // every other stage finishes meanwhile
@@ -238,15 +220,12 @@ fn concurrent_writer_adding_a_taint_keeps_both_correct() {
             .insert(0, json!({"key": "example.com/maintenance", "effect": "NoSchedule"}));
     })
     .unwrap();
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let keys = taint_keys(&node(&api));
     assert_eq!(
@@ -280,15 +259,12 @@ fn a_write_guarded_by_the_resource_version_meets_a_real_concurrent_writer() {
         n["metadata"]["labels"]["example.com/touched"] = json!("yes");
     })
     .unwrap();
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let after = node(&api);
     assert_eq!(
@@ -324,15 +300,12 @@ fn conflicts_and_server_errors_are_retried_not_given_up() {
     api.conflict_next_writes(3, m.clone());
     // 500 (kube-rs itself retries 503s, so those never reach the agent).
     api.fail_next(3, 500, m);
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     assert_eq!(taint_keys(&node(&api)), vec!["nvidia.com/gpu".to_string()]);
 }
@@ -340,13 +313,14 @@ fn conflicts_and_server_errors_are_retried_not_given_up() {
 #[test]
 fn dry_run_sends_zero_mutating_requests() {
     let api = start(true);
-    for args in [vec!["run", "--dry-run"], vec!["check"]] {
+    for launch in [Agent::run().dry_run(), Agent::check()] {
         api.clear_requests();
-        let mut a = args.clone();
-        let p = profile("8gpu-two-domains");
-        let k = kubeconfig(&api);
-        a.extend(["--simulate", &p, "--kubeconfig", &k, "--once"]);
-        let o = run_agent(&a).unwrap();
+        let o = launch
+            .simulate(profile("8gpu-two-domains"))
+            .api(&api)
+            .once()
+            .output()
+            .unwrap();
         assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
         assert!(output_text(&o).contains("WouldRelease") || output_text(&o).contains("WOULD RELEASE"));
         assert!(!api.requests().is_empty(), "the dry-run did read the API");
@@ -365,15 +339,12 @@ fn already_untainted_node_is_idempotent() {
             .retain(|t| t["key"] != TAINT);
     })
     .unwrap();
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     // Registered and untainted: released already (by anyone), so no stage runs
     // (tests/tests/restart_released.rs: not even a CUDA call). The Node had no record of
@@ -400,14 +371,11 @@ fn already_untainted_node_is_idempotent() {
 #[test]
 fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() {
     let api = start(true);
-    let child = spawn_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-    ])
-    .unwrap();
+    let child = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .spawn()
+        .unwrap();
     let gone = |n: &Value| !taint_keys(n).contains(&TAINT.to_string());
     api.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(60))
         .unwrap();
@@ -477,17 +445,13 @@ fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
     let api = start(true);
     let dir = fit_fixture(&api, 2);
     let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-        "--config",
-        &cfg,
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .config(&cfg)
+        .output()
+        .unwrap();
     let out = output_text(&o);
     assert_eq!(o.status.code(), Some(0), "{out}");
     for line in [
@@ -513,17 +477,13 @@ fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
     let api = start(true);
     let dir = fit_fixture(&api, 3);
     let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-        "--config",
-        &cfg,
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .config(&cfg)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
     let c = condition(&node(&api), "TaintgateVerified").unwrap().clone();
     assert_eq!(c["reason"], "GroupFitShort");
@@ -548,17 +508,13 @@ fn allocatable_published_late_is_waited_for_on_the_watch() {
             .remove("nvidia.com/gpu");
     })
     .unwrap();
-    let child = spawn_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-        "--output",
-        "json",
-    ])
-    .unwrap();
+    let child = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .json()
+        .spawn()
+        .unwrap();
     api.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     // The device plugin registers in steps: 4, then 8.
     for n in ["4", "8"] {
@@ -599,12 +555,11 @@ fn bundle_fixture(dir: &std::path::Path) -> String {
         .collect();
     std::fs::write(model.join("shards/00.bin"), &shard).unwrap();
     let manifest = dir.join("manifest.yaml");
-    let o = agent_cmd(60)
-        .unwrap()
-        .args(["bundle", "create"])
+    let o = Agent::new(["bundle", "create"])
         .arg(&model)
         .args(["--base-uri", &format!("file://{}", model.display()), "-o"])
         .arg(&manifest)
+        .timeout(60)
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
@@ -633,19 +588,14 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = bundle_fixture(dir.path());
     let api = start(true);
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-        "--config",
-        &cfg,
-        "--output",
-        "json",
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .config(&cfg)
+        .json()
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let t: Value = serde_json::from_slice(&o.stdout).unwrap();
     let models = t["stages"]
@@ -670,17 +620,13 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
     shard[1_234_567] ^= 0xff;
     std::fs::write(dir2.path().join("model/shards/00.bin"), &shard).unwrap();
     let api = start(true);
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-        "--config",
-        &cfg2,
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .config(&cfg2)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
     assert_eq!(
         condition(&node(&api), "TaintgateVerified").unwrap()["reason"],
@@ -709,17 +655,13 @@ fn reboot_regate_puts_the_taint_back_before_validating_then_removes_it() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("c.yaml");
     std::fs::write(&cfg, "regate_on_boot: true\n").unwrap();
-    let o = run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &kubeconfig(&api),
-        "--once",
-        "--config",
-        &cfg.to_string_lossy(),
-    ])
-    .unwrap();
+    let o = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .once()
+        .config(&cfg)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let patches: Vec<Value> = api
         .mutating_requests()

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 use std::process::Output;
-use taintgate_tests::agent::{output_text, run_agent};
+use taintgate_tests::agent::{Agent, output_text};
 
 /// Most bytes of stderr a rejection may print: a few clipped lines, never the input.
 const SHORT: usize = 4096;
@@ -52,7 +52,7 @@ fn a_config_larger_than_the_limit_is_refused_by_name_and_limit() {
     // One value of 50 MB, as the issue found it.
     let text = format!("node_name: \"{}\"\n", "A".repeat(50 << 20));
     std::fs::write(&f, text).unwrap();
-    let o = run_agent(&["config", "validate", p(&f)]).unwrap();
+    let o = Agent::new(["config", "validate", p(&f)]).output().unwrap();
     assert_short_rejection(&o, &["huge.yaml", "4 MiB"]);
 }
 
@@ -64,12 +64,12 @@ fn a_long_value_is_cut_in_the_message() {
     // error quotes the value; it must be cut.
     let text = format!("stages: \"{}\"\n", "B".repeat(3 << 20));
     std::fs::write(&f, text).unwrap();
-    let o = run_agent(&["config", "validate", p(&f)]).unwrap();
+    let o = Agent::new(["config", "validate", p(&f)]).output().unwrap();
     assert_short_rejection(&o, &["long.yaml", "bytes)"]);
     // An unknown key of 3 MB is cut too.
     let text = format!("{}: 1\n", "C".repeat(3 << 20));
     std::fs::write(&f, text).unwrap();
-    let o = run_agent(&["config", "validate", p(&f)]).unwrap();
+    let o = Agent::new(["config", "validate", p(&f)]).output().unwrap();
     assert_short_rejection(&o, &["long.yaml", "bytes)"]);
 }
 
@@ -83,18 +83,18 @@ fn deep_nesting_is_refused_early_naming_file_and_line() {
         format!("node_name: {}{}\n", "[".repeat(100_000), "]".repeat(100_000)),
     )
     .unwrap();
-    let o = run_agent(&["config", "validate", p(&f)]).unwrap();
+    let o = Agent::new(["config", "validate", p(&f)]).output().unwrap();
     // The 64th bracket opens the 65th level (the top mapping is the first), on line 1.
     assert_short_rejection(&o, &["deep-flow.yaml:1", "nested deeper than 64"]);
     // Block style, in a node profile: the 65th level opens on line 65.
     let f = d.path().join("deep-block.yaml");
     std::fs::write(&f, nested_block(1_500)).unwrap();
-    let o = run_agent(&["check", "--simulate", p(&f)]).unwrap();
+    let o = Agent::check().simulate(p(&f)).output().unwrap();
     assert_short_rejection(&o, &["deep-block.yaml:65", "nested deeper than 64"]);
     // 64 levels are still fine for the scanner: the error is then about the content.
     let f = d.path().join("ok-depth.yaml");
     std::fs::write(&f, nested_block(62)).unwrap();
-    let o = run_agent(&["config", "validate", p(&f)]).unwrap();
+    let o = Agent::new(["config", "validate", p(&f)]).output().unwrap();
     let text = output_text(&o);
     assert!(!text.contains("nested deeper"), "{text}");
     assert!(text.contains("unknown field `k`"), "{text}");
@@ -106,7 +106,9 @@ fn a_deep_or_huge_bundle_manifest_gets_a_short_named_answer() {
     let cache = d.path().join("cache");
     let f = d.path().join("deep-manifest.yaml");
     std::fs::write(&f, format!("files: {}{}\n", "[".repeat(100_000), "]".repeat(100_000))).unwrap();
-    let o = run_agent(&["bundle", "fetch", p(&f), "--cache", p(&cache)]).unwrap();
+    let o = Agent::new(["bundle", "fetch", p(&f), "--cache", p(&cache)])
+        .output()
+        .unwrap();
     let text = output_text(&o);
     assert_ne!(o.status.code(), Some(0), "{}", clip(&text));
     assert!(text.len() < SHORT, "{} bytes: {}", text.len(), clip(&text));
@@ -119,7 +121,9 @@ fn a_deep_or_huge_bundle_manifest_gets_a_short_named_answer() {
         "0".repeat(64)
     );
     std::fs::write(&f, text).unwrap();
-    let o = run_agent(&["bundle", "fetch", p(&f), "--cache", p(&cache)]).unwrap();
+    let o = Agent::new(["bundle", "fetch", p(&f), "--cache", p(&cache)])
+        .output()
+        .unwrap();
     let text = output_text(&o);
     assert_ne!(o.status.code(), Some(0), "{}", clip(&text));
     assert!(text.len() < SHORT, "{} bytes: {}", text.len(), clip(&text));
@@ -127,7 +131,9 @@ fn a_deep_or_huge_bundle_manifest_gets_a_short_named_answer() {
     // A manifest file over the manifest limit is refused by its size, before reading.
     let f = d.path().join("big-manifest.yaml");
     std::fs::File::create(&f).unwrap().set_len(65 << 20).unwrap();
-    let o = run_agent(&["bundle", "fetch", p(&f), "--cache", p(&cache)]).unwrap();
+    let o = Agent::new(["bundle", "fetch", p(&f), "--cache", p(&cache)])
+        .output()
+        .unwrap();
     let text = output_text(&o);
     assert_eq!(o.status.code(), Some(2), "{}", clip(&text));
     assert!(text.contains("big-manifest.yaml") && text.contains("64 MiB"), "{text}");

@@ -8,6 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
+use taintgate_tests::agent::Agent;
 
 const ESC: u8 = 0x1b;
 
@@ -27,12 +28,16 @@ fn has_sgr(bytes: &[u8]) -> bool {
 /// A dry run of the built-in demo on a pty, logging at info so there are log lines to
 /// colour; returns everything the terminal received.
 fn on_a_terminal(color: Option<&str>, no_color: Option<&str>) -> String {
-    let bin = taintgate_tests::services::taintgate_bin().unwrap();
-    let flag = color.map(|c| format!(" --color {c}")).unwrap_or_default();
-    let line = format!("'{}'{flag} run --simulate builtin --dry-run --once", bin.display());
+    let flag = color.map(|c| vec!["--color", c]).unwrap_or_default();
+    let agent = Agent::new(flag)
+        .arg("run")
+        .simulate("builtin")
+        .dry_run()
+        .once()
+        .no_timeout();
     let mut c = Command::new("script");
-    c.args(["-qec", &line, "/dev/null"]).env("RUST_LOG", "info");
-    taintgate_tests::agent::clean_env(&mut c);
+    c.args(["-qec", &agent.shell_line().unwrap(), "/dev/null"]);
+    agent.apply_env(&mut c);
     match no_color {
         Some(v) => c.env("NO_COLOR", v),
         None => c.env_remove("NO_COLOR"),

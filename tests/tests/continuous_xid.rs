@@ -13,7 +13,7 @@
 
 use serde_json::json;
 use std::time::Duration;
-use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::agent::{Agent, NODE, TAINT, condition};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::*;
 use taintgate_tests::faults::*;
@@ -35,10 +35,10 @@ impl Scenario {
         let profile = write_profile(dir.path(), "profile.yaml", "8gpu-two-domains", &overlay).unwrap();
         let config = write_config(dir.path(), "config.yaml", config).unwrap();
         let port = taintgate_tests::services::free_port().unwrap();
-        let mut args = agent_args(&profile, &config, &api, false);
-        args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let agent = RunningAgent::spawn(agent_command(&args).unwrap()).unwrap();
+        let agent = Agent::run_against(&api, &profile, &config)
+            .metrics_addr(format!("127.0.0.1:{port}"))
+            .running()
+            .unwrap();
         Self {
             api,
             agent: ResidentAgent::new(agent),
@@ -79,7 +79,7 @@ fn continuous_mode_taints_the_node_on_a_fatal_xid_after_release() {
     );
     wait_for_event(&s.api, "XidFatal");
     let ev = &events_with_reason(&s.api, "XidFatal")[0];
-    assert_eq!(ev["type"], "Warning");
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
     // The release happened first: one removal, and it precedes the taint's addition.
     let reqs = s.api.requests();
     let removal = reqs.iter().position(|r| is_taint_removal(r, NODE)).expect("removal");
@@ -157,8 +157,8 @@ fn without_continuous_mode_a_fatal_xid_is_reported_but_not_tainted() {
     assert_condition(&after, "AcceleratedHardwareReady", "True", "HardwareVerified");
     let ev = &events_with_reason(&s.api, "XidFatal")[0];
     assert!(
-        ev["message"].as_str().unwrap().contains("continuous mode is off"),
-        "{ev}"
+        ev.message.as_deref().unwrap().contains("continuous mode is off"),
+        "{ev:?}"
     );
     assert_eq!(log_count(&run.stderr, "fatal XID after release"), 1);
     // No add patch was ever sent.

@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::agent::{Agent, NODE, TAINT, condition};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::*;
 use taintgate_tests::faults::*;
@@ -103,27 +103,17 @@ impl Scenario {
         });
         let config = write_config(dir.path(), "config.yaml", &overlay.to_string()).unwrap();
         let port = taintgate_tests::services::free_port().unwrap();
-        let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
-        let config = config.to_string_lossy().into_owned();
-        let metrics_addr = format!("127.0.0.1:{port}");
-        let args = [
-            "run",
-            "--kubeconfig",
-            &kubeconfig,
-            "--node-name",
-            NODE,
-            "--config",
-            &config,
-            "--output",
-            "json",
-            "--log-format",
-            "json",
-            "--metrics-addr",
-            &metrics_addr,
-        ];
-        let mut cmd = agent_command(&args).unwrap();
-        cmd.env_remove("TAINTGATE_NVML_LIBRARY").env_remove("FAKE_NVML_PROFILE");
-        let agent = RunningAgent::spawn(cmd).unwrap();
+        let agent = Agent::run()
+            .api(&api)
+            .node(NODE)
+            .config(&config)
+            .json()
+            .log_json()
+            .metrics_addr(format!("127.0.0.1:{port}"))
+            .env_remove("TAINTGATE_NVML_LIBRARY")
+            .env_remove("FAKE_NVML_PROFILE")
+            .running()
+            .unwrap();
         Self {
             api,
             agent: ResidentAgent::new(agent),
@@ -237,9 +227,9 @@ fn fatal_xid_through_nvml_taints_the_node_once() {
     let stop_took = t1.elapsed();
     let events = events_with_reason(&s.api, "XidFatal");
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["type"], "Warning");
-    assert_eq!(events[0]["involvedObject"]["kind"], "Node");
-    let msg = events[0]["message"].as_str().unwrap();
+    assert_eq!(events[0].type_.as_deref(), Some("Warning"));
+    assert_eq!(events[0].involved_object.kind.as_deref(), Some("Node"));
+    let msg = events[0].message.as_deref().unwrap();
     assert!(msg.contains("GPU 1: XID 79"), "{msg}");
 
     // Exactly once: one add patch, one entry; the startup taint was removed once and
@@ -303,8 +293,8 @@ fn warning_xid_through_nvml_is_only_reported() {
     let run = s.stop();
     let events = events_with_reason(&s.api, "XidWarning");
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["type"], "Warning");
-    let msg = events[0]["message"].as_str().unwrap();
+    assert_eq!(events[0].type_.as_deref(), Some("Warning"));
+    let msg = events[0].message.as_deref().unwrap();
     assert!(msg.contains("GPU 3: XID 92") && !msg.contains("XID 13"), "{msg}");
     assert!(events_with_reason(&s.api, "XidFatal").is_empty());
 

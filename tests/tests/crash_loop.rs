@@ -21,7 +21,7 @@
 use serde_json::Value;
 use std::time::{Duration, Instant, SystemTime};
 use taintgate::timeline::Outcome;
-use taintgate_tests::agent::{NODE, condition, reference_node};
+use taintgate_tests::agent::{Agent, NODE, condition, reference_node};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::faults::*;
 use taintgate_tests::require_service;
@@ -72,13 +72,12 @@ struct Tally {
 fn run_once(
     api: &ApiServer,
     stages: usize,
-    args: &[String],
+    launch: &Agent,
     kill_after: Option<Duration>,
     before: &Value,
     tally: &mut Tally,
 ) -> Result<AgentRun, String> {
-    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-    let agent = RunningAgent::spawn(agent_command(&argv).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let agent = launch.running().map_err(|e| e.to_string())?;
     let run = match kill_after {
         Some(d) => {
             // The delay *is* the fault being injected: a kill at an arbitrary moment.
@@ -163,7 +162,7 @@ fn kill_9_at_random_points_then_converge() {
         }
         reference(&api).unwrap()
     };
-    let args = agent_args(&profile, &config, &api, true);
+    let launch = Agent::run_against(&api, &profile, &config).once();
 
     // Calibrate: how long one whole bootstrap takes here, so kills spread over all of it
     // (stages, the removal, the report) whatever the machine's speed.
@@ -175,7 +174,7 @@ fn kill_9_at_random_points_then_converge() {
     let cal = run_once(
         &api,
         taintgate::stage::Stage::ALL.len(),
-        &args,
+        &launch,
         None,
         &before,
         &mut tally,
@@ -217,12 +216,12 @@ fn kill_9_at_random_points_then_converge() {
                 0 => rng.below(span_ms),
                 _ => late_from + rng.below(span_ms - late_from),
             });
-            if let Err(e) = run_once(&api, stages, &args, Some(d), &before, &mut tally) {
+            if let Err(e) = run_once(&api, stages, &launch, Some(d), &before, &mut tally) {
                 panic!("iteration {i}, kill {k} after {d:?}: {e}");
             }
         }
         let run =
-            run_once(&api, stages, &args, None, &before, &mut tally).unwrap_or_else(|e| panic!("iteration {i}: {e}"));
+            run_once(&api, stages, &launch, None, &before, &mut tally).unwrap_or_else(|e| panic!("iteration {i}: {e}"));
         assert_eq!(run.code, Some(0), "iteration {i}: restart must release\n{}", run.text());
         let node = reference(&api).unwrap();
         assert_eq!(taints(&node), vec!["nvidia.com/gpu:NoSchedule"], "iteration {i}");

@@ -13,7 +13,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use taintgate_tests::agent::{NODE, TAINT, output_text, profile, reference_node, register_like_karpenter, taint_keys};
+use taintgate_tests::agent::{
+    Agent, NODE, TAINT, output_text, profile, reference_node, register_like_karpenter, taint_keys,
+};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::event_rbac;
 use taintgate_tests::faults::others_view;
@@ -104,26 +106,20 @@ fn sa_files(dir: &Path, token: &str, ca: &Path) -> PathBuf {
 /// (`/var/run/secrets/kubernetes.io/serviceaccount/{token,ca.crt,namespace}`) hold `sa`'s
 /// files, with `KUBERNETES_SERVICE_HOST/PORT` naming the proxy. Nothing outside the
 /// namespace sees the mount.
-fn in_cluster_agent(api: &ApiServer, sa: &Path, args: &[&str]) -> Command {
-    let bin = taintgate_tests::services::taintgate_bin().unwrap();
+fn in_cluster_agent(api: &ApiServer, sa: &Path, agent: Agent) -> Command {
     let script = format!(
         "set -e; mount -t tmpfs -o size=1m tmpfs /run; \
          mkdir -p /run/secrets/kubernetes.io; \
          ln -s {sa} /run/secrets/kubernetes.io/serviceaccount; \
-         exec timeout --signal=KILL 120 \"$0\" \"$@\"",
+         exec \"$0\" \"$@\"",
         sa = sa.display()
     );
-    let mut c = Command::new("unshare");
-    c.args(["--mount", "--propagation", "private", "sh", "-c", &script])
-        .arg(bin)
-        .args(args);
-    taintgate_tests::agent::clean_env(&mut c);
-    c.env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    agent
+        .env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
         .env("KUBERNETES_SERVICE_PORT", api.addr().port().to_string())
         .env("NODE_NAME", NODE)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    c
+        .command_via(["unshare", "--mount", "--propagation", "private", "sh", "-c", &script])
+        .unwrap()
 }
 
 #[test]
@@ -165,14 +161,7 @@ fn daemonset_identity_in_cluster_releases_a_healthy_node_and_changes_nothing_els
     let o = in_cluster_agent(
         &api,
         &bad,
-        &[
-            "run",
-            "--simulate",
-            &profile("8gpu-two-domains"),
-            "--config",
-            &cfg.to_string_lossy(),
-            "--once",
-        ],
+        Agent::run().simulate(profile("8gpu-two-domains")).config(&cfg).once(),
     )
     .output()
     .unwrap();
@@ -194,14 +183,10 @@ fn daemonset_identity_in_cluster_releases_a_healthy_node_and_changes_nothing_els
     let o = in_cluster_agent(
         &api,
         &good,
-        &[
-            "run",
-            "--simulate",
-            &profile("8gpu-two-domains"),
-            "--config",
-            &ds_config.to_string_lossy(),
-            "--once",
-        ],
+        Agent::run()
+            .simulate(profile("8gpu-two-domains"))
+            .config(&ds_config)
+            .once(),
     )
     .output()
     .unwrap();
@@ -652,15 +637,11 @@ fn a_rotated_token_file_keeps_the_agent_working() {
         .unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let sa = sa_files(tmp.path(), &old, Path::new(api.control_plane().ca_path().unwrap()));
-    let child = in_cluster_agent(
-        &api,
-        &sa,
-        &["run", "--simulate", &profile("8gpu-two-domains"), "--once"],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = in_cluster_agent(&api, &sa, Agent::run().simulate(profile("8gpu-two-domains")).once())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     api.wait_for_open_watch(Duration::from_secs(60)).unwrap();
     // The kubelet rotates the projected token: the new one is written (atomically, as the
     // kubelet's atomic writer does), and the old one's Pod goes away, which invalidates it.
@@ -694,14 +675,7 @@ fn a_node_deleted_while_waiting_for_registration_is_a_named_outcome() {
     let child = in_cluster_agent(
         &api,
         &sa,
-        &[
-            "run",
-            "--simulate",
-            &profile("8gpu-two-domains"),
-            "--config",
-            &cfg.to_string_lossy(),
-            "--once",
-        ],
+        Agent::run().simulate(profile("8gpu-two-domains")).config(&cfg).once(),
     )
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())

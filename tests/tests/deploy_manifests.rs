@@ -16,6 +16,7 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use taintgate_tests::agent::Agent;
 use taintgate_tests::deploy::{
     DeployError, Kustomization, NodePool, check_document, repo_root, typed, yaml_documents, yaml_documents_str,
     yaml_files_under,
@@ -138,14 +139,11 @@ fn shipped_configs_write_events_to_default() {
 
 #[test]
 fn shipped_configs_are_valid_for_the_agent() {
-    let bin = taintgate_tests::require_service!("taintgate binary", taintgate_bin());
+    taintgate_tests::require_service!("taintgate binary", taintgate_bin());
+    let validate = Agent::new(["config", "validate"]).no_timeout();
     for (file, _) in SHIPPED_CONFIGS {
         let cfg = repo_root().join(file);
-        let out = Command::new(&bin)
-            .args(["config", "validate"])
-            .arg(&cfg)
-            .output()
-            .unwrap();
+        let out = validate.clone().arg(&cfg).output().unwrap();
         assert!(
             out.status.success(),
             "taintgate config validate {}: {}",
@@ -160,11 +158,7 @@ fn shipped_configs_are_valid_for_the_agent() {
     let bad = dir.path().join("config.yaml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(&bad, text.replacen("  effect: NoSchedule", "  efect: NoSchedule", 1)).unwrap();
-    let out = Command::new(&bin)
-        .args(["config", "validate"])
-        .arg(&bad)
-        .output()
-        .unwrap();
+    let out = validate.arg(&bad).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
@@ -172,8 +166,8 @@ fn shipped_configs_are_valid_for_the_agent() {
 fn shipped_configs_are_the_example_plus_named_changes() {
     // One source of truth: each shipped config is `taintgate config example` with only the
     // listed keys changed, so a key added to the example must be added here too.
-    let bin = taintgate_tests::require_service!("taintgate binary", taintgate_bin());
-    let out = Command::new(&bin).args(["config", "example"]).output().unwrap();
+    taintgate_tests::require_service!("taintgate binary", taintgate_bin());
+    let out = Agent::new(["config", "example"]).no_timeout().output().unwrap();
     assert!(out.status.success());
     let example = String::from_utf8(out.stdout).unwrap();
     let ex: Vec<&str> = example.lines().collect();

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use taintgate_tests::agent::Agent;
 use taintgate_tests::deploy::repo_root;
 use taintgate_tests::services::{taintgate_bin, which};
 
@@ -192,8 +193,8 @@ fn environment_file_sets_only_what_the_agent_reads() {
     );
     // Every variable but RUST_LOG (read by the log filter) is a documented env form of a
     // `taintgate run` flag.
-    let bin = taintgate_tests::require_service!("taintgate binary", taintgate_bin());
-    let out = Command::new(&bin).args(["run", "--help"]).output().unwrap();
+    taintgate_tests::require_service!("taintgate binary", taintgate_bin());
+    let out = Agent::run().arg("--help").no_timeout().output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
     for k in keys.iter().filter(|k| *k != "RUST_LOG") {
         assert!(

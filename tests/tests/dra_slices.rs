@@ -165,28 +165,14 @@ fn config(dir: &Path, registry: &Path, deadline: &str) -> String {
 }
 
 /// `run --once` on the DRA profile against `api` with `cfg`.
-fn agent_args(api: &ApiServer, cfg: &str) -> Vec<String> {
-    let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
-    [
-        "run",
-        "--simulate",
-        &profile("8gpu-dra"),
-        "--kubeconfig",
-        &kubeconfig,
-        "--config",
-        cfg,
-        "--once",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+fn agent(api: &ApiServer, cfg: &str) -> Agent {
+    Agent::run().simulate(profile("8gpu-dra")).api(api).config(cfg).once()
 }
 
 fn run(api: &ApiServer, registry: &Registration) -> std::process::Output {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), &registry.path, "4s");
-    let args = agent_args(api, &cfg);
-    run_agent(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap()
+    agent(api, &cfg).output().unwrap()
 }
 
 fn dra_stage(api: &ApiServer) -> Value {
@@ -307,8 +293,7 @@ fn a_generation_that_rises_restarts_the_count_and_the_watch_sees_its_last_slice(
     let registry = Registration::start(Some(DRIVER));
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), &registry.path, "60s");
-    let args = agent_args(&api, &cfg);
-    let child = spawn_agent(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let child = agent(&api, &cfg).spawn().unwrap();
     // Publish the second slice of generation 2 once the agent watches the slices.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !api

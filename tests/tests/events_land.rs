@@ -14,10 +14,10 @@
 
 use serde_json::Value;
 use std::time::Duration;
-use taintgate_tests::agent::{NODE, reference_node};
+use taintgate_tests::agent::{Agent, NODE, reference_node};
 use taintgate_tests::cluster::{ApiServer, RequestMatch};
 use taintgate_tests::continuous::metrics;
-use taintgate_tests::faults::{RunningAgent, agent_args, agent_command, wait_until, write_config, write_profile};
+use taintgate_tests::faults::{wait_until, write_config, write_profile};
 use taintgate_tests::require_service;
 
 /// The value of the sample `name` (labels included, e.g. `x_total{code="403"}`) in a
@@ -44,12 +44,10 @@ fn events_land_in_default_once_per_cause_and_refusals_are_counted() {
     // The namespace the shipped configs used to name, whose Events the API server refused.
     let config = write_config(dir.path(), "c.yaml", "reporting: {event_namespace: taintgate-system}").unwrap();
     let port = taintgate_tests::services::free_port().unwrap();
-    let mut args = agent_args(&profile, &config, &api, false);
-    args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let launch = Agent::run_against(&api, &profile, &config).metrics_addr(format!("127.0.0.1:{port}"));
     // The first Event write of the first pass is refused.
     api.fail_next(1, 403, RequestMatch::any().method("POST").path("/events"));
-    let agent = RunningAgent::spawn(agent_command(&args).unwrap()).unwrap();
+    let agent = launch.running().unwrap();
 
     // The held node is re-evaluated after 15 s: wait for the second pass's Events.
     let scrape = || metrics(port).unwrap_or_default();

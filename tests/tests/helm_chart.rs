@@ -132,7 +132,10 @@ fn agent_accepts_config(docs: &[Value]) {
     let d = tempfile::tempdir().unwrap();
     let f = d.path().join("config.yaml");
     std::fs::write(&f, cm["data"]["config.yaml"].as_str().unwrap()).unwrap();
-    let o = taintgate_tests::agent::run_agent(&["config", "validate", f.to_str().unwrap()]).unwrap();
+    let o = taintgate_tests::agent::Agent::new(["config", "validate"])
+        .arg(f.to_str().unwrap())
+        .output()
+        .unwrap();
     assert!(o.status.success(), "rendered config: {}", text(&o));
 }
 

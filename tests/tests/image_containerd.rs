@@ -22,6 +22,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::ffi::OsStr;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -29,6 +30,7 @@ use std::process::{Command, Output, Stdio};
 use anyhow::{Context, bail};
 use serde_json::Value;
 use taintgate_prefetch::images::{CriImageRuntime, ImageRef, ImageRuntime};
+use taintgate_tests::agent::Agent;
 use taintgate_tests::require_service;
 use taintgate_tests::services::containerd::Containerd;
 use taintgate_tests::services::registry::Registry;
@@ -94,7 +96,14 @@ fn image_config(reference: &str) -> anyhow::Result<Value> {
 
 /// `ctr run --rm` of `image` with `args` against the private containerd (`k8s.io`, where
 /// the CRI plugin put the image).
-fn ctr_run(c: &Containerd, image: &str, id: &str, args: &[&str]) -> Output {
+/// `taintgate` (the image's entrypoint) with `agent`'s arguments, for [`ctr_run`].
+fn in_image(agent: Agent) -> Vec<String> {
+    std::iter::once("taintgate".to_string())
+        .chain(agent.cli_args())
+        .collect()
+}
+
+fn ctr_run<S: AsRef<OsStr>>(c: &Containerd, image: &str, id: &str, args: &[S]) -> Output {
     Command::new("ctr")
         .arg("--address")
         .arg(&c.socket)
@@ -175,7 +184,14 @@ const DEFAULT_CAPS: &[&str] = &[
 /// deadline at `/etc/taintgate/config.yaml`; `stdin` written to the process.
 /// Checks the container's spec for the read-only root and the empty capability sets,
 /// then removes the container.
-fn ctr_run_like_a_node(c: &Containerd, image: &str, id: &str, libs: &Path, args: &[&str], stdin: &[u8]) -> Output {
+fn ctr_run_like_a_node<S: AsRef<OsStr>>(
+    c: &Containerd,
+    image: &str,
+    id: &str,
+    libs: &Path,
+    args: &[S],
+    stdin: &[u8],
+) -> Output {
     // A short driver-stage deadline, mounted at /etc/taintgate/config.yaml.
     let config_dir = tempfile::tempdir().unwrap();
     let config = config_dir.path().join("config.yaml");
@@ -269,7 +285,7 @@ async fn the_image_pulled_by_digest_through_cri_runs_and_releases() {
         &containerd,
         &by_digest,
         "tg-check",
-        &["taintgate", "check", "--simulate", "builtin"],
+        &in_image(Agent::check().simulate("builtin")),
     );
     let out = text(&o);
     assert!(o.status.success(), "check in the image: {out}");
@@ -281,7 +297,7 @@ async fn the_image_pulled_by_digest_through_cri_runs_and_releases() {
         &containerd,
         &by_digest,
         "tg-driver",
-        &["taintgate", "check", "--stages", "driver"],
+        &in_image(Agent::check().stages("driver")),
     );
     let out = text(&o);
     assert_eq!(o.status.code(), Some(1), "held: {out}");
@@ -295,14 +311,7 @@ async fn the_image_pulled_by_digest_through_cri_runs_and_releases() {
         &by_digest,
         "tg-driver-nvidia",
         &libs,
-        &[
-            "taintgate",
-            "check",
-            "--stages",
-            "driver",
-            "--config",
-            "/etc/taintgate/config.yaml",
-        ],
+        &in_image(Agent::check().stages("driver").config("/etc/taintgate/config.yaml")),
         b"",
     );
     let out = text(&o);
@@ -322,7 +331,7 @@ async fn the_image_pulled_by_digest_through_cri_runs_and_releases() {
         &by_digest,
         "tg-cuda-nvidia",
         &libs,
-        &["taintgate", "cuda-worker"],
+        &in_image(Agent::new(["cuda-worker"])),
         request,
     );
     let out = text(&o);

@@ -32,17 +32,13 @@ fn write_config(dir: &Path, socket: &Path, image: &str) -> String {
 }
 
 fn run(api: &ApiServer, config: &str) -> std::process::Output {
-    run_agent(&[
-        "run",
-        "--simulate",
-        &profile("8gpu-two-domains"),
-        "--kubeconfig",
-        &api.kubeconfig_path().to_string_lossy(),
-        "--config",
-        config,
-        "--once",
-    ])
-    .unwrap()
+    Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(api)
+        .config(config)
+        .once()
+        .output()
+        .unwrap()
 }
 
 /// The compact timeline entry `[name, start_ms, duration_ms, outcome, reason]` of `name`.

@@ -28,12 +28,10 @@ use taintgate::telemetry::Stamp;
 use taintgate::telemetry::annotation::WorkloadEntry;
 use taintgate::telemetry::otlp::bootstrap_ids;
 use taintgate::timeline::{Outcome, Timeline};
-use taintgate_tests::agent::reference_node;
+use taintgate_tests::agent::{Agent, reference_node};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::{http_status, metrics, node_with_foreign_taint};
-use taintgate_tests::faults::{
-    AgentRun, RunningAgent, agent_args, agent_command, wait_until, write_config, write_profile,
-};
+use taintgate_tests::faults::{AgentRun, wait_until, write_config, write_profile};
 use taintgate_tests::require_service;
 use taintgate_tests::services::free_port;
 use taintgate_tests::services::jaeger::Jaeger;
@@ -42,18 +40,12 @@ use taintgate_tests::services::jaeger::Jaeger;
 fn run_once(api: &ApiServer, dir: &Path, env: &[(&str, String)]) -> AgentRun {
     let profile = write_profile(dir, "p.yaml", "8gpu-two-domains", "{}").unwrap();
     let config = write_config(dir, "c.yaml", "{}").unwrap();
-    let mut args = agent_args(&profile, &config, api, true);
-    args.push("--dry-run".into());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    // agent_command's clean environment has no OTEL_* of the machine running the tests.
-    let mut cmd = agent_command(&args).unwrap();
+    // The builder's clean environment has no OTEL_* of the machine running the tests.
+    let mut launch = Agent::run_against(api, &profile, &config).once().dry_run();
     for (k, v) in env {
-        cmd.env(k, v);
+        launch = launch.env(k, v);
     }
-    let run = RunningAgent::spawn(cmd)
-        .unwrap()
-        .wait(Duration::from_secs(120))
-        .unwrap();
+    let run = launch.running().unwrap().wait(Duration::from_secs(120)).unwrap();
     assert!(!run.timed_out, "{}", run.text());
     assert_eq!(run.code, Some(0), "{}", run.text());
     run
@@ -353,17 +345,16 @@ fn a_silent_collector_does_not_delay_readiness_or_resident_mode() {
     let config = write_config(dir.path(), "c.yaml", "{}").unwrap();
     let port = free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");
-    let mut args = agent_args(&profile, &config, &api, false);
-    args.extend(["--metrics-addr".to_string(), addr]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut cmd = agent_command(&args).unwrap();
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    cmd.env(
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-        format!("http://127.0.0.1:{}", silent.local_addr().unwrap().port()),
-    )
-    .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf");
-    let agent = RunningAgent::spawn(cmd).unwrap();
+    let agent = Agent::run_against(&api, &profile, &config)
+        .metrics_addr(addr)
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{}", silent.local_addr().unwrap().port()),
+        )
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        .running()
+        .unwrap();
     let ready = wait_until("/readyz 200", Duration::from_secs(90), || {
         http_status(port, "/readyz") == Some(200)
     });

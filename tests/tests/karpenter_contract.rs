@@ -5,25 +5,24 @@
 //! (Ready condition, capacity/allocatable, GFD labels) — see `Karpenter::play_kubelet`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use taintgate_tests::agent::{TAINT, agent_cmd, output_text, profile, taint_keys};
+use taintgate_tests::agent::{Agent, TAINT, output_text, profile, taint_keys};
 use taintgate_tests::cluster::karpenter::Karpenter;
 use taintgate_tests::cluster::{ApiServer, RequestMatch};
 use taintgate_tests::services::service_or_skip;
 
 const T: Duration = Duration::from_secs(90);
 
-fn agent(api: &ApiServer, node: &str, extra: &[&str]) -> std::process::Command {
-    let mut c = agent_cmd(180).unwrap();
-    c.args(["run", "--simulate", &profile("8gpu-two-domains"), "--kubeconfig"])
-        .arg(api.kubeconfig_path())
+fn agent(api: &ApiServer, node: &str, extra: &[&str]) -> Agent {
+    Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(api)
         .args(extra)
         .env("NODE_NAME", node)
-        .stdin(Stdio::null());
-    c
+        .timeout(180)
 }
 
 fn run(api: &ApiServer, node: &str, extra: &[&str]) -> Output {
@@ -229,11 +228,7 @@ fn the_1772_race_for_real_the_registration_wait_prevents_it() {
     })
     .unwrap();
     Karpenter::play_kubelet(&api, &node2).unwrap();
-    let child = agent(&api, &node2, &["--once"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = agent(&api, &node2, &["--once"]).spawn().unwrap();
     // The agent waits: nothing is released while Karpenter has not registered the Node.
     std::thread::sleep(Duration::from_secs(3));
     assert!(taint_keys(&api.get_object("nodes", &node2).unwrap().unwrap()).contains(&TAINT.to_string()));
@@ -266,15 +261,13 @@ fn a_faulty_node_is_never_initialized_and_says_why() {
     // GPU 7 fell off the bus: GpuCountMismatch.
     let profile_path = taintgate_tests::faults::example_profile("gpu-missing");
     let cfg = taintgate_tests::faults::write_config(dir.path(), "c.yaml", "").unwrap();
-    let mut c = agent_cmd(180).unwrap();
-    let o = c
-        .args(["run", "--simulate"])
-        .arg(&profile_path)
-        .arg("--kubeconfig")
-        .arg(api.kubeconfig_path())
-        .args(["--config", &cfg.to_string_lossy(), "--once"])
+    let o = Agent::run()
+        .simulate(&profile_path)
+        .api(&api)
+        .config(&cfg)
+        .once()
         .env("NODE_NAME", &node)
-        .stdin(Stdio::null())
+        .timeout(180)
         .output()
         .unwrap();
     assert_ne!(o.status.code(), Some(0), "{}", output_text(&o));
@@ -310,11 +303,7 @@ fn a_re_added_taint_is_removed_again_and_karpenters_writes_are_kept() {
     wait_registered(&api, &k, &node);
     Karpenter::play_kubelet(&api, &node).unwrap();
     // Resident: the agent keeps watching after release.
-    let mut child = agent(&api, &node, &[])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = agent(&api, &node, &[]).spawn().unwrap();
     api.wait_for_blocking("nodes", &node, |n| !taint_keys(n).contains(&TAINT.to_string()), T)
         .unwrap();
     api.wait_for_blocking(

@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
+use taintgate_tests::agent::Agent;
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::*;
 use taintgate_tests::faults::*;
@@ -44,10 +45,11 @@ fn bundle_bytes_and_files_reach_the_metrics_endpoint() {
     );
     let config = write_config(dir.path(), "config.yaml", &overlay).unwrap();
     let port = taintgate_tests::services::free_port().unwrap();
-    let mut args = agent_args(&profile, &config, &api, false);
-    args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut agent = ResidentAgent::new(RunningAgent::spawn(agent_command(&args).unwrap()).unwrap());
+    let agent = Agent::run_against(&api, &profile, &config)
+        .metrics_addr(format!("127.0.0.1:{port}"))
+        .running()
+        .unwrap();
+    let mut agent = ResidentAgent::new(agent);
     agent.wait_released(&api, Duration::from_secs(60));
 
     let m = metrics(port).unwrap();

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use taintgate_tests::agent::{output_text, profile, run_agent};
+use taintgate_tests::agent::{Agent, output_text, profile};
 use taintgate_tests::host_tree::{HostTree, OPEN, PROPRIETARY, Port};
 use taintgate_validators::network::NetworkHost;
 use taintgate_validators::network::sysfs::HostRoot;
@@ -100,7 +100,7 @@ fn setup(dir: &Path, root: &Path, expect: &str) -> (String, String) {
 fn run(tree: &HostTree, expect: &str) -> (Option<i32>, String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let (p, c) = setup(dir.path(), tree.root(), expect);
-    let o = run_agent(&["run", "--simulate", &p, "--config", &c, "--once", "--output", "json"]).unwrap();
+    let o = Agent::run().simulate(&p).config(&c).once().json().output().unwrap();
     let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", output_text(&o)));
     let rec = t["stages"]
         .as_array()

@@ -31,7 +31,7 @@ use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use taintgate_tests::agent::{agent_cmd, output_text};
+use taintgate_tests::agent::{Agent, output_text};
 use taintgate_tests::require_service;
 use taintgate_validators::gpu::Gpu;
 use taintgate_validators::gpu::real::{RealGpu, RealGpuOptions};
@@ -111,13 +111,12 @@ fn the_agent_gets_the_real_nvml_answer() {
     let config = dir.path().join("config.yaml");
     std::fs::write(&config, "stages: {driver: {deadline: 5s}}\n").unwrap();
     let started = std::time::Instant::now();
-    let o = agent_cmd(60)
-        .unwrap()
-        .args(["check", "--stages", "driver", "--config"])
-        .arg(&config)
+    let o = Agent::check()
+        .stages("driver")
+        .config(&config)
         .env("LD_LIBRARY_PATH", &libs)
         .env_remove("TAINTGATE_NVML_LIBRARY")
-        .stdin(Stdio::null())
+        .timeout(60)
         .output()
         .unwrap();
     let out = output_text(&o);
@@ -153,13 +152,10 @@ fn the_driver_stage_waits_for_a_driver_that_loads_late() {
         ),
     )
     .unwrap();
-    let child = agent_cmd(90)
-        .unwrap()
-        .args(["check", "--stages", "driver", "--config"])
-        .arg(&config)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    let child = Agent::check()
+        .stages("driver")
+        .config(&config)
+        .timeout(90)
         .spawn()
         .unwrap();
     std::thread::sleep(std::time::Duration::from_secs(4));
@@ -182,12 +178,12 @@ const SMOKE_REQUEST: &str = r#"{"op":"smoke","gpu":{"index":0,"uuid":"GPU-0","pc
 
 /// Run `taintgate cuda-worker` with `SMOKE_REQUEST` on stdin.
 fn cuda_worker(libs: &Path) -> Output {
-    let mut c = agent_cmd(60).unwrap();
-    c.arg("cuda-worker")
+    let mut c = Agent::new(["cuda-worker"])
         .env("LD_LIBRARY_PATH", libs)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .timeout(60)
+        .command()
+        .unwrap();
+    c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = c.spawn().unwrap();
     child.stdin.take().unwrap().write_all(SMOKE_REQUEST.as_bytes()).unwrap();
     child.wait_with_output().unwrap()

@@ -41,8 +41,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use taintgate_prefetch::{Manifest, ManifestFile, sha256_hex};
+use taintgate_tests::agent::Agent;
 use taintgate_tests::bundles::write_origin_file;
-use taintgate_tests::faults::{AgentRun, Rng, RunningAgent, agent_command, wait_until};
+use taintgate_tests::faults::{AgentRun, Rng, wait_until};
 use taintgate_tests::require_service;
 use taintgate_tests::services::nginx::{AccessEntry, Nginx};
 
@@ -136,29 +137,16 @@ fn publish(root: &Path, nginx: &Nginx) -> Origin {
     }
 }
 
-fn fetch_args(o: &Origin, cache: &Path) -> Vec<String> {
-    [
-        "bundle",
-        "fetch",
-        &o.manifest_url,
-        "--sha256",
-        &o.manifest_sha256,
-        "--name",
-        BUNDLE,
-        "--cache",
-        &cache.to_string_lossy(),
-        "--concurrency",
-        &CONCURRENCY.to_string(),
-        "--chunk-size",
-        &CHUNK.to_string(),
+fn fetch(o: &Origin, cache: &Path) -> Agent {
+    Agent::new(["bundle", "fetch"])
+        .arg(&o.manifest_url)
+        .args(["--sha256", &o.manifest_sha256, "--name", BUNDLE, "--cache"])
+        .arg(cache)
+        .args(["--concurrency", &CONCURRENCY.to_string()])
+        .args(["--chunk-size", &CHUNK.to_string()])
         // The default reserve is 10% of the filesystem: on a full build machine that alone
         // can refuse a few MiB. Disk preflight has its own tests.
-        "--reserve",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+        .args(["--reserve", "0"])
 }
 
 /// Splits nginx's access log into the requests of each run: after a run ends, one request
@@ -539,10 +527,9 @@ fn kill_9_mid_download_never_refetches_a_done_chunk_and_converges() {
     // it exits first. Checks (a) and (b) after it, whatever happened.
     let mut run = |d: &mut Download, kill: Kill, tally: &mut Tally| {
         tally.resumed_chunks += d.done.values().map(BTreeSet::len).sum::<usize>();
-        let args = fetch_args(&o, d.cache.path());
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let launch = fetch(&o, d.cache.path());
         let before = progress(d.cache.path(), &o);
-        let agent = RunningAgent::spawn(agent_command(&argv).unwrap()).unwrap();
+        let agent = launch.running().unwrap();
         // The kill *is* the fault being injected.
         let r = match kill {
             Kill::Never => agent.wait(RUN_LIMIT),
@@ -729,10 +716,9 @@ fn refetch_check_flags_a_restart_that_lost_its_partial() {
     let mut log = LogCursor { next_line: 0, marks: 0 };
     let mut d = Download::new();
     let a = &o.files[0];
-    let args = fetch_args(&o, d.cache.path());
-    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let launch = fetch(&o, d.cache.path());
 
-    let agent = RunningAgent::spawn(agent_command(&argv).unwrap()).unwrap();
+    let agent = launch.running().unwrap();
     wait_until("a chunk of a.bin persisted as done", Duration::from_secs(30), || {
         read_chunk_map(d.cache.path(), a)
             .unwrap()
@@ -748,10 +734,7 @@ fn refetch_check_flags_a_restart_that_lost_its_partial() {
     d.kills = 1;
     std::fs::remove_file(d.cache.path().join("tmp").join(format!("{}.part", a.entry.sha256))).unwrap();
 
-    let r = RunningAgent::spawn(agent_command(&argv).unwrap())
-        .unwrap()
-        .wait(RUN_LIMIT)
-        .unwrap();
+    let r = launch.running().unwrap().wait(RUN_LIMIT).unwrap();
     let requests = log.take(&nginx);
     let err = check_no_refetch(&o, &d, &requests, CHUNK).expect_err("a refetch of done chunks went unnoticed");
     assert!(err.contains("fetched again"), "{err}");

@@ -3,9 +3,9 @@
 //! Requests and bytes are counted from nginx's own access log, not from our report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::ffi::OsStr;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use taintgate_validators::reason::Reason;
 
@@ -17,6 +17,7 @@ use taintgate_tests::bundles::{
     self, ProxyFault, ProxyStats, pseudo_random, resumed_inside_a_chunk, spawn_fault_proxy, write_origin_file,
 };
 // The options every test here starts from.
+use taintgate_tests::agent::Agent;
 use taintgate_tests::bundles::test_prefetch_options as opts;
 use taintgate_tests::mounts::Mount;
 use taintgate_tests::require_service;
@@ -1160,18 +1161,21 @@ async fn a_file_retried_after_a_transient_failure_reports_nothing_resumed() {
 
 /// Peak resident memory of one `taintgate bundle fetch` (GNU time's `%M`, KiB → bytes).
 fn fetch_peak_rss(b: &BundleRef, cache: &Path, extra: &[&str]) -> u64 {
-    let bin = taintgate_tests::services::taintgate_bin().unwrap();
     let report = cache.with_extension("time");
-    let cache_s = cache.to_string_lossy().into_owned();
-    let o = Command::new("/usr/bin/time")
-        .arg("-f")
-        .arg("%M")
-        .arg("-o")
-        .arg(&report)
-        .arg(bin)
-        .args(["bundle", "fetch", &b.manifest_uri, "--sha256", &b.manifest_sha256])
-        .args(["--name", &b.name, "--cache", &cache_s, "--reserve", "0"])
+    let o = Agent::new(["bundle", "fetch", &b.manifest_uri, "--sha256", &b.manifest_sha256])
+        .args(["--name", &b.name, "--cache"])
+        .arg(cache)
+        .args(["--reserve", "0"])
         .args(extra)
+        .no_timeout()
+        .command_via([
+            OsStr::new("/usr/bin/time"),
+            "-f".as_ref(),
+            "%M".as_ref(),
+            "-o".as_ref(),
+            report.as_os_str(),
+        ])
+        .unwrap()
         .output()
         .expect("GNU time (Debian package `time`) runs the fetch");
     assert!(

@@ -22,7 +22,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use taintgate_prefetch::{Manifest, ManifestFile};
-use taintgate_tests::agent::{NODE, agent_cmd, condition, output_text, profile, reference_node};
+use taintgate_tests::agent::{Agent, NODE, condition, output_text, profile, reference_node};
 use taintgate_tests::bundles::{publish_manifest, write_origin_file};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::otlp::OtlpReceiver;
@@ -128,9 +128,7 @@ fn manifest_with_source(origin: &Path, source: String) -> Manifest {
 /// Run `taintgate bundle fetch` and return everything it printed; it must fail with
 /// `reason` and exit 1 (held).
 fn bundle_fetch(args: &[&str], cache: &Path, reason: &str) -> String {
-    let o = agent_cmd(120)
-        .unwrap()
-        .args(["bundle", "fetch"])
+    let o = Agent::new(["bundle", "fetch"])
         .args(args)
         .arg("--cache")
         .arg(cache)
@@ -268,29 +266,17 @@ struct Shown {
 /// Run the agent once (simulated GPU node, real kube-apiserver, OTLP to `rx`) with
 /// `config`; the `models` stage fails with `reason` and the node is held.
 async fn run_agent_held(api: &ApiServer, rx: &OtlpReceiver, config: String, reason: &str) -> Shown {
-    let (kc, endpoint) = (api.kubeconfig_path().to_string_lossy().into_owned(), rx.endpoint());
+    let agent = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(api)
+        .once()
+        .config(config)
+        .json()
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", rx.endpoint());
     let before = rx.spans().len();
-    let o = tokio::task::spawn_blocking(move || {
-        agent_cmd(120)
-            .unwrap()
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
-            .args([
-                "run",
-                "--simulate",
-                &profile("8gpu-two-domains"),
-                "--kubeconfig",
-                &kc,
-                "--once",
-                "--config",
-                &config,
-                "--output",
-                "json",
-            ])
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let o = tokio::task::spawn_blocking(move || agent.output().unwrap())
+        .await
+        .unwrap();
     let output = output_text(&o);
     assert_eq!(o.status.code(), Some(1), "held: {output}");
     let node = api.get_object("nodes", NODE).unwrap().unwrap();

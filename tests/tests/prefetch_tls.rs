@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::process::Command;
 use taintgate_prefetch::{CancellationToken, Manifest, PrefetchError, prefetch_bundles};
+use taintgate_tests::agent::Agent;
 use taintgate_tests::bundles::{publish_manifest, test_prefetch_options, write_origin_file};
 use taintgate_tests::services::nginx::Nginx;
 use taintgate_validators::reason::ReasonCode;
@@ -107,23 +108,22 @@ async fn the_private_ca_is_trusted_only_when_configured() {
 #[test]
 fn bundle_fetch_takes_a_ca_bundle_and_names_a_bad_one() {
     let Some(o) = origin() else { return };
-    let bin = taintgate_tests::services::taintgate_bin().unwrap();
     let cache = tempfile::tempdir().unwrap();
     let run = |ca: &Path| {
-        Command::new(&bin)
-            .args([
-                "bundle",
-                "fetch",
-                &o.bundle.manifest_uri,
-                "--sha256",
-                &o.bundle.manifest_sha256,
-            ])
-            .arg("--cache")
-            .arg(cache.path())
-            .args(["--reserve", "0", "--ca-bundle"])
-            .arg(ca)
-            .output()
-            .unwrap()
+        Agent::new([
+            "bundle",
+            "fetch",
+            &o.bundle.manifest_uri,
+            "--sha256",
+            &o.bundle.manifest_sha256,
+        ])
+        .arg("--cache")
+        .arg(cache.path())
+        .args(["--reserve", "0", "--ca-bundle"])
+        .arg(ca)
+        .no_timeout()
+        .output()
+        .unwrap()
     };
     let ok = run(&o.pki.path().join("ca.pem"));
     assert_eq!(ok.status.code(), Some(0), "{}", String::from_utf8_lossy(&ok.stderr));

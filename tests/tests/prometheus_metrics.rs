@@ -28,10 +28,13 @@ use taintgate::telemetry::annotation::decode;
 use taintgate_tests::bundles::publish_manifest;
 use taintgate_tests::cluster::{ApiServer, go_tool, repo_root};
 use taintgate_tests::continuous::{ResidentAgent, node_with_foreign_taint};
-use taintgate_tests::faults::{RunningAgent, agent_args, agent_command, wait_until, write_config, write_profile};
+use taintgate_tests::faults::{wait_until, write_config, write_profile};
 use taintgate_tests::services::nginx::Nginx;
 use taintgate_tests::services::{ServiceProcess, free_port, wait_for_tcp};
-use taintgate_tests::{agent::NODE, require_service};
+use taintgate_tests::{
+    agent::{Agent, NODE},
+    require_service,
+};
 
 const RELEASED: &str = "gpu-released";
 const HELD: &str = "gpu-held";
@@ -225,10 +228,10 @@ fn prometheus_answers_what_the_agents_did() {
     let spawn = |name: &str, base: &str, overlay: &str, api: &ApiServer, port: u16| {
         let profile = write_profile(dir.path(), &format!("{name}-p.yaml"), base, "{}").unwrap();
         let config = write_config(dir.path(), &format!("{name}-c.yaml"), overlay).unwrap();
-        let mut args = agent_args(&profile, &config, api, false);
-        args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        RunningAgent::spawn(agent_command(&args).unwrap()).unwrap()
+        Agent::run_against(api, &profile, &config)
+            .metrics_addr(format!("127.0.0.1:{port}"))
+            .running()
+            .unwrap()
     };
     let bundle = format!(
         "{{models: {{bundles: [{{name: {}, manifest_uri: '{}', manifest_sha256: {}}}], \

@@ -719,7 +719,7 @@ fn check_fleet(text: &str, fleet: &[Intervals], real: &taintgate::telemetry::ann
 /// real Jaeger as its own trace, whose root links to the bootstrap's root span there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_resident_agent_records_the_chain_after_its_own_release() {
-    use taintgate_tests::agent::{NODE, TAINT, agent_cmd, output_text, profile, reference_node, taint_keys};
+    use taintgate_tests::agent::{Agent, NODE, TAINT, output_text, profile, reference_node, taint_keys};
     let jaeger = require_service!("jaeger", taintgate_tests::services::jaeger::Jaeger::start());
     let api = require_service!("kube-apiserver", ApiServer::start().await);
     api.put_object(reference_node(true).build()).unwrap();
@@ -727,24 +727,15 @@ async fn the_resident_agent_records_the_chain_after_its_own_release() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("config.yaml");
     std::fs::write(&cfg, "readiness:\n  deadline: 5m\n  endpoint_wait: 1s\n").unwrap();
-    let mut cmd = require_service!("taintgate binary", agent_cmd(120));
-    let child = cmd
-        .args([
-            "run",
-            "--simulate",
-            &profile("8gpu-two-domains"),
-            "--kubeconfig",
-            &api.kubeconfig_path().to_string_lossy(),
-            "--config",
-            &cfg.to_string_lossy(),
-        ])
+    require_service!("taintgate binary", taintgate_tests::services::taintgate_bin());
+    let child = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(&api)
+        .config(&cfg)
         .env(
             "OTEL_EXPORTER_OTLP_ENDPOINT",
             format!("http://127.0.0.1:{}", jaeger.grpc),
         )
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let released = |n: &Value| !taint_keys(n).contains(&TAINT.to_string());

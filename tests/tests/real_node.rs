@@ -31,7 +31,6 @@ use taintgate::stage::Stage;
 use taintgate::timeline::Outcome;
 use taintgate_tests::agent::{TAINT, condition, taint_keys};
 use taintgate_tests::cluster::{ApiServer, go_tool};
-use taintgate_tests::faults::RunningAgent;
 use taintgate_tests::nvidia::DriverRoot;
 use taintgate_tests::real_node::{agent_on_node, pod_condition, pods_labelled, workload_manifest};
 use taintgate_tests::require_service;
@@ -201,8 +200,8 @@ fn a_real_kubelet_node_is_released_by_the_agent_and_serves_a_deployment() {
 
     // 3. The agent on the node, against the real kubelet's sockets.
     let var_lib = PathBuf::from(var("NODE_VAR_LIB"));
-    let cmd = agent_on_node(&api, &driver, tmp.path(), &json!({})).unwrap();
-    let run = RunningAgent::spawn(cmd).unwrap().wait(T).unwrap();
+    let agent = agent_on_node(&api, &driver, tmp.path(), &json!({})).unwrap();
+    let run = agent.running().unwrap().wait(T).unwrap();
     assert_eq!(run.code, Some(0), "agent failed:\n{}\n{}", run.stdout, run.stderr);
     let timeline = run.timeline().expect("no JSON timeline");
     assert_eq!(timeline.gpu_backend, "nvml");

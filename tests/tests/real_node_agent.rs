@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use serde_json::{Value, json};
 use taintgate_prefetch::Manifest;
-use taintgate_tests::agent::reached_pod_stamps;
+use taintgate_tests::agent::{Agent, reached_pod_stamps};
 use taintgate_tests::agent::{TAINT, condition, expected_pod_stamps, taint_keys, timestamp_ms};
 use taintgate_tests::bundles::{files_under, publish_manifest, sha256_file, write_origin_file};
 use taintgate_tests::cluster::{ApiServer, kubectl};
@@ -56,7 +56,6 @@ use taintgate_tests::real_node::{
 };
 use taintgate_tests::require_service;
 use taintgate_tests::services::nginx::{AccessEntry, Nginx};
-use taintgate_tests::services::taintgate_bin;
 use taintgate_validators::profile::NodeProfile;
 
 include!("../fake-nvml/compile.rs");
@@ -132,10 +131,10 @@ fn post_stamps(doc: &Value) -> Vec<(String, i64)> {
 /// `taintgate timeline NODE` against the cluster, as a user runs it; its table (the
 /// command must succeed).
 fn timeline_table(api: &ApiServer, node: &str) -> String {
-    let out = Command::new(taintgate_bin().unwrap())
-        .args(["timeline", "--color", "never", "--kubeconfig"])
-        .arg(api.kubeconfig_path())
+    let out = Agent::new(["timeline", "--color", "never"])
+        .api(api)
         .arg(node)
+        .no_timeout()
         .output()
         .unwrap();
     let table = String::from_utf8_lossy(&out.stdout).to_string();

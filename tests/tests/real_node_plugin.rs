@@ -183,8 +183,13 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
     }});
     // Its log goes to a file the test reads while it runs.
     let log = tmp.path().join("late-plugin-agent.log");
-    let mut cmd = agent_on_node(&api, &driver, tmp.path(), &waiting).unwrap();
-    cmd.stderr(std::fs::File::create(&log).unwrap());
+    let mut cmd = agent_on_node(&api, &driver, tmp.path(), &waiting)
+        .unwrap()
+        .no_timeout()
+        .command()
+        .unwrap();
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap());
     let agent = RunningAgent::spawn(cmd).unwrap();
     let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
     wait_until("the agent waiting for the device plugin", T, || {
@@ -271,7 +276,9 @@ fn time_slicing_an_unhealthy_gpu_and_a_plugin_restart_on_a_real_kubelet() {
 
 /// `taintgate run --once` on the node (`agent_on_node` with `overlay`), waited for.
 fn run_agent(api: &ApiServer, driver: &DriverRoot, dir: &Path, overlay: &Value) -> AgentRun {
-    RunningAgent::spawn(agent_on_node(api, driver, dir, overlay).unwrap())
+    agent_on_node(api, driver, dir, overlay)
+        .unwrap()
+        .running()
         .unwrap()
         .wait(T)
         .unwrap()

@@ -22,10 +22,10 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
-use taintgate_tests::agent::{NODE, TAINT, condition};
+use taintgate_tests::agent::{Agent, NODE, TAINT, condition};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::continuous::{http_status, node_with_foreign_taint};
-use taintgate_tests::faults::{AgentRun, RunningAgent, agent_command, has_startup_taint, wait_until, write_config};
+use taintgate_tests::faults::{AgentRun, has_startup_taint, wait_until, write_config};
 use taintgate_tests::require_service;
 
 include!("../fake-nvml/compile.rs");
@@ -86,32 +86,23 @@ impl Gpus {
     }
 
     /// The agent on this node: the fake libcuda first on the CUDA worker's library path.
-    fn agent(&self, api: &ApiServer, extra: &[&str]) -> std::process::Command {
-        let kubeconfig = api.kubeconfig_path().to_string_lossy().into_owned();
-        let config = self.config.to_string_lossy().into_owned();
-        let mut args = vec![
-            "run",
-            "--kubeconfig",
-            &kubeconfig,
-            "--node-name",
-            NODE,
-            "--config",
-            &config,
-            "--output",
-            "json",
-        ];
-        args.extend_from_slice(extra);
-        let mut cmd = agent_command(&args).unwrap();
-        cmd.env_remove("TAINTGATE_NVML_LIBRARY")
+    fn agent(&self, api: &ApiServer, extra: &[&str]) -> Agent {
+        Agent::run()
+            .api(api)
+            .node(NODE)
+            .config(&self.config)
+            .json()
+            .args(extra)
+            .env_remove("TAINTGATE_NVML_LIBRARY")
             .env_remove("FAKE_NVML_PROFILE")
             .env("LD_LIBRARY_PATH", self.dir.path().join("cuda"))
             .env("FAKE_CUDA_MODE", "nodevice")
-            .env("FAKE_CUDA_LOG", self.dir.path().join("cuda.log"));
-        cmd
+            .env("FAKE_CUDA_LOG", self.dir.path().join("cuda.log"))
     }
 
     fn run_once(&self, api: &ApiServer) -> AgentRun {
-        RunningAgent::spawn(self.agent(api, &["--once"]))
+        self.agent(api, &["--once"])
+            .running()
             .unwrap()
             .wait(Duration::from_secs(120))
             .unwrap()
@@ -169,7 +160,7 @@ fn a_restart_on_a_released_node_runs_no_gpu_work() {
     // Resident: ready at once, and nothing touched while it stays up.
     let port = taintgate_tests::services::free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");
-    let agent = RunningAgent::spawn(gpus.agent(&api, &["--metrics-addr", &addr])).unwrap();
+    let agent = gpus.agent(&api, &["--metrics-addr", &addr]).running().unwrap();
     let ready = wait_until("/readyz 200", Duration::from_secs(30), || {
         http_status(port, "/readyz") == Some(200)
     });

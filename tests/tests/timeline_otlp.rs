@@ -22,7 +22,7 @@ use std::time::Duration;
 use taintgate::reasons::Reason;
 use taintgate::telemetry::Stamp;
 use taintgate::timeline::{Outcome, Timeline};
-use taintgate_tests::agent::{NODE, agent_cmd, output_text, profile, reference_node};
+use taintgate_tests::agent::{Agent, NODE, output_text, profile, reference_node};
 use taintgate_tests::cluster::ApiServer;
 use taintgate_tests::otlp::{OtlpReceiver, ReceivedSpan};
 use taintgate_tests::require_service;
@@ -116,9 +116,9 @@ fn check_trace(spans: &[ReceivedSpan], t: &Timeline, pre: &[Stamp]) {
 async fn exporter_sends_the_timelines_spans() {
     // A real timeline, from the real binary.
     let out = tokio::task::spawn_blocking(|| {
-        agent_cmd(120)
-            .unwrap()
-            .args(["check", "--simulate", &profile("8gpu-two-domains"), "--output", "json"])
+        Agent::check()
+            .simulate(profile("8gpu-two-domains"))
+            .json()
             .output()
             .unwrap()
     })
@@ -218,27 +218,17 @@ fn cluster_with_nodeclaim(api: &ApiServer, claim: &str) {
 /// Run the real agent once against the API server (optionally exporting to `otlp`) and
 /// return the timeline it printed.
 async fn run_agent_json(api: &ApiServer, otlp: Option<String>) -> Timeline {
-    let kc = api.kubeconfig_path().to_string_lossy().into_owned();
-    let out = tokio::task::spawn_blocking(move || {
-        let mut c = agent_cmd(120).unwrap();
-        if let Some(e) = otlp {
-            c.env("OTEL_EXPORTER_OTLP_ENDPOINT", e);
-        }
-        c.args([
-            "run",
-            "--simulate",
-            &profile("8gpu-two-domains"),
-            "--kubeconfig",
-            &kc,
-            "--once",
-            "--output",
-            "json",
-        ])
-        .output()
-        .unwrap()
-    })
-    .await
-    .unwrap();
+    let mut agent = Agent::run()
+        .simulate(profile("8gpu-two-domains"))
+        .api(api)
+        .once()
+        .json();
+    if let Some(e) = otlp {
+        agent = agent.env("OTEL_EXPORTER_OTLP_ENDPOINT", e);
+    }
+    let out = tokio::task::spawn_blocking(move || agent.output().unwrap())
+        .await
+        .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", output_text(&out));
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", output_text(&out)))
 }
@@ -373,9 +363,9 @@ async fn agent_run_exports_its_trace_and_timeline_prints_the_chain() {
 
     // `taintgate timeline NODE` prints the chain, pre-agent stamps first.
     let out = tokio::task::spawn_blocking(move || {
-        agent_cmd(60)
-            .unwrap()
-            .args(["timeline", NODE, "--kubeconfig", &kubeconfig])
+        Agent::new(["timeline", NODE])
+            .kubeconfig(&kubeconfig)
+            .timeout(60)
             .output()
             .unwrap()
     })

@@ -10,7 +10,7 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use taintgate_tests::agent::{output_text, run_agent};
+use taintgate_tests::agent::{Agent, output_text};
 use taintgate_tests::mounts::Mount;
 use taintgate_tests::require_service;
 
@@ -24,7 +24,9 @@ fn s(p: &Path) -> &str {
 /// `bundle create` of `dir` into `out`, sources relative to `dir`.
 fn create_manifest(dir: &Path, out: &Path) {
     let base = format!("file://{}", dir.display());
-    let o = run_agent(&["bundle", "create", s(dir), "--base-uri", &base, "--output", s(out)]).unwrap();
+    let o = Agent::new(["bundle", "create", s(dir), "--base-uri", &base, "--output", s(out)])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", output_text(&o));
 }
 
@@ -40,7 +42,9 @@ fn views_past_ext4s_link_limit_are_verified_copies_and_the_bundle_is_released() 
     std::fs::write(one.join("a.bin"), content).unwrap();
     let m1 = work.path().join("one.yaml");
     create_manifest(&one, &m1);
-    let o = run_agent(&["bundle", "fetch", s(&m1), "--cache", s(&cache), "--name", "one"]).unwrap();
+    let o = Agent::new(["bundle", "fetch", s(&m1), "--cache", s(&cache), "--name", "one"])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", output_text(&o));
     let view = cache.join("bundles/one/a.bin");
     let blob_ino = std::fs::metadata(&view).unwrap().ino();
@@ -68,7 +72,9 @@ fn views_past_ext4s_link_limit_are_verified_copies_and_the_bundle_is_released() 
     }
     let m3 = work.path().join("three.yaml");
     create_manifest(&three, &m3);
-    let o = run_agent(&["bundle", "fetch", s(&m3), "--cache", s(&cache), "--name", "three"]).unwrap();
+    let o = Agent::new(["bundle", "fetch", s(&m3), "--cache", s(&cache), "--name", "three"])
+        .output()
+        .unwrap();
     let text = output_text(&o);
     assert!(o.status.success(), "not released: {text}");
     assert_eq!(
@@ -83,7 +89,9 @@ fn views_past_ext4s_link_limit_are_verified_copies_and_the_bundle_is_released() 
         assert_eq!(std::fs::read(&v).unwrap(), content, "{f}");
     }
     // Run again: the copies are verified and kept, the bundle released again.
-    let o = run_agent(&["bundle", "fetch", s(&m3), "--cache", s(&cache), "--name", "three"]).unwrap();
+    let o = Agent::new(["bundle", "fetch", s(&m3), "--cache", s(&cache), "--name", "three"])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", output_text(&o));
     assert_eq!(std::fs::read(cache.join("bundles/three/sub/z.bin")).unwrap(), content);
 }
