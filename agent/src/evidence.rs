@@ -167,48 +167,58 @@ pub struct SmokeGpu {
     pub ms: u64,
 }
 
-/// `peer-bw`: one peer domain.
+/// `peer-bw`: one peer domain, as the stage found it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PeerDomain {
+#[serde(untagged)]
+pub enum PeerDomain {
+    /// A single GPU: no peer to measure.
+    SingleGpu(SingleGpuDomain),
+    /// GPUs with MIG enabled: not measured (no peer access between MIG instances).
+    Mig(MigDomain),
+    /// Measured.
+    Measured(MeasuredDomain),
+}
+
+/// A peer domain of one GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SingleGpuDomain {
+    /// Domain id.
+    pub domain: u32,
+    /// Its GPU.
+    pub gpus: Vec<u32>,
+    /// Always true (the marker).
+    pub single_gpu: bool,
+}
+
+/// A peer domain with MIG enabled on some of its GPUs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MigDomain {
     /// Domain id.
     pub domain: u32,
     /// Its GPUs.
     pub gpus: Vec<u32>,
-    /// A single GPU: no peer to measure.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub single_gpu: bool,
-    /// GPUs with MIG enabled: not measured (no peer access between MIG instances).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// The GPUs with MIG enabled.
     pub mig_enabled: Vec<u32>,
-    /// All-reduce bus bandwidth, when measured.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub busbw_gbps: Option<f64>,
-    /// The slowest pair's copy bandwidth, when pairs were measured.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_pair_gbps: Option<f64>,
-    /// Why the all-reduce was not measured.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skipped: Option<String>,
-    /// Each pair's verdict.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub pairs: Vec<PairVerdict>,
 }
 
-impl PeerDomain {
-    /// A domain with nothing measured yet.
-    pub fn new(domain: u32, gpus: Vec<u32>) -> Self {
-        Self {
-            domain,
-            gpus,
-            single_gpu: false,
-            mig_enabled: Vec::new(),
-            busbw_gbps: None,
-            min_pair_gbps: None,
-            skipped: None,
-            pairs: Vec::new(),
-        }
-    }
+/// A measured peer domain.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MeasuredDomain {
+    /// Domain id.
+    pub domain: u32,
+    /// Its GPUs.
+    pub gpus: Vec<u32>,
+    /// All-reduce bus bandwidth (null when not measured).
+    pub busbw_gbps: Option<f64>,
+    /// The slowest pair's copy bandwidth (null when no pair was measured).
+    pub min_pair_gbps: Option<f64>,
+    /// Why the all-reduce was not measured.
+    pub skipped: Option<String>,
+    /// Each pair's verdict.
+    pub pairs: Vec<PairVerdict>,
 }
 
 /// `fabric`: the NVLink fabric and the IMEX channels.

@@ -68,8 +68,9 @@ pub enum Class {
     Held,
     /// The configuration or other input was rejected before any check ran: exit 2.
     BadInput,
-    /// Recorded beside the verdict (the hardware condition) or after the release (the
-    /// readiness chain); it changes neither the node nor the exit code.
+    /// Recorded beside the verdict (the hardware condition, a warning, a dry-run's refused
+    /// write) or after the release (the readiness chain, resident mode); it changes neither
+    /// the node nor the exit code.
     Recorded,
 }
 
@@ -219,7 +220,7 @@ pub fn entry(reason: Reason) -> Entry {
         ),
         R::DryRun => e(
             &[Api],
-            Class::Held,
+            Class::Recorded,
             "A write was refused because the agent runs in dry-run (never reported as a hold).",
         ),
         R::UntaintFailed => e(
@@ -299,7 +300,7 @@ pub fn entry(reason: Reason) -> Entry {
         ),
         R::XidWarning => e(
             &[Resident],
-            Class::Held,
+            Class::Recorded,
             "A warning-class XID (neither `gpu.expect.xid.fatal` nor `ignore`) arrived after release: logged, counted in `taintgate_xids_total` and reported as an Event; the node keeps serving. Watch for repeats.",
         ),
         R::FabricNotReady => e(
@@ -434,7 +435,7 @@ pub fn entry(reason: Reason) -> Entry {
         ),
         R::XidWatchError => e(
             &[Resident],
-            Class::Held,
+            Class::Recorded,
             "Waiting on NVML's XID events after release failed; the wait is retried with backoff and counted in `taintgate_xid_watch_errors_total`. Persistent errors mean XIDs are not being seen.",
         ),
         R::AllocatableZero => e(
@@ -595,8 +596,8 @@ pub fn entry(reason: Reason) -> Entry {
         ),
         R::OptionsInvalid => e(
             &[In(Stage::Models)],
-            Class::Held,
-            "Prefetch options are invalid (concurrency, chunk size).",
+            Class::BadInput,
+            "Prefetch options are invalid (concurrency, chunk size): in `models.fetch` or on the `bundle fetch` command line (exit 2).",
         ),
         R::ImageNotPinned => e(
             &[In(Stage::Images)],
@@ -718,6 +719,11 @@ pub fn entry(reason: Reason) -> Entry {
             &[Timeline],
             Class::Held,
             "`taintgate timeline --selector`: no node matched (exit 1).",
+        ),
+        R::TimelineReadFailed => e(
+            &[Timeline],
+            Class::BadInput,
+            "`taintgate timeline`: the Nodes or NodeClaims could not be read from the API (unreachable, forbidden, or an answer that is not a Node), or the report could not be encoded; the message has the status (exit 2).",
         ),
         R::SvgWriteFailed => e(
             &[Timeline],
@@ -1011,6 +1017,8 @@ mod tests {
             (Reason::InvalidInput, 2), (Reason::KubeconfigInvalid, 2),
             (Reason::GpuCountMismatch, 1), (Reason::DeadlineExceeded, 1), (Reason::UntaintFailed, 1),
             (Reason::ManifestInvalid, 1), (Reason::NoCluster, 1), (Reason::XidFatal, 1),
+            (Reason::OptionsInvalid, 2), (Reason::TimelineReadFailed, 2), (Reason::NoTimeline, 1),
+            (Reason::XidWarning, 0), (Reason::DryRun, 0),
             (Reason::WorkloadNotReady, 0), (Reason::NoWorkloadYet, 0),
         ];
         for (r, code) in table {

@@ -105,19 +105,12 @@ pub struct StageRecord {
     pub evidence: Detail,
 }
 
-/// Reads a record as [`StageRecord`]'s `Serialize` writes it. The evidence's type depends
-/// on the stage, so `stage` must come before `evidence` (the writer's field order).
+/// Reads a record as [`StageRecord`]'s `Serialize` writes it, its keys in any order (a
+/// `serde_json::Value` sorts them). The evidence's type depends on the stage: it is held
+/// as read until the stage is known, then typed by it.
 impl<'de> Deserialize<'de> for StageRecord {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct Visit;
-        /// The evidence of a record of this kind.
-        struct EvidenceOf(RecordKind);
-        impl<'de> serde::de::DeserializeSeed<'de> for EvidenceOf {
-            type Value = Detail;
-            fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Detail, D::Error> {
-                Detail::deserialize_for(self.0, d)
-            }
-        }
         impl<'de> serde::de::Visitor<'de> for Visit {
             type Value = StageRecord;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -127,8 +120,13 @@ impl<'de> Deserialize<'de> for StageRecord {
                 use serde::de::Error;
                 let (mut stage, mut start, mut start_ms, mut duration_ms, mut outcome) = (None, None, None, None, None);
                 let (mut required, mut attempts) = (None, None);
-                let (mut reason, mut message, mut summary, mut evidence) = (None, None, String::new(), Detail::None);
+                let (mut reason, mut message, mut summary) = (None, None, String::new());
+                let mut evidence: Option<serde_json::Value> = None;
+                let mut seen = std::collections::BTreeSet::new();
                 while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if !seen.insert(key.to_string()) {
+                        return Err(A::Error::custom(format_args!("duplicate field `{key}`")));
+                    }
                     match key.as_ref() {
                         "stage" => stage = Some(map.next_value::<RecordKind>()?),
                         "start" => start = Some(map.next_value()?),
@@ -140,17 +138,20 @@ impl<'de> Deserialize<'de> for StageRecord {
                         "reason" => reason = map.next_value()?,
                         "message" => message = map.next_value()?,
                         "summary" => summary = map.next_value()?,
-                        "evidence" => {
-                            let kind = stage.ok_or_else(|| A::Error::custom("`evidence` before `stage`"))?;
-                            evidence = map.next_value_seed(EvidenceOf(kind))?;
-                        }
+                        "evidence" => evidence = map.next_value()?,
                         _ => {
                             map.next_value::<serde::de::IgnoredAny>()?;
                         }
                     }
                 }
+                let stage = stage.ok_or_else(|| A::Error::missing_field("stage"))?;
+                let evidence = match evidence {
+                    None => Detail::None,
+                    Some(v) => Detail::deserialize_for(stage, v)
+                        .map_err(|e| A::Error::custom(format_args!("{stage} evidence: {e}")))?,
+                };
                 Ok(StageRecord {
-                    stage: stage.ok_or_else(|| A::Error::missing_field("stage"))?,
+                    stage,
                     start: start.ok_or_else(|| A::Error::missing_field("start"))?,
                     start_ms: start_ms.ok_or_else(|| A::Error::missing_field("start_ms"))?,
                     duration_ms: duration_ms.ok_or_else(|| A::Error::missing_field("duration_ms"))?,

@@ -1167,6 +1167,8 @@ fn fetch_peak_rss(b: &BundleRef, cache: &Path, extra: &[&str]) -> u64 {
         .arg(cache)
         .args(["--reserve", "0"])
         .args(extra)
+        // As it runs on a node: `bundle fetch` logs at warn unless RUST_LOG says otherwise.
+        .env_remove("RUST_LOG")
         .no_timeout()
         .command_via([
             OsStr::new("/usr/bin/time"),

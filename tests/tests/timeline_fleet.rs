@@ -465,4 +465,9 @@ async fn one_node_chain_includes_pre_agent_stamps_and_gantt_has_one_bar_per_stag
         .await
         .unwrap_err();
     assert_eq!((e.reason(), e.exit_code()), (Reason::NoTimeline, 1));
+    // A node the API server does not have is an API failure (exit 2), named as such.
+    let e = timeline_output(&args(Some("gpu-no-such-node"), false, None), &client)
+        .await
+        .unwrap_err();
+    assert_eq!((e.reason(), e.exit_code()), (Reason::TimelineReadFailed, 2), "{e}");
 }

@@ -152,6 +152,7 @@ reasons! {
     MetricsEncodeFailed,
     NoTimeline,
     NoNodes,
+    TimelineReadFailed,
     SvgWriteFailed,
 }
 

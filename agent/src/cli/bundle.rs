@@ -188,13 +188,10 @@ pub async fn run(cmd: BundleCommand) -> i32 {
                 }
                 Err(e) => {
                     eprintln!("error ({}): {e}", e.reason());
-                    // Options the user typed are bad input (2), like a bad config; anything
-                    // the sources, the manifest or the disk did is a failed fetch (1).
-                    if matches!(e, taintgate_prefetch::PrefetchError::OptionsInvalid { .. }) {
-                        exit::BAD_INPUT
-                    } else {
-                        exit::HELD
-                    }
+                    // The reason's class: options the user typed are bad input (2), like a bad
+                    // config; anything the sources, the manifest or the disk did is a failed
+                    // fetch (1).
+                    crate::reasons::exit_code(e.reason())
                 }
             }
         }

@@ -61,8 +61,11 @@ impl Ending {
     }
 }
 
-/// One stamp in a chain.
+/// One stamp in a chain. Written (`timeline --output json`) as it always was: `outcome`
+/// is a stage end's outcome or the verdict's reason, `reason` a failed stage's or a held
+/// verdict's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "StampWire")]
 pub struct ChainStamp {
     /// Name: a pre-agent name, `agent-start`, `<stage>.start`, `<stage>.end`, `released`,
     /// `would-release` or `held`.
@@ -72,17 +75,42 @@ pub struct ChainStamp {
     /// Kind.
     pub kind: StampKind,
     /// How the stage ended (stage-end stamps).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub outcome: Option<Outcome>,
     /// How the bootstrap ended (the verdict stamp).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub ending: Option<Ending>,
     /// Reason code: a stage's failure, or the verdict's.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<Reason>,
     /// Order among stamps at the same millisecond (causal order).
-    #[serde(skip)]
     pub tie: u32,
+}
+
+/// [`ChainStamp`] as written.
+#[derive(Serialize)]
+struct StampWire {
+    name: String,
+    at_ms: i64,
+    kind: StampKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    outcome: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<Reason>,
+}
+
+impl From<ChainStamp> for StampWire {
+    fn from(s: ChainStamp) -> Self {
+        let verdict = s.ending.is_some();
+        Self {
+            outcome: match (s.outcome, verdict) {
+                (Some(o), _) => Some(o.as_str()),
+                (None, true) => s.reason.map(Reason::as_str),
+                (None, false) => None,
+            },
+            reason: s.reason.filter(|_| !verdict || s.ending == Some(Ending::Held)),
+            name: s.name,
+            at_ms: s.at_ms,
+            kind: s.kind,
+        }
+    }
 }
 
 /// The gap between two adjacent stamps.
@@ -130,8 +158,13 @@ pub struct StageSpan {
     pub end_ms: i64,
     /// Outcome.
     pub outcome: Outcome,
-    /// Reason code, if any.
+    /// Reason code, if any (written as `""` when none, as it always was).
+    #[serde(serialize_with = "reason_or_empty")]
     pub reason: Option<Reason>,
+}
+
+fn reason_or_empty<S: serde::Serializer>(r: &Option<Reason>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(r.map(Reason::as_str).unwrap_or(""))
 }
 
 fn pre_rank(name: &str) -> u32 {
@@ -577,7 +610,7 @@ mod tests {
             "{text}"
         );
         let report = crate::fleet::stats::FleetReport::build(&[c], None, Vec::new());
-        assert_eq!(report.workload.get(&Reason::WorkloadReady), Some(&1));
+        assert_eq!(report.workload.get("WorkloadReady"), Some(&1));
         assert_eq!(report.worst.as_deref(), Some("containers-ready"));
     }
 }

@@ -117,7 +117,7 @@ impl taintgate_validators::reason::ReasonCode for FleetError {
     fn reason(&self) -> Reason {
         match self {
             FleetError::Client(_) => Reason::KubeconfigInvalid,
-            FleetError::Api { .. } => Reason::ApiError,
+            FleetError::Api { .. } => Reason::TimelineReadFailed,
             FleetError::NoTimeline { .. } => Reason::NoTimeline,
             FleetError::Annotation { .. } => Reason::AnnotationInvalid,
             FleetError::NoNodes { .. } => Reason::NoNodes,

@@ -8,7 +8,6 @@
 //! some node waited exactly that long.
 
 use crate::fleet::chain::{Chain, Ending, ran, waited_on_name};
-use crate::reasons::Reason;
 use crate::timeline::{Outcome, fmt_ms};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -84,7 +83,7 @@ pub struct FleetReport {
     pub skipped: Vec<(String, String)>,
     /// Nodes per readiness-chain outcome after release (`WorkloadReady`, `NoWorkloadYet`,
     /// `WorkloadNotReady`, ...); nodes with none recorded yet are not counted.
-    pub workload: BTreeMap<Reason, usize>,
+    pub workload: BTreeMap<&'static str, usize>,
     /// The critical stage of each release ([`Chain::critical_stage`]): per stage, how many
     /// released nodes waited for it last and the distribution of its duration on them;
     /// most nodes first.
@@ -99,7 +98,7 @@ impl FleetReport {
         let mut iv: BTreeMap<String, (Vec<u64>, Vec<usize>)> = BTreeMap::new();
         let mut st: BTreeMap<String, (Vec<u64>, usize)> = BTreeMap::new();
         let (mut released, mut held) = (0, 0);
-        let mut workload: BTreeMap<Reason, usize> = BTreeMap::new();
+        let mut workload: BTreeMap<&'static str, usize> = BTreeMap::new();
         let mut crit: BTreeMap<String, Vec<u64>> = BTreeMap::new();
         for c in chains {
             if let Some(s) = c.critical_stage() {
@@ -108,7 +107,7 @@ impl FleetReport {
                     .push((s.end_ms - s.start_ms).max(0) as u64);
             }
             if let Some((outcome, _, _)) = &c.workload {
-                *workload.entry(*outcome).or_default() += 1;
+                *workload.entry(outcome.as_str()).or_default() += 1;
             }
             for (pos, i) in c.intervals().into_iter().enumerate() {
                 let e = iv.entry(i.to).or_default();

@@ -122,7 +122,12 @@ pub async fn bootstrap(ctx: Arc<Context>, node_name: &str, start_node: Option<No
         let timeline = timeline.clone();
         tokio::spawn(async move { crate::telemetry::export_timeline(&timeline, &pre).await })
     };
-    let exit_code = if released { exit::RELEASED } else { exit::HELD };
+    // The exit code is the reason's class (held 1, bad input 2); a held node never exits 0.
+    let exit_code = match crate::reasons::exit_code(reason) {
+        _ if released => exit::RELEASED,
+        exit::RELEASED => exit::HELD,
+        code => code,
+    };
     BootstrapResult {
         timeline,
         exit_code,

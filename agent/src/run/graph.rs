@@ -443,6 +443,9 @@ mod tests {
             let json = serde_json::to_string(r).unwrap();
             let back: StageRecord = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
             assert_eq!(&back, r, "{json}");
+            // Through a `Value` (its keys sorted: `evidence` before `stage`).
+            let sorted: StageRecord = serde_json::from_value(serde_json::to_value(r).unwrap()).unwrap();
+            assert_eq!(&sorted, r, "{json}");
         }
     }
 

@@ -2,7 +2,7 @@
 //! `smoke` (a CUDA kernel on every GPU) and `peer-bw` (each peer domain's bandwidth).
 
 use super::context::{Context, Evidence, Progress, StageFailure, blocking};
-use crate::evidence::{Detail, DriverDetail, PeerDomain, SmokeGpu};
+use crate::evidence::{Detail, DriverDetail, MeasuredDomain, MigDomain, PeerDomain, SingleGpuDomain, SmokeGpu};
 use crate::reasons::Reason;
 use std::time::Duration;
 use taintgate_validators::gpu::PeerBwOptions;
@@ -134,10 +134,11 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         // to: a named outcome, not a measurement that would divide by nothing.
         if d.gpus.len() < 2 {
             lines.push(format!("domain {} is a single GPU: no peer to measure", d.id));
-            detail.push(PeerDomain {
+            detail.push(PeerDomain::SingleGpu(SingleGpuDomain {
+                domain: d.id,
+                gpus: d.gpus.clone(),
                 single_gpu: true,
-                ..PeerDomain::new(d.id, d.gpus.clone())
-            });
+            }));
             continue;
         }
         // MIG instances have no CUDA peer access to each other or to other GPUs: a domain
@@ -154,10 +155,11 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
                 "domain {} not measured: MIG enabled on GPUs {mig:?} (no peer access between MIG instances)",
                 d.id
             ));
-            detail.push(PeerDomain {
+            detail.push(PeerDomain::Mig(MigDomain {
+                domain: d.id,
+                gpus: d.gpus.clone(),
                 mig_enabled: mig,
-                ..PeerDomain::new(d.id, d.gpus.clone())
-            });
+            }));
             continue;
         }
         let gpu = ctx.boundaries.gpu.clone();
@@ -196,13 +198,14 @@ pub async fn peer_bw(ctx: &Context) -> Result<Evidence, StageFailure> {
         if let Some(why) = &m.allreduce_skipped {
             tracing::warn!(domain = d.id, why = %why, "all-reduce not measured");
         }
-        detail.push(PeerDomain {
+        detail.push(PeerDomain::Measured(MeasuredDomain {
+            domain: d.id,
+            gpus: d.gpus.clone(),
             busbw_gbps: m.allreduce_busbw_gbps,
             min_pair_gbps: measured_min,
             skipped: m.allreduce_skipped.clone(),
             pairs: verdicts,
-            ..PeerDomain::new(d.id, d.gpus.clone())
-        });
+        }));
     }
     Ok(Evidence {
         summary: lines.join(", "),

@@ -143,6 +143,12 @@ fn lenient_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Reaso
         .and_then(|s| s.parse().ok()))
 }
 
+/// The readiness chain's outcome as stored; one this release cannot read (a newer
+/// release's code) reads as absent rather than losing the whole document.
+fn lenient_workload<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<WorkloadEntry>, D::Error> {
+    Ok(Option::<serde_json::Value>::deserialize(d)?.and_then(|v| serde_json::from_value(v).ok()))
+}
+
 fn lenient_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Timestamp>, D::Error> {
     Ok(Option::<serde_json::Value>::deserialize(d)?.and_then(|v| v.as_str().and_then(|s| s.parse().ok())))
 }
@@ -223,7 +229,11 @@ pub struct TimelineAnnotation {
     #[serde(default, with = "stamps", skip_serializing_if = "Vec::is_empty")]
     pub post: Vec<Stamp>,
     /// How the readiness chain ended, once it has.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_workload"
+    )]
     pub workload: Option<WorkloadEntry>,
     /// The writer dropped entries (stages, stamps, the verdict) to fit the size bound.
     #[serde(default, skip_serializing_if = "is_false")]
