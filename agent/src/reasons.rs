@@ -58,6 +58,16 @@ impl Source {
     }
 }
 
+/// Process exit codes.
+pub mod exit {
+    /// Released (or would release in dry-run).
+    pub const RELEASED: i32 = 0;
+    /// Held: a required stage lacks evidence; the reason is in the report.
+    pub const HELD: i32 = 1;
+    /// Bad input: config or profile rejected.
+    pub const BAD_INPUT: i32 = 2;
+}
+
 /// What a reason does to the node and the exit code: the class is part of the catalogue, so
 /// the exit code is derived from the reason, never chosen beside it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,9 +88,9 @@ impl Class {
     /// The process exit code of a run that ends with a reason of this class.
     pub const fn exit_code(self) -> i32 {
         match self {
-            Class::Released | Class::Recorded => crate::run::exit::RELEASED,
-            Class::Held => crate::run::exit::HELD,
-            Class::BadInput => crate::run::exit::BAD_INPUT,
+            Class::Released | Class::Recorded => exit::RELEASED,
+            Class::Held => exit::HELD,
+            Class::BadInput => exit::BAD_INPUT,
         }
     }
 
@@ -1026,11 +1036,7 @@ mod tests {
         }
         for r in Reason::ALL {
             let class = entry(*r).class;
-            assert_eq!(
-                class == Class::BadInput,
-                exit_code(*r) == crate::run::exit::BAD_INPUT,
-                "{r}"
-            );
+            assert_eq!(class == Class::BadInput, exit_code(*r) == exit::BAD_INPUT, "{r}");
         }
     }
 

@@ -11,12 +11,5 @@ pub mod resident;
 pub mod start;
 pub mod verdict;
 
-/// Process exit codes.
-pub mod exit {
-    /// Released (or would release in dry-run).
-    pub const RELEASED: i32 = 0;
-    /// Held: a required stage lacks evidence; the reason is in the report.
-    pub const HELD: i32 = 1;
-    /// Bad input: config or profile rejected.
-    pub const BAD_INPUT: i32 = 2;
-}
+/// Process exit codes (the reason catalogue's, where each reason's class names one).
+pub use crate::reasons::exit;

@@ -43,7 +43,6 @@
 
 use crate::reasons::Reason;
 use crate::stage::RecordKind;
-use crate::telemetry::otlp::stage_bytes;
 use crate::timeline::{Outcome, Timeline};
 use axum::Router;
 use axum::extract::State;
@@ -93,6 +92,12 @@ pub struct ReasonLabels {
     /// Reason code.
     pub reason: &'static str,
 }
+
+/// OTLP exports that failed, by reason code (`taintgate_otlp_export_failures_total`).
+/// Process-wide because both exporters (the bootstrap's trace and the readiness chain's)
+/// run where no metrics handle is passed; `Metrics::new` registers this one family.
+pub static EXPORT_FAILURES: std::sync::LazyLock<Family<ReasonLabels, Counter>> =
+    std::sync::LazyLock::new(Default::default);
 
 impl From<Reason> for ReasonLabels {
     fn from(r: Reason) -> Self {
@@ -290,7 +295,7 @@ impl Metrics {
         registry.register(
             "taintgate_otlp_export_failures",
             "OTLP trace exports that failed, by reason code (the bootstrap goes on without them)",
-            crate::telemetry::otlp::EXPORT_FAILURES.clone(),
+            EXPORT_FAILURES.clone(),
         );
         registry.register(
             "taintgate_release_waited_for",
@@ -387,7 +392,7 @@ impl Metrics {
                 self.failures.get_or_create(&reason.into()).inc();
                 failure_reasons.push(reason);
             }
-            let (fetched, cached) = stage_bytes(r);
+            let (fetched, cached) = r.evidence.bytes();
             for (kind, v) in [("fetched", fetched), ("cached", cached)] {
                 if let Some(b) = v {
                     self.prefetch_bytes

@@ -36,7 +36,6 @@ use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanExporter, SpanLinks};
 use std::borrow::Cow;
-use std::sync::LazyLock;
 use std::time::{Duration, SystemTime};
 
 /// Environment variables that turn export on (either one, non-empty).
@@ -419,19 +418,11 @@ pub async fn export_spans_to(endpoint: Option<&str>, node: &str, spans: Vec<Span
     export_spans(endpoint, shown, node, spans).await
 }
 
-/// OTLP exports that failed, by reason code (`taintgate_otlp_export_failures_total`).
-/// Process-wide because both exporters (the bootstrap's trace and the readiness chain's)
-/// run where no metrics handle is passed; `Metrics::new` registers this one family.
-pub static EXPORT_FAILURES: LazyLock<
-    prometheus_client::metrics::family::Family<
-        crate::telemetry::metrics::ReasonLabels,
-        prometheus_client::metrics::counter::Counter,
-    >,
-> = LazyLock::new(Default::default);
-
 fn count_export_failure(e: &OtlpError) {
     use taintgate_validators::reason::ReasonCode;
-    EXPORT_FAILURES.get_or_create(&e.reason().into()).inc();
+    crate::telemetry::metrics::EXPORT_FAILURES
+        .get_or_create(&e.reason().into())
+        .inc();
 }
 
 async fn export_spans(
