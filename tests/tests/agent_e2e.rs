@@ -8,6 +8,11 @@ use std::time::Duration;
 use taintgate_tests::agent::*;
 use taintgate_tests::cluster::{ApiServer, RequestMatch};
 
+/// `taintgate run` on the simulated 8-GPU node against `api`: every test here starts so.
+fn agent(api: &ApiServer) -> Agent {
+    Agent::run().simulate(profile("8gpu-two-domains")).api(api)
+}
+
 fn start(registered: bool) -> ApiServer {
     let api = ApiServer::start_blocking().unwrap();
     api.put_object(reference_node(registered).build()).unwrap();
@@ -42,12 +47,7 @@ fn without_our_changes(mut n: Value) -> Value {
 fn healthy_node_is_released_and_nothing_else_changes() {
     let api = start(true);
     let before = node(&api);
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .output()
-        .unwrap();
+    let o = agent(&api).once().output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let after = node(&api);
     assert_eq!(taint_keys(&after), vec!["nvidia.com/gpu".to_string()]);
@@ -187,12 +187,7 @@ fn faulty_nodes_stay_tainted_with_their_reason() {
 #[test]
 fn waits_for_karpenter_registration_before_removing_the_taint() {
     let api = start(false);
-    let child = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .spawn()
-        .unwrap();
+    let child = agent(&api).once().spawn().unwrap();
     // The agent is watching its node: registration has not happened, it must not untaint.
     api.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     std::thread::sleep(Duration::from_millis(2500)); // every other stage finishes meanwhile
@@ -220,12 +215,7 @@ fn concurrent_writer_adding_a_taint_keeps_both_correct() {
             .insert(0, json!({"key": "example.com/maintenance", "effect": "NoSchedule"}));
     })
     .unwrap();
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .output()
-        .unwrap();
+    let o = agent(&api).once().output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let keys = taint_keys(&node(&api));
     assert_eq!(
@@ -259,12 +249,7 @@ fn a_write_guarded_by_the_resource_version_meets_a_real_concurrent_writer() {
         n["metadata"]["labels"]["example.com/touched"] = json!("yes");
     })
     .unwrap();
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .output()
-        .unwrap();
+    let o = agent(&api).once().output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let after = node(&api);
     assert_eq!(
@@ -300,12 +285,7 @@ fn conflicts_and_server_errors_are_retried_not_given_up() {
     api.conflict_next_writes(3, m.clone());
     // 500 (kube-rs itself retries 503s, so those never reach the agent).
     api.fail_next(3, 500, m);
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .output()
-        .unwrap();
+    let o = agent(&api).once().output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     assert_eq!(taint_keys(&node(&api)), vec!["nvidia.com/gpu".to_string()]);
 }
@@ -339,12 +319,7 @@ fn already_untainted_node_is_idempotent() {
             .retain(|t| t["key"] != TAINT);
     })
     .unwrap();
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .output()
-        .unwrap();
+    let o = agent(&api).once().output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     // Registered and untainted: released already (by anyone), so no stage runs
     // (tests/tests/restart_released.rs: not even a CUDA call). The Node had no record of
@@ -371,11 +346,7 @@ fn already_untainted_node_is_idempotent() {
 #[test]
 fn resident_agent_removes_a_taint_re_added_after_release_and_stops_on_sigterm() {
     let api = start(true);
-    let child = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .spawn()
-        .unwrap();
+    let child = agent(&api).spawn().unwrap();
     let gone = |n: &Value| !taint_keys(n).contains(&TAINT.to_string());
     api.wait_for_blocking("nodes", NODE, gone, Duration::from_secs(60))
         .unwrap();
@@ -445,13 +416,7 @@ fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
     let api = start(true);
     let dir = fit_fixture(&api, 2);
     let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .config(&cfg)
-        .output()
-        .unwrap();
+    let o = agent(&api).once().config(&cfg).output().unwrap();
     let out = output_text(&o);
     assert_eq!(o.status.code(), Some(0), "{out}");
     for line in [
@@ -477,13 +442,7 @@ fn serving_group_fit_uses_every_resource_and_daemonset_requests() {
     let api = start(true);
     let dir = fit_fixture(&api, 3);
     let cfg = dir.path().join("config.yaml").to_string_lossy().into_owned();
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .config(&cfg)
-        .output()
-        .unwrap();
+    let o = agent(&api).once().config(&cfg).output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
     let c = condition(&node(&api), "TaintgateVerified").unwrap().clone();
     assert_eq!(c["reason"], "GroupFitShort");
@@ -508,13 +467,7 @@ fn allocatable_published_late_is_waited_for_on_the_watch() {
             .remove("nvidia.com/gpu");
     })
     .unwrap();
-    let child = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .json()
-        .spawn()
-        .unwrap();
+    let child = agent(&api).once().json().spawn().unwrap();
     api.wait_for_open_watch(Duration::from_secs(30)).unwrap();
     // The device plugin registers in steps: 4, then 8.
     for n in ["4", "8"] {
@@ -588,14 +541,7 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = bundle_fixture(dir.path());
     let api = start(true);
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .config(&cfg)
-        .json()
-        .output()
-        .unwrap();
+    let o = agent(&api).once().config(&cfg).json().output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let t: Value = serde_json::from_slice(&o.stdout).unwrap();
     let models = t["stages"]
@@ -620,13 +566,7 @@ fn model_bundle_is_verified_before_release_and_a_changed_file_holds_the_node() {
     shard[1_234_567] ^= 0xff;
     std::fs::write(dir2.path().join("model/shards/00.bin"), &shard).unwrap();
     let api = start(true);
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .config(&cfg2)
-        .output()
-        .unwrap();
+    let o = agent(&api).once().config(&cfg2).output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
     assert_eq!(
         condition(&node(&api), "TaintgateVerified").unwrap()["reason"],
@@ -655,13 +595,7 @@ fn reboot_regate_puts_the_taint_back_before_validating_then_removes_it() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("c.yaml");
     std::fs::write(&cfg, "regate_on_boot: true\n").unwrap();
-    let o = Agent::run()
-        .simulate(profile("8gpu-two-domains"))
-        .api(&api)
-        .once()
-        .config(&cfg)
-        .output()
-        .unwrap();
+    let o = agent(&api).once().config(&cfg).output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let patches: Vec<Value> = api
         .mutating_requests()

@@ -157,12 +157,6 @@ pub fn gpu_count(t: &Timeline) -> Option<u64> {
     t.stage(crate::stage::Stage::Driver).and_then(|r| r.evidence.gpus())
 }
 
-/// Bytes a stage moved, from its evidence: `(fetched, cached)`; `None` where the stage
-/// moves no bytes or did not say.
-pub fn stage_bytes(r: &StageRecord) -> (Option<u64>, Option<u64>) {
-    r.evidence.bytes()
-}
-
 fn stage_attributes(node: &str, r: &StageRecord) -> Vec<KeyValue> {
     let mut a = vec![
         KeyValue::new("k8s.node.name", node.to_string()),
@@ -182,7 +176,7 @@ fn stage_attributes(node: &str, r: &StageRecord) -> Vec<KeyValue> {
     if let Some(n) = r.evidence.gpus() {
         a.push(KeyValue::new("taintgate.gpu.count", n as i64));
     }
-    let (fetched, cached) = stage_bytes(r);
+    let (fetched, cached) = r.evidence.bytes();
     if let Some(b) = fetched {
         a.push(KeyValue::new("taintgate.bytes.fetched", b as i64));
     }
@@ -318,7 +312,7 @@ pub fn build_spans_with(
     }
     let (mut fetched, mut cached) = (0u64, 0u64);
     for r in &t.stages {
-        let (f, c) = stage_bytes(r);
+        let (f, c) = r.evidence.bytes();
         fetched += f.unwrap_or(0);
         cached += c.unwrap_or(0);
     }
